@@ -1,0 +1,1 @@
+"""One module per `rimuru` subcommand (see rimuru.cli.COMMANDS)."""

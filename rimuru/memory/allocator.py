@@ -1,0 +1,250 @@
+"""Multi-level page allocator over one pool (DESIGN.md §2).
+
+Levels: huge pages (L1) split on demand into L2 pages of one class (expert, SSM); L2 pages
+split into L3 units of one class (KV blocks, conv-state runs). Never L1 straight to L3.
+When every child of a parent is free again the parent is reclaimed, recursively, so freeing
+everything returns every huge page to L1.
+
+All state is numpy arrays per class — no Python object per page — and every public call is
+a batch. Public ids are page ids in the class's own view (for a run class, the id of the
+run's first page). This class is the only writer of its arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from rimuru.memory.free_stack import FreeStack
+from rimuru.memory.layout import PoolLayout
+
+UNCARVED, FREE, ALLOC = 0, 1, 2  # slot states; SPLIT_BASE + k = split into child class k
+SPLIT_BASE = 3
+HUGE = "huge"
+
+
+class AllocatorError(ValueError):
+    """A bad free (double free, foreign id); the allocator is left unchanged."""
+
+
+class OutOfPages(RuntimeError):
+    """Not enough free memory for the request; callers should ask ``can_allocate`` first."""
+
+
+@dataclass
+class _ClassState:
+    """Slots of one class. A slot is one allocation unit (one page, or one run of pages)."""
+
+    name: str
+    index: int
+    unit_bytes: int
+    page_bytes: int
+    run: int
+    parent: int | None  # index of parent class; None for huge pages
+    per_parent: int  # slots carved from one parent page
+    pages_per_parent: int  # view pages spanned by one parent page
+    num_slots: int
+    state: np.ndarray  # int8 [num_slots]
+    live: np.ndarray  # int32 [num_slots]: allocated children when split (unused for leaves)
+    free: FreeStack
+
+    def slots_to_ids(self, slots: np.ndarray) -> np.ndarray:
+        if self.run == 1:
+            return slots
+        parent, k = np.divmod(slots, self.per_parent)
+        return parent * self.pages_per_parent + k * self.run
+
+    def ids_to_slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Slots and a mask of ids that are valid slot starts."""
+        if self.run == 1:
+            return ids, np.ones(len(ids), dtype=bool)
+        parent, offset = np.divmod(ids, self.pages_per_parent)
+        k, rem = np.divmod(offset, self.run)
+        valid = (rem == 0) & (k < self.per_parent)
+        return parent * self.per_parent + np.where(valid, k, 0), valid
+
+
+class MultiLevelAllocator:
+    def __init__(self, layout: PoolLayout, num_huge_pages: int) -> None:
+        if num_huge_pages < 1:
+            raise ValueError("the pool holds no huge page: raise the memory budget")
+        self.layout = layout
+        self.num_huge_pages = num_huge_pages
+        ph = layout.huge_page_bytes
+        self._classes: list[_ClassState] = [self._make(HUGE, 0, ph, ph, 1, None, 1, 1, num_huge_pages)]
+        for c in layout.classes:  # L2 before L3 so parents exist
+            if c.level == 2:
+                per = ph // c.page_bytes
+                self._classes.append(
+                    self._make(c.name, len(self._classes), c.page_bytes, c.page_bytes, 1, 0, per, per,
+                               num_huge_pages * per)
+                )
+        for c in layout.classes:
+            if c.level == 3:
+                parent = self._by_name(c.parent)
+                pages = parent.unit_bytes // c.page_bytes
+                per = pages // c.run
+                self._classes.append(
+                    self._make(c.name, len(self._classes), c.unit_bytes, c.page_bytes, c.run, parent.index,
+                               per, pages, parent.num_slots * per)
+                )
+        root = self._classes[0]
+        root.state[:] = FREE
+        root.free.push(np.arange(num_huge_pages - 1, -1, -1))  # pop order: huge page 0 first
+
+    @staticmethod
+    def _make(name, index, unit_bytes, page_bytes, run, parent, per_parent, pages_per_parent, n) -> _ClassState:
+        return _ClassState(name, index, unit_bytes, page_bytes, run, parent, per_parent, pages_per_parent, n,
+                           np.zeros(n, dtype=np.int8), np.zeros(n, dtype=np.int32), FreeStack(n))
+
+    def _by_name(self, name: str) -> _ClassState:
+        for c in self._classes[1:]:
+            if c.name == name:
+                return c
+        raise KeyError(f"no page class {name!r} (have {[c.name for c in self._classes[1:]]})")
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def total_bytes(self) -> int:
+        return self.num_huge_pages * self.layout.huge_page_bytes
+
+    def num_pages(self, cls: str) -> int:
+        """Size of the class's view (pages, not runs)."""
+        return self.total_bytes // self._by_name(cls).page_bytes
+
+    def num_allocated(self, cls: str) -> int:
+        return int(np.count_nonzero(self._by_name(cls).state == ALLOC))
+
+    def num_free(self, cls: str) -> int:
+        """Units obtainable for ``cls`` without evicting anything (carved free + splittable parents)."""
+        c = self._by_name(cls)
+        return self._obtainable(c)
+
+    def _obtainable(self, c: _ClassState) -> int:
+        if c.parent is None:
+            return len(c.free)
+        return len(c.free) + c.per_parent * self._obtainable(self._classes[c.parent])
+
+    def can_allocate(self, cls: str, n: int) -> bool:
+        return n <= self.num_free(cls)
+
+    def free_l2_pages(self, cls: str = "expert") -> int:
+        """Free capacity in pages of L2 class ``cls``: the adjuster's F_b."""
+        c = self._by_name(cls)
+        if self._classes[c.parent].parent is not None:
+            raise ValueError(f"{cls!r} is not an L2 class")
+        return self._obtainable(c)
+
+    def free_huge_pages(self) -> int:
+        return len(self._classes[0].free)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        out = {HUGE: {"free": self.free_huge_pages(), "total": self.num_huge_pages}}
+        for c in self._classes[1:]:
+            out[c.name] = {
+                "allocated": int(np.count_nonzero(c.state == ALLOC)),
+                "carved_free": len(c.free),
+                "split": int(np.count_nonzero(c.state >= SPLIT_BASE)),
+            }
+        return out
+
+    def allocated_ids(self, cls: str) -> np.ndarray:
+        c = self._by_name(cls)
+        return c.slots_to_ids(np.flatnonzero(c.state == ALLOC))
+
+    # ------------------------------------------------------------------ allocate
+    def allocate(self, cls: str, n: int) -> np.ndarray:
+        """``n`` units of ``cls`` as page ids in its view; raises OutOfPages (nothing changed)."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        c = self._by_name(cls)
+        if n > self._obtainable(c):
+            raise OutOfPages(f"need {n} {cls} pages, {self._obtainable(c)} obtainable")
+        return c.slots_to_ids(self._allocate(c, n, ALLOC))
+
+    def _allocate(self, c: _ClassState, n: int, mark: int) -> np.ndarray:
+        short = n - len(c.free)
+        if short > 0:
+            parents = self._allocate(self._classes[c.parent], -(-short // c.per_parent), SPLIT_BASE + c.index)
+            children = (parents[:, None] * c.per_parent + np.arange(c.per_parent)).ravel()
+            c.state[children] = FREE
+            c.free.push(children[::-1])
+        slots = c.free.pop(n)
+        c.state[slots] = mark
+        if c.parent is not None and n:
+            pids, counts = _runs(np.sort(slots) // c.per_parent)
+            self._classes[c.parent].live[pids] += counts
+        return slots
+
+    # ------------------------------------------------------------------ free
+    def free(self, cls: str, ids) -> None:
+        """Return units by page id. Double frees, duplicates and foreign ids raise AllocatorError
+        before anything changes."""
+        c = self._by_name(cls)
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if len(ids) == 0:
+            return
+        in_range = (ids >= 0) & (ids < self.num_pages(cls))
+        if not in_range.all():
+            raise AllocatorError(f"{cls} page ids out of range [0, {self.num_pages(cls)}): {ids[~in_range][:8]}")
+        slots, starts = c.ids_to_slots(ids)
+        if not starts.all():
+            raise AllocatorError(f"{cls} ids {ids[~starts][:8]} are not the first page of a run of {c.run}")
+        bad = c.state[slots] != ALLOC
+        if bad.any():
+            raise AllocatorError(f"{cls} pages {ids[bad][:8]} are not allocated (double free or never handed out)")
+        slots = np.sort(slots)
+        if (slots[1:] == slots[:-1]).any():
+            raise AllocatorError(f"{cls} free() got the same page twice in one call")
+        self._free(c, slots)
+
+    def _free(self, c: _ClassState, slots: np.ndarray) -> None:
+        """``slots`` sorted ascending, all allocated (or split, for internal parents)."""
+        c.state[slots] = FREE
+        c.free.push(slots)
+        if c.parent is None:
+            return
+        parent = self._classes[c.parent]
+        pids, counts = _runs(slots // c.per_parent)
+        parent.live[pids] -= counts
+        empty = pids[parent.live[pids] == 0]
+        if len(empty):  # merge: every child of these parents is free
+            children = (empty[:, None] * c.per_parent + np.arange(c.per_parent)).ravel()
+            c.free.remove(children)
+            c.state[children] = UNCARVED
+            self._free(parent, empty)
+
+    # ------------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Every byte is free or owned by exactly one live unit; raises AssertionError if not."""
+        accounted = 0
+        for c in self._classes:
+            st = c.state
+            free_ids = c.free.contents()
+            assert len(np.unique(free_ids)) == len(free_ids), f"{c.name}: duplicate ids in free stack"
+            assert (st[free_ids] == FREE).all(), f"{c.name}: free stack holds a non-free slot"
+            assert np.count_nonzero(st == FREE) == len(free_ids), f"{c.name}: free slot missing from stack"
+            assert (c.free.pos[free_ids] == np.arange(len(free_ids))).all(), f"{c.name}: stack index broken"
+            leaf = np.count_nonzero((st == FREE) | (st == ALLOC))
+            accounted += leaf * c.unit_bytes
+            split = st >= SPLIT_BASE
+            for child in self._classes:
+                if child.parent != c.index:
+                    continue
+                kids = child.state.reshape(-1, child.per_parent)
+                mine = st == SPLIT_BASE + child.index
+                assert (kids[~mine] == UNCARVED).all(), f"{child.name}: carved under a parent not split to it"
+                assert (kids[mine] != UNCARVED).all(), f"{child.name}: uncarved slot under a split parent"
+                alive = np.count_nonzero(kids == ALLOC, axis=1) + np.count_nonzero(kids >= SPLIT_BASE, axis=1)
+                assert (c.live[mine] == alive[mine]).all(), f"{c.name}: live counts disagree with children"
+                assert (alive[mine] > 0).all(), f"{c.name}: a split page whose children are all free"
+                accounted += np.count_nonzero(mine) * (c.unit_bytes - child.per_parent * child.unit_bytes)
+            assert (c.live[~split] == 0).all(), f"{c.name}: live count on an unsplit slot"
+        assert accounted == self.total_bytes, f"bytes not conserved: {accounted} != {self.total_bytes}"
+
+
+def _runs(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values of a sorted array and how often each occurs (np.unique without the sort)."""
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    return sorted_ids[starts], np.diff(np.r_[starts, len(sorted_ids)])

@@ -1,0 +1,199 @@
+"""Page classes of the unified pool and their sizes (DESIGN.md §2).
+
+L1 is the huge page, ``lcm`` of the L2 page sizes. L2 classes (expert, SSM) split huge pages;
+L3 classes (KV, conv) split one L2 parent class. Every size is validated here so the
+allocator can rely on exact divisibility.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+EXPERT, SSM, KV, CONV = "expert", "ssm", "kv", "conv"
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class PageClass:
+    """One tensor type's page: its shape and dtype in the view, its level and parent.
+
+    ``run`` > 1 means one allocation unit is ``run`` consecutive pages inside one parent
+    (a conv state ``[m, d_conv]`` is ``m`` rows of one page each).
+    """
+
+    name: str
+    level: int  # 2 or 3
+    page_shape: tuple[int, ...]
+    dtype: torch.dtype
+    parent: str | None = None  # L3 only: the L2 class it splits
+    run: int = 1
+
+    @property
+    def page_bytes(self) -> int:
+        return math.prod(self.page_shape) * dtype_bytes(self.dtype)
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.page_bytes * self.run
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    classes: tuple[PageClass, ...]
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.classes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate page class names: {names}")
+        l2 = {c.name: c for c in self.classes if c.level == 2}
+        if not l2:
+            raise ValueError("a layout needs at least one L2 class (expert or SSM pages)")
+        for c in self.classes:
+            if c.level not in (2, 3):
+                raise ValueError(f"class {c.name!r}: level must be 2 or 3, got {c.level}")
+            if c.page_bytes <= 0 or c.run < 1:
+                raise ValueError(f"class {c.name!r}: empty page shape {c.page_shape} or run {c.run}")
+            if c.level == 2 and c.parent is not None:
+                raise ValueError(f"L2 class {c.name!r} cannot have a parent (L2 pages split huge pages)")
+            if c.level == 3:
+                if c.parent not in l2:
+                    raise ValueError(
+                        f"L3 class {c.name!r} needs an L2 parent among {sorted(l2)}, got {c.parent!r}"
+                    )
+                parent_bytes = l2[c.parent].page_bytes
+                if parent_bytes % c.page_bytes:
+                    raise ValueError(
+                        f"{c.name} page of {c.page_bytes} B does not divide its parent "
+                        f"{c.parent} page of {parent_bytes} B"
+                    )
+                if c.run * c.page_bytes > parent_bytes:
+                    raise ValueError(
+                        f"{c.name}: a run of {c.run} pages of {c.page_bytes} B does not fit in one "
+                        f"{c.parent} page of {parent_bytes} B"
+                    )
+
+    def __getitem__(self, name: str) -> PageClass:
+        for c in self.classes:
+            if c.name == name:
+                return c
+        raise KeyError(f"no page class {name!r} in layout (have {[c.name for c in self.classes]})")
+
+    def __contains__(self, name: str) -> bool:
+        return any(c.name == name for c in self.classes)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.classes)
+
+    @cached_property
+    def huge_page_bytes(self) -> int:
+        return math.lcm(*(c.page_bytes for c in self.classes if c.level == 2))
+
+    def page_bytes(self, name: str) -> int:
+        return self[name].page_bytes
+
+    def describe(self) -> str:
+        rows = [f"huge page (L1): {self.huge_page_bytes} B"]
+        for c in self.classes:
+            parent = f", parent {c.parent}" if c.parent else ""
+            run = f", run {c.run}" if c.run > 1 else ""
+            rows.append(f"{c.name} (L{c.level}): {c.page_bytes} B {list(c.page_shape)} {c.dtype}{parent}{run}")
+        return "\n".join(rows)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def build(
+        cls,
+        *,
+        hidden_size: int,
+        expert_intermediate: int,
+        weight_dtype: torch.dtype = torch.bfloat16,
+        kv: tuple[int, int, int] | None = None,
+        kv_dtype: torch.dtype = torch.bfloat16,
+        ssm_state: tuple[int, ...] | None = None,
+        ssm_dtype: torch.dtype = torch.float32,
+        conv: tuple[int, int] | None = None,
+        conv_dtype: torch.dtype = torch.bfloat16,
+        tp: int = 1,
+    ) -> PoolLayout:
+        """Sizes in model units; ``tp`` shards the expert intermediate dim, KV heads and state heads.
+
+        ``kv`` = (block_tokens, kv_heads, head_dim); ``ssm_state`` = (heads, k_dim, v_dim);
+        ``conv`` = (rows, conv_dim) of one request's conv state of one layer.
+        """
+        if expert_intermediate % tp:
+            raise ValueError(f"expert intermediate size {expert_intermediate} is not divisible by tp={tp}")
+        classes = [PageClass(EXPERT, 2, (expert_intermediate // tp, hidden_size), weight_dtype)]
+        if ssm_state is not None:
+            heads, *rest = ssm_state
+            if heads % tp:
+                raise ValueError(f"SSM heads {heads} not divisible by tp={tp}")
+            classes.append(PageClass(SSM, 2, (heads // tp, *rest), ssm_dtype))
+        if kv is not None:
+            block, kv_heads, head_dim = kv
+            local_heads = max(1, kv_heads // tp)  # KV heads replicate when tp > kv_heads
+            classes.append(PageClass(KV, 3, (2, block, local_heads, head_dim), kv_dtype, parent=EXPERT))
+        if conv is not None:
+            rows, conv_dim = conv
+            if conv_dim % tp:
+                raise ValueError(f"conv dim {conv_dim} not divisible by tp={tp}")
+            parent = SSM if ssm_state is not None else EXPERT
+            classes.append(PageClass(CONV, 3, (conv_dim // tp,), conv_dtype, parent=parent, run=rows))
+        return cls(tuple(classes), meta={"tp": tp})
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        config: Any,
+        *,
+        tp: int = 1,
+        block_tokens: int = 16,
+        weight_dtype: torch.dtype = torch.bfloat16,
+        kv_dtype: torch.dtype | None = None,
+        ssm_dtype: torch.dtype = torch.float32,
+    ) -> PoolLayout:
+        """Layout of a Hugging Face MoE config (qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe).
+
+        Expert page = one projection ``f_local × d``; KV page = one block of ``block_tokens``
+        tokens of one layer (K and V); SSM page = one request's recurrent state of one layer;
+        conv page = one row of that request's conv state.
+        """
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (
+            lambda k, d=None: getattr(config, k, d)
+        )
+        d = get("hidden_size")
+        f = get("moe_intermediate_size")
+        if d is None or f is None:
+            raise ValueError("config has no hidden_size/moe_intermediate_size: not an MoE model config")
+        heads = get("num_attention_heads")
+        kv_heads = get("num_key_value_heads", heads)
+        head_dim = get("head_dim") or d // heads
+        ssm_state = conv = None
+        if get("linear_num_value_heads"):  # Gated DeltaNet layers (qwen3_next / qwen3_5_moe)
+            v_heads, k_heads = get("linear_num_value_heads"), get("linear_num_key_heads")
+            k_dim, v_dim = get("linear_key_head_dim"), get("linear_value_head_dim")
+            ssm_state = (v_heads, k_dim, v_dim)
+            conv = (get("linear_conv_kernel_dim") - 1, 2 * k_heads * k_dim + v_heads * v_dim)
+        return cls.build(
+            hidden_size=d,
+            expert_intermediate=f,
+            weight_dtype=weight_dtype,
+            kv=(block_tokens, kv_heads, head_dim),
+            kv_dtype=kv_dtype or weight_dtype,
+            ssm_state=ssm_state,
+            ssm_dtype=ssm_dtype,
+            conv=conv,
+            conv_dtype=weight_dtype,
+            tp=tp,
+        )

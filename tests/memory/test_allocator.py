@@ -1,0 +1,141 @@
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from rimuru.memory import EXPERT, KV, AllocatorError, MultiLevelAllocator, OutOfPages
+from tests.memory.layouts import LAYOUTS, QWEN3_30B_A3B, TINY
+
+NUM_HUGE = 6
+
+
+def live_byte_ranges(layout, live: dict[str, set[int]]) -> np.ndarray:
+    """[start, end) byte ranges of every live unit, computed from the oracle's own records."""
+    ranges = []
+    for name, ids in live.items():
+        c = layout[name]
+        for p in ids:
+            ranges.append((p * c.page_bytes, p * c.page_bytes + c.unit_bytes))
+    return np.array(sorted(ranges), dtype=np.int64).reshape(-1, 2)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    layout = TINY
+
+    def __init__(self):
+        super().__init__()
+        self.alloc = MultiLevelAllocator(self.layout, NUM_HUGE)
+        self.live: dict[str, set[int]] = {name: set() for name in self.layout.names}
+
+    @rule(data=st.data(), n=st.integers(0, 160))
+    def allocate(self, data, n):
+        name = data.draw(st.sampled_from(self.layout.names))
+        if self.alloc.can_allocate(name, n):
+            ids = self.alloc.allocate(name, n)
+            assert len(ids) == n and len(set(ids.tolist())) == n
+            assert not (set(ids.tolist()) & self.live[name]), "handed out a live page"
+            self.live[name].update(ids.tolist())
+        else:
+            before = self.alloc.stats()
+            with pytest.raises(OutOfPages):
+                self.alloc.allocate(name, n)
+            assert self.alloc.stats() == before
+
+    @rule(data=st.data())
+    def free_some(self, data):
+        name = data.draw(st.sampled_from(self.layout.names))
+        if not self.live[name]:
+            return
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.live[name])), unique=True, min_size=1))
+        self.alloc.free(name, ids)
+        self.live[name].difference_update(ids)
+
+    @precondition(lambda self: any(self.live.values()))
+    @rule(data=st.data())
+    def double_free_is_rejected_and_changes_nothing(self, data):
+        name = data.draw(st.sampled_from([n for n in self.layout.names if self.live[n]]))
+        victim = data.draw(st.sampled_from(sorted(self.live[name])))
+        self.alloc.free(name, [victim])
+        self.live[name].discard(victim)
+        before = self.alloc.stats()
+        with pytest.raises(AllocatorError):
+            self.alloc.free(name, [victim])
+        assert self.alloc.stats() == before
+
+    @rule(data=st.data())
+    def foreign_ids_are_rejected(self, data):
+        name = data.draw(st.sampled_from(self.layout.names))
+        n_pages = self.alloc.num_pages(name)
+        bad = data.draw(st.integers(-3, n_pages + 3).filter(lambda p: p not in self.live[name]))
+        live = sorted(self.live[name])[:2]
+        before = self.alloc.stats()
+        with pytest.raises(AllocatorError):
+            self.alloc.free(name, live + [bad])  # a good id in the same call must not be freed either
+        assert self.alloc.stats() == before
+
+    @rule()
+    def free_everything_returns_every_huge_page(self):
+        for name, ids in self.live.items():
+            self.alloc.free(name, sorted(ids))
+            ids.clear()
+        assert self.alloc.free_huge_pages() == NUM_HUGE
+
+    @invariant()
+    def integrity_and_no_overlap(self):
+        self.alloc.check_integrity()
+        ranges = live_byte_ranges(self.layout, self.live)
+        if len(ranges):
+            assert (ranges[1:, 0] >= ranges[:-1, 1]).all(), "two live pages overlap"
+            assert ranges[-1, 1] <= self.alloc.total_bytes
+        for name in self.layout.names:
+            assert set(self.alloc.allocated_ids(name).tolist()) == self.live[name]
+
+    def teardown(self):
+        for name, ids in self.live.items():
+            self.alloc.free(name, sorted(ids))
+        self.alloc.check_integrity()
+        assert self.alloc.free_huge_pages() == NUM_HUGE
+
+
+STEPS = settings(max_examples=70, stateful_step_count=50, deadline=None)
+for _name, _layout in LAYOUTS.items():
+    _machine = type(f"Machine_{_name}", (AllocatorMachine,), {"layout": _layout})
+    globals()[f"TestAllocator_{_name}"] = STEPS(_machine).TestCase
+
+
+def test_l3_never_splits_huge_page_directly():
+    alloc = MultiLevelAllocator(TINY, 2)
+    alloc.allocate(KV, 1)
+    s = alloc.stats()
+    assert s[EXPERT]["split"] == 1 and s["huge"]["free"] == 1
+    # the rest of that huge page is carved into free expert pages, not KV pages
+    assert s[EXPERT]["carved_free"] == TINY.huge_page_bytes // TINY.page_bytes(EXPERT) - 1
+
+
+def test_kv_pages_merge_back_into_expert_then_huge_page():
+    alloc = MultiLevelAllocator(QWEN3_30B_A3B, 3)
+    per_expert = QWEN3_30B_A3B.page_bytes(EXPERT) // QWEN3_30B_A3B.page_bytes(KV)
+    ids = alloc.allocate(KV, per_expert + 1)  # spills into a second expert page
+    assert alloc.free_l2_pages(EXPERT) == 1
+    alloc.free(KV, ids[:-1])
+    alloc.check_integrity()
+    alloc.free(KV, ids[-1:])
+    assert alloc.free_huge_pages() == 3 and alloc.free_l2_pages(EXPERT) == 3
+    alloc.check_integrity()
+
+
+def test_free_capacity_counts_huge_pages_in_l2_units():
+    alloc = MultiLevelAllocator(TINY, 4)
+    per_huge = TINY.huge_page_bytes // TINY.page_bytes(EXPERT)
+    assert alloc.free_l2_pages(EXPERT) == 4 * per_huge
+    alloc.allocate(EXPERT, 1)
+    assert alloc.free_l2_pages(EXPERT) == 4 * per_huge - 1
+
+
+def test_allocation_beyond_capacity_raises_and_changes_nothing():
+    alloc = MultiLevelAllocator(TINY, 1)
+    before = alloc.stats()
+    with pytest.raises(OutOfPages):
+        alloc.allocate(KV, alloc.num_free(KV) + 1)
+    assert alloc.stats() == before
