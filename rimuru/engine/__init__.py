@@ -1,0 +1,1 @@
+"""Engine: Request -> Scheduler -> ModelRunner (Executor) -> outputs (DESIGN.md §4)."""

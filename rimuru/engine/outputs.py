@@ -1,0 +1,33 @@
+"""What the engine hands back each step: per-request outputs and engine-wide stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # everything generated so far
+    new_token_ids: list[int]  # generated in this step
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    text: str | None = None  # filled by LLM.generate when a tokenizer is present
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # wall time of each output token
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_pages: int
+    cached_experts: int
+    free_l2_pages: int
+    peak_concurrency: int
+    forward_steps: int
+    preemptions: int
+    generated_tokens: int
+    expert_bytes_loaded: int
