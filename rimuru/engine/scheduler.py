@@ -1,0 +1,202 @@
+"""Continuous batching with chunked prefill, decode-first ordering and recompute preemption.
+
+Each step: (1) running requests that decode, (2) running requests mid-prefill, (3) waiting
+requests, under a per-step token budget. KV pages come from the shared allocator through the
+KVCacheManager. When a running request is short of pages the scheduler first asks memory
+policy how many L2 pages it can release after this step (the adjuster shrinking the expert
+cache); if that covers the shortfall the request waits one step holding its pages, otherwise
+the newest running request is preempted (its KV freed, recomputed later). The total shortfall
+goes out as ``kv_short_l2`` — the adjuster's R_b.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rimuru.engine.kv_manager import KVCacheManager
+from rimuru.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first token position computed in this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    chunks: tuple[ScheduledChunk, ...]
+    kv_short_l2: int  # R_b: L2 pages the scheduler lacked this step
+    preempted: tuple[str, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 releasable_l2_pages: Callable[[], int] = lambda: 0) -> None:
+        self.config = config
+        self.kv = kv
+        self.releasable_l2_pages = releasable_l2_pages
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self._by_id: dict[str, Request] = {}
+        self.peak_concurrency = 0
+        self.forward_steps = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+    def add(self, request: Request) -> None:
+        if request.request_id in self._by_id:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        if len(request.prompt_token_ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(request.prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {len(request.prompt_token_ids)} tokens is too long: this engine's maximum context is "
+                f"{self.config.max_model_len} tokens (prompt plus at least one generated token)"
+            )
+        self._by_id[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        request = self._by_id.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv.free(request_id)
+        request.status, request.finish_reason = Status.FINISHED, "abort"
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        short_kv_pages = 0
+        deferred_l2 = 0
+
+        def fit(request: Request, n: int) -> bool:
+            return self.kv.can_allocate(request.request_id, request.num_computed_tokens + n)
+
+        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        for request in decodes + prefills:
+            if request.status is not Status.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop
+            n = min(request.num_uncomputed_tokens, budget)
+            if not self.config.chunked_prefill and n < request.num_uncomputed_tokens:
+                continue
+            while not fit(request, n):
+                need = self.kv.pages_needed(request.request_id, request.num_computed_tokens + n)
+                missing_l2 = self.kv.l2_pages_for(max(0, need - self.kv.free_pages()))
+                if deferred_l2 + missing_l2 <= self.releasable_l2_pages():
+                    deferred_l2 += missing_l2  # the adjuster frees these after this step: wait, keep KV
+                    short_kv_pages += need
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is Status.RUNNING and fit(request, n):
+                self.kv.allocate(request.request_id, request.num_computed_tokens + n)
+                chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                budget -= n
+
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_uncomputed_tokens, budget)
+            if not self.config.chunked_prefill and n < request.num_uncomputed_tokens:
+                break
+            if not fit(request, n):
+                short_kv_pages += self.kv.pages_needed(request.request_id, request.num_computed_tokens + n) \
+                    - self.kv.free_pages()
+                break  # FCFS: later requests wait behind the head
+            self.waiting.popleft()
+            self.kv.allocate(request.request_id, request.num_computed_tokens + n)
+            request.status = Status.RUNNING
+            self.running.append(request)
+            chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+            budget -= n
+
+        self.peak_concurrency = max(self.peak_concurrency, len(self.running))
+        if chunks:
+            self.forward_steps += 1
+        return SchedulerOutput(tuple(chunks), self.kv.l2_pages_for(max(0, short_kv_pages)), tuple(preempted))
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # ------------------------------------------------------------------ update
+    def update(self, output: SchedulerOutput, sampled: dict[str, int], now: float,
+               eos_token_ids: frozenset[int] = frozenset()) -> list[Request]:
+        """Advance computed counts, append sampled tokens, finish requests; returns the finished ones."""
+        finished = []
+        for chunk in output.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            token = sampled[request.request_id]
+            request.output_token_ids.append(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self._finish_reason(request, token, eos_token_ids)
+            if reason:
+                self._finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def _finish_reason(self, request: Request, token: int, eos_token_ids: frozenset[int]) -> str | None:
+        params = request.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        self._by_id.pop(request.request_id, None)
+        request.status, request.finish_reason = Status.FINISHED, reason

@@ -1,0 +1,111 @@
+"""Expert loading: host-to-pool copies on a side stream, and the two loading buffers.
+
+Buffers are expert pages of the pool, so the fused MoE kernel sees one address space and one
+page table. Layer ``l`` uses buffer ``l % 2``: while layer ``l`` computes from one buffer, the
+other is filled for layer ``l + 1`` (prefetch from a prediction) — no device-to-device copy and
+no read/write conflict. This class owns the buffers, the copy stream and the byte counter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rimuru.memory import EXPERT, MultiLevelAllocator
+
+
+class ExpertLoader:
+    def __init__(self, host_weights: torch.Tensor, expert_view: torch.Tensor, allocator: MultiLevelAllocator,
+                 buffer_experts: int) -> None:
+        """``host_weights`` [L, E, 3, f, d] (pinned on CUDA machines); ``expert_view`` [pages, f, d]."""
+        self.host = host_weights
+        self.view = expert_view
+        self.device = expert_view.device
+        self.cuda = self.device.type == "cuda"
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.capacity = buffer_experts
+        self.buffers = (allocator.allocate(EXPERT, 2 * 3 * buffer_experts).reshape(2, buffer_experts, 3)
+                        if buffer_experts else np.zeros((2, 0, 3), dtype=np.int64))
+        self.expert_bytes = 3 * host_weights[0, 0, 0].numel() * host_weights.element_size()
+        self.bytes_loaded = 0
+        self.experts_loaded = 0
+        self._buffer_free: list[torch.cuda.Event | None] = [None, None]  # last reader of each buffer done
+        self._prefetched: list[dict[int, int]] = [{}, {}]  # buffer -> {expert: slot}
+
+    @property
+    def buffer_pages(self) -> int:
+        return self.buffers.size
+
+    # ------------------------------------------------------------------ copies
+    def _copy(self, layer: int, expert: int, pages: np.ndarray) -> None:
+        for proj in range(3):
+            self.view[int(pages[proj])].copy_(self.host[layer, expert, proj], non_blocking=self.cuda)
+        self.bytes_loaded += self.expert_bytes
+        self.experts_loaded += 1
+
+    def copy_expert(self, layer: int, expert: int, pages: np.ndarray) -> torch.cuda.Event | None:
+        """Load one expert into cache pages (an expansion); the event marks completion."""
+        if not self.cuda:
+            self._copy(layer, expert, pages)
+            return None
+        with torch.cuda.stream(self.stream):
+            self._copy(layer, expert, pages)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def _fill(self, layer: int, experts: np.ndarray, assigned: dict[int, int]) -> torch.cuda.Event | None:
+        buf = layer % 2
+        if len(assigned) + len(experts) > self.capacity:
+            raise RuntimeError(f"layer {layer} needs {len(assigned) + len(experts)} buffered experts, "
+                               f"buffer holds {self.capacity}")
+        if not self.cuda:
+            for e in experts:
+                slot = len(assigned)
+                self._copy(layer, int(e), self.buffers[buf, slot])
+                assigned[int(e)] = slot
+            return None
+        with torch.cuda.stream(self.stream):
+            if self._buffer_free[buf] is not None:
+                self.stream.wait_event(self._buffer_free[buf])
+            for e in experts:
+                slot = len(assigned)
+                self._copy(layer, int(e), self.buffers[buf, slot])
+                assigned[int(e)] = slot
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    # ------------------------------------------------------------------ per layer
+    def prefetch(self, layer: int, predicted: np.ndarray, cache_row: np.ndarray) -> None:
+        """Start loading the predicted, non-resident experts of ``layer`` into its buffer."""
+        assigned = self._prefetched[layer % 2]
+        assigned.clear()
+        misses = predicted[cache_row[predicted, 0] < 0]
+        self._fill(layer, misses[: self.capacity], assigned)
+
+    def layer_table(self, layer: int, touched: np.ndarray, cache_row: np.ndarray) -> torch.Tensor:
+        """Page table [E, 3] for ``layer``: cache pages, buffer pages for touched misses.
+
+        Blocks the compute stream (not the host) until the layer's copies are done.
+        """
+        buf = layer % 2
+        assigned = self._prefetched[buf]
+        misses = touched[cache_row[touched, 0] < 0]
+        new = np.array([e for e in misses.tolist() if e not in assigned], dtype=np.int64)
+        done = self._fill(layer, new, assigned) if len(new) or self.cuda else None
+        row = cache_row.copy()
+        for e in misses.tolist():
+            row[e] = self.buffers[buf, assigned[e]]
+        assigned.clear()
+        table = torch.from_numpy(row).to(self.device, non_blocking=False)
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return table
+
+    def layer_done(self, layer: int) -> None:
+        """Record that the compute reading ``layer``'s buffer has been issued."""
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._buffer_free[layer % 2] = event

@@ -1,0 +1,109 @@
+import torch
+
+from rimuru.engine.kv_manager import KVCacheManager
+from rimuru.engine.request import Request, Status
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.engine.scheduler import Scheduler, SchedulerConfig
+from rimuru.memory import EXPERT, KV, MultiLevelAllocator, PageClass, PoolLayout
+
+# expert page 4 KiB holds 4 KV pages of 1 KiB (one block of 4 tokens of one layer)
+LAYOUT = PoolLayout((
+    PageClass(EXPERT, 2, (2048,), torch.bfloat16),
+    PageClass(KV, 3, (2, 4, 1, 64), torch.bfloat16, parent=EXPERT),
+))
+LAYERS, BLOCK = 2, 4
+
+
+def make(huge_pages=8, releasable=lambda: 0, **cfg):
+    alloc = MultiLevelAllocator(LAYOUT, huge_pages)
+    kv = KVCacheManager(alloc, LAYERS, BLOCK)
+    config = SchedulerConfig(max_model_len=cfg.pop("max_model_len", 64), **cfg)
+    return alloc, kv, Scheduler(config, kv, releasable)
+
+
+def request(i, prompt_len=6, max_tokens=4):
+    return Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 0.0)
+
+
+def run_to_completion(sched, alloc, steps=500):
+    for _ in range(steps):
+        out = sched.schedule()
+        sched.update(out, {c.request.request_id: 7 for c in out.chunks if c.samples}, 0.0)
+        alloc.check_integrity()
+        if not sched.has_unfinished():
+            return
+    raise AssertionError("requests did not finish")
+
+
+def test_decodes_are_scheduled_before_prefills():
+    alloc, kv, sched = make()
+    sched.add(request(0))
+    out = sched.schedule()
+    sched.update(out, {"r0": 7}, 0.0)
+    sched.add(request(1))
+    out = sched.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["r0", "r1"]
+    assert out.chunks[0].num_tokens == 1 and out.chunks[1].num_tokens == 6
+    alloc.check_integrity()
+
+
+def test_every_request_finishes_and_pages_return():
+    alloc, kv, sched = make(huge_pages=3)
+    reqs = [request(i, prompt_len=5 + i, max_tokens=6) for i in range(10)]
+    for r in reqs:
+        sched.add(r)
+    run_to_completion(sched, alloc)
+    assert all(r.status is Status.FINISHED and len(r.output_token_ids) == 6 for r in reqs)
+    assert alloc.free_huge_pages() == 3
+
+
+def test_chunked_prefill_respects_token_budget():
+    alloc, kv, sched = make(max_num_batched_tokens=5)
+    sched.add(request(0, prompt_len=12))
+    sizes = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out.num_tokens <= 5
+        sizes.append(out.num_tokens)
+        sched.update(out, {c.request.request_id: 7 for c in out.chunks if c.samples}, 0.0)
+    assert sizes[:3] == [5, 5, 2]
+
+
+def test_short_of_pages_preempts_the_newest_running_request():
+    alloc, kv, sched = make(huge_pages=2)  # 8 KV pages = 4 blocks over 2 layers; each request ends on 3
+    a, b = request(0, prompt_len=4, max_tokens=8), request(1, prompt_len=3, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    run_to_completion(sched, alloc)
+    assert b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert len(a.output_token_ids) == 8 and len(b.output_token_ids) == 8
+
+
+def test_shortfall_is_reported_as_r_b_and_defers_when_memory_policy_can_release():
+    alloc, kv, sched = make(huge_pages=1, releasable=lambda: 10)
+    a, b = request(0, prompt_len=4, max_tokens=8), request(1, prompt_len=4, max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()  # both prefill: 2 blocks x 2 layers = 4 pages = the whole pool
+    sched.update(out, {"r0": 7, "r1": 7}, 0.0)
+    out = sched.schedule()  # both need a new block: no pages, but policy can release -> deferred
+    assert out.is_empty and out.kv_short_l2 >= 1 and not out.preempted
+    assert a.status is Status.RUNNING and b.status is Status.RUNNING
+
+
+def test_prompt_longer_than_max_model_len_is_rejected_with_the_limit():
+    _, _, sched = make(max_model_len=8)
+    try:
+        sched.add(request(0, prompt_len=8))
+    except ValueError as exc:
+        assert "8 tokens" in str(exc)
+    else:
+        raise AssertionError("accepted an over-long prompt")
+
+
+def test_abort_frees_pages():
+    alloc, kv, sched = make()
+    sched.add(request(0))
+    sched.schedule()
+    sched.abort("r0")
+    assert alloc.free_huge_pages() == 8 and not sched.has_unfinished()
