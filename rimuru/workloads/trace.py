@@ -1,0 +1,65 @@
+"""Request traces: a workload spec + seed + request count -> a deterministic list of requests, stored
+as JSONL (one request per line: request_id, arrival_time, prompt, prompt_len, output_len)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rimuru.workloads.arrivals import arrival_times
+from rimuru.workloads.sharegpt import load_sharegpt, sample_sharegpt
+from rimuru.workloads.spec import WorkloadSpec
+from rimuru.workloads.tokens import get_token_counter
+
+FIELDS = ("request_id", "arrival_time", "prompt", "prompt_len", "output_len")
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    request_id: str
+    arrival_time: float  # seconds from the start of the run
+    prompt: str
+    prompt_len: int  # tokens, as counted by the spec's tokenizer
+    output_len: int  # tokens to generate (max_tokens)
+
+
+def build_trace(spec: WorkloadSpec, *, seed: int | None = None, num_requests: int | None = None,
+                progress: bool = False) -> list[TraceRequest]:
+    """The trace of ``spec`` (its own seed and request count unless given): same inputs, same trace."""
+    seed = spec.seed if seed is None else seed
+    n = spec.num_requests if num_requests is None else num_requests
+    if n < 1:
+        raise ValueError(f"num_requests must be at least 1, got {n}")
+    records = load_sharegpt(spec.dataset)
+    samples = sample_sharegpt(records, n, get_token_counter(spec.tokenizer), seed=seed, output_len=spec.output_len,
+                              min_len=spec.min_len, max_prompt_len=spec.max_prompt_len,
+                              max_total_len=spec.max_total_len, progress=progress)
+    times = arrival_times(spec.arrival, n, seed)
+    return [TraceRequest(f"{spec.name}-{seed}-{i}", round(float(t), 6), s.prompt, s.prompt_len, s.output_len)
+            for i, (s, t) in enumerate(zip(samples, times))]
+
+
+def write_trace(path: str | Path, requests: list[TraceRequest]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for r in requests:
+            f.write(json.dumps(asdict(r), ensure_ascii=False) + "\n")
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    requests = []
+    with Path(path).open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                requests.append(TraceRequest(str(row["request_id"]), float(row["arrival_time"]), str(row["prompt"]),
+                                             int(row["prompt_len"]), int(row["output_len"])))
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a trace line with {', '.join(FIELDS)} ({exc})") from exc
+    if not requests:
+        raise ValueError(f"{path}: empty trace")
+    return sorted(requests, key=lambda r: r.arrival_time)
