@@ -1,0 +1,419 @@
+"""Paged attention over the pool's KV view: write K/V into pages, varlen (chunked) prefill, split-KV decode.
+
+Layout (DESIGN.md §2): the KV view is ``[num_pages, 2, B, Hkv, D]`` over the pool's bytes, K at index 0
+and V at index 1 of dim 1; a page holds one block of ``B`` tokens of ONE layer. A request's token ``n``
+sits in page ``block_tables[r, n // B]`` at offset ``n % B``; a slot is ``page_id * B + offset``.
+
+Kernels (``*_kernel``) read pages straight from the view through the block table; the wrappers
+(plain names) pick block sizes and grids; :func:`paged_attention` dispatches between Triton (CUDA) and
+the torch reference in :mod:`rimuru.kernels.attention_reference` (CPU). Softmax is online, in fp32,
+in the log2 domain (``exp2`` with ``scale * log2(e)``). GQA: the ``G = H / Hkv`` query heads that share a
+KV head are processed by one program, so each K/V tile is read once per KV head.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+import triton
+import triton.language as tl
+
+from rimuru.kernels.attention_reference import (
+    decode_attention_reference,
+    kv_tensor,
+    prefill_attention_reference,
+    write_kv_reference,
+)
+
+LOG2E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256  # below this a decode split's fixed cost dominates its KV reads
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@triton.jit
+def write_kv_kernel(
+    # pointers
+    k_ptr, v_ptr, kv_ptr, slot_mapping_ptr,
+    # sizes and strides (elements)
+    num_kv_heads, head_dim,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_page, stride_kv, stride_tok, stride_head,
+    # meta-parameters
+    BLOCK_TOKENS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Scatter one token's K and V into its slot. Grid ``(T,)``.
+
+    k, v: [T, Hkv, D]; kv: [num_pages, 2, B, Hkv, D]; slot_mapping: [T] int64 (negative = skip).
+    """
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot >= 0:
+        page = slot // BLOCK_TOKENS
+        offset = slot % BLOCK_TOKENS
+        offs_h = tl.arange(0, BLOCK_H)[:, None]
+        offs_d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (offs_h < num_kv_heads) & (offs_d < head_dim)
+        k = tl.load(k_ptr + t * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
+        v = tl.load(v_ptr + t * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+        dst = kv_ptr + page * stride_page + offset * stride_tok + offs_h * stride_head + offs_d
+        tl.store(dst, k.to(kv_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + stride_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def prefill_attention_kernel(
+    # pointers
+    q_ptr, kv_ptr, out_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr,
+    # sizes and strides (elements)
+    scale_log2, head_dim,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_page, stride_kv, stride_tok, stride_head, stride_bt,
+    # meta-parameters
+    GROUP: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Causal varlen attention of packed queries over paged KV. Grid ``(R, cdiv(max_q_len * G, BLOCK_M), Hkv)``.
+
+    q, out: [T, H, D]; kv: [num_pages, 2, B, Hkv, D]; block_tables: [R, max_blocks] int32;
+    cu_query_lens: [R+1] int32; seq_lens: [R] int32 (cached + new tokens).
+    Row ``i`` of a program is query token ``i // G`` of the block, head ``hkv * G + i % G``; that token
+    sits at position ``seq_len - q_len + token`` and sees keys ``0..position``.
+    """
+    req = tl.program_id(0)
+    m_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(cu_query_lens_ptr + req)
+    q_len = tl.load(cu_query_lens_ptr + req + 1) - q_start
+    if m_block * BLOCK_M < q_len * GROUP:
+        seq_len = tl.load(seq_lens_ptr + req)
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_valid = tok < q_len
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < head_dim
+        q_rows = (q_start + tok).to(tl.int64)
+        q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        q_pos = seq_len - q_len + tok  # [BLOCK_M]
+        last_tok = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
+        kv_end = seq_len - q_len + last_tok + 1  # keys this block can see
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+        for start in range(0, kv_end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < kv_end
+            page = tl.load(bt_row + offs_n // BLOCK_TOKENS, mask=n_valid, other=0).to(tl.int64)
+            kv_off = page * stride_page + (offs_n % BLOCK_TOKENS) * stride_tok + kv_head * stride_head  # [BLOCK_N]
+            k = tl.load(kv_ptr + kv_off[None, :] + offs_d[:, None],
+                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+            visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(kv_ptr + stride_kv + kv_off[:, None] + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def decode_attention_kernel(
+    # pointers
+    q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
+    # sizes and strides (elements)
+    scale_log2, head_dim, tokens_per_split,
+    stride_qr, stride_qh, stride_or, stride_oh,
+    stride_page, stride_kv, stride_tok, stride_head, stride_bt,
+    stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
+    # meta-parameters
+    GROUP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One query token per request over its KV range ``split``. Grid ``(R, Hkv, NUM_SPLITS)``.
+
+    q, out: [R, H, D]; kv: [num_pages, 2, B, Hkv, D]; block_tables: [R, max_blocks]; seq_lens: [R].
+    With ``NUM_SPLITS == 1`` the normalised result goes straight to ``out``; otherwise each split writes
+    its partial ``part_out [R, H, S, D]`` (fp32, normalised within the split) and
+    ``part_lse [R, H, S]`` (log2 domain) for :func:`decode_reduce_kernel`. Splits past ``seq_len`` write nothing.
+    """
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    kv_start = split * tokens_per_split
+    if kv_start < seq_len:
+        kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
+        offs_g = tl.arange(0, BLOCK_G)
+        g_valid = offs_g < GROUP
+        head = kv_head * GROUP + offs_g
+        offs_d = tl.arange(0, BLOCK_D)
+        d_valid = offs_d < head_dim
+        q = tl.load(q_ptr + req.to(tl.int64) * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+        for start in range(kv_start, kv_end, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_valid = offs_n < kv_end
+            page = tl.load(bt_row + offs_n // BLOCK_TOKENS, mask=n_valid, other=0).to(tl.int64)
+            kv_off = page * stride_page + (offs_n % BLOCK_TOKENS) * stride_tok + kv_head * stride_head  # [BLOCK_N]
+            k = tl.load(kv_ptr + kv_off[None, :] + offs_d[:, None],
+                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
+            qk = tl.where(n_valid[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            p = tl.exp2(qk - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(kv_ptr + stride_kv + kv_off[:, None] + offs_d[None, :],
+                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        mask = g_valid[:, None] & d_valid[None, :]
+        if NUM_SPLITS == 1:
+            tl.store(out_ptr + req.to(tl.int64) * stride_or + head[:, None] * stride_oh + offs_d[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            base = req.to(tl.int64) * stride_pr + head * stride_ph + split * stride_ps  # [BLOCK_G]
+            tl.store(part_out_ptr + base[:, None] + offs_d[None, :], acc, mask=mask)
+            tl.store(part_lse_ptr + req.to(tl.int64) * stride_lr + head * stride_lh + split,
+                     m_i + tl.log2(l_i), mask=g_valid)
+
+
+@triton.jit
+def decode_reduce_kernel(
+    # pointers
+    part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
+    # sizes and strides (elements)
+    head_dim, tokens_per_split,
+    stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
+    # meta-parameters
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Merge the split partials of one (request, head): softmax-weighted by their log-sum-exps. Grid ``(R, H)``.
+
+    part_out: [R, H, S, D] fp32; part_lse: [R, H, S] fp32 (log2); out: [R, H, D]. Only the
+    ``cdiv(seq_len, tokens_per_split)`` splits that ran are read.
+    """
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + req)
+    num_splits = tl.cdiv(seq_len, tokens_per_split)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_valid = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < head_dim
+    lse = tl.load(part_lse_ptr + req.to(tl.int64) * stride_lr + head * stride_lh + offs_s,
+                  mask=s_valid, other=float("-inf"))  # [BLOCK_S]
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    weight = tl.where(s_valid, weight, 0.0)
+    parts = tl.load(part_out_ptr + req.to(tl.int64) * stride_pr + head * stride_ph
+                    + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + req.to(tl.int64) * stride_or + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_valid)
+
+
+# ---------------------------------------------------------------------------------------------- wrappers
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _check_kv(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, int]:
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = kv.shape[3]
+    if kv.shape[4] != head_dim or heads % kv_heads:
+        raise ValueError(f"q heads/dim {heads}/{head_dim} do not fit KV heads/dim {kv_heads}/{kv.shape[4]}")
+    if kv.stride(4) != 1 or q.stride(2) != 1:
+        raise ValueError("q and the KV view need a contiguous head dim")
+    return kv_heads, heads // kv_heads
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_view, slot_mapping: torch.Tensor, impl: str = "auto") -> None:
+    """Write ``k, v [T, Hkv, D]`` into the KV pages at ``slot_mapping [T]`` (int64, ``page * B + offset``; <0 skips).
+
+    ``impl``: "auto" (Triton on CUDA, index_put elsewhere), "triton" or "reference".
+    """
+    kv = kv_tensor(kv_view)
+    if impl == "reference" or (impl == "auto" and not kv.is_cuda):
+        write_kv_reference(k, v, kv, slot_mapping)
+        return
+    num_tokens, kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = k.to(kv.dtype), v.to(kv.dtype)  # torch rounds to nearest; the kernel then copies bits
+    if k.stride(2) != 1 or v.stride(2) != 1 or kv.stride(4) != 1:
+        raise ValueError("k, v and the KV view need a contiguous head dim")
+    write_kv_kernel[(num_tokens,)](
+        k, v, kv, slot_mapping,
+        kv_heads, head_dim,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        BLOCK_TOKENS=kv.shape[2], BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_view,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Varlen causal attention (Triton) of ``q [T, H, D]`` over paged KV; returns ``out [T, H, D]`` in ``q.dtype``.
+
+    ``max_query_len`` sizes the grid (computed with a device sync when omitted). ``q`` is cast to the
+    KV dtype for the dot products; accumulation is fp32.
+    """
+    kv = kv_tensor(kv_view)
+    kv_heads, group = _check_kv(q, kv)
+    out = torch.empty_like(q) if out is None else out
+    num_req = seq_lens.shape[0]
+    if q.shape[0] == 0 or num_req == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
+    qk = q if q.dtype == kv.dtype else q.to(kv.dtype)
+    head_dim = q.shape[2]
+    block_m = max(16, min(block_m, triton.next_power_of_2(max_query_len * group)))
+    grid = (num_req, triton.cdiv(max_query_len * group, block_m), kv_heads)
+    prefill_attention_kernel[grid](
+        qk, kv, out, block_tables, cu_query_lens, seq_lens,
+        scale * LOG2E, head_dim,
+        qk.stride(0), qk.stride(1), out.stride(0), out.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
+        GROUP=group, BLOCK_TOKENS=kv.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=_dot_precision(kv.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def choose_num_splits(num_req: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Split the KV of each decode so that ~4 programs per SM run, but never below 256 tokens a split."""
+    if device.type != "cuda":
+        return 1
+    target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    want = triton.cdiv(target, max(1, num_req * kv_heads))
+    return max(1, min(want, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), 64))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_view,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Split-KV decode (Triton): ``q [R, H, D]``, one query per request at position ``seq_len - 1``.
+
+    ``max_seq_len`` bounds the KV range split across programs (defaults to the block table's capacity,
+    no sync); ``num_splits`` overrides the heuristic :func:`choose_num_splits`. Returns ``out [R, H, D]``.
+    """
+    kv = kv_tensor(kv_view)
+    kv_heads, group = _check_kv(q, kv)
+    out = torch.empty_like(q) if out is None else out
+    num_req, heads, head_dim = q.shape
+    if num_req == 0:
+        return out
+    block_tokens = kv.shape[2]
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_tokens
+    if num_splits is None:
+        num_splits = choose_num_splits(num_req, kv_heads, max_seq_len, q.device)
+    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_seq_len, tokens_per_split)
+    qk = q if q.dtype == kv.dtype else q.to(kv.dtype)
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        part_out = torch.empty(num_req, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_req, heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    decode_attention_kernel[(num_req, kv_heads, num_splits)](
+        qk, kv, out, part_out, part_lse, block_tables, seq_lens,
+        scale * LOG2E, head_dim, tokens_per_split,
+        qk.stride(0), qk.stride(1), out.stride(0), out.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, BLOCK_TOKENS=block_tokens, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION=_dot_precision(kv.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        decode_reduce_kernel[(num_req, heads)](
+            part_out, part_lse, out, seq_lens,
+            head_dim, tokens_per_split,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_view,
+    block_tables: torch.Tensor,
+    cu_query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    impl: str = "auto",
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of packed queries ``q [T, H, D]`` over paged KV; returns ``[T, H, D]`` in ``q.dtype``.
+
+    ``impl``: "auto" (Triton on CUDA, torch reference elsewhere), "triton" or "reference". A pure decode
+    batch (``T == R``; requests have at least one query each) goes to the split-KV decode kernel, anything else to
+    the varlen prefill kernel. ``max_query_len`` / ``max_seq_len`` (host ints) avoid device syncs.
+    """
+    if impl not in ("auto", "triton", "reference"):
+        raise ValueError(f"unknown attention impl {impl!r}")
+    kv = kv_tensor(kv_view)
+    if impl == "reference" or (impl == "auto" and not q.is_cuda):
+        return prefill_attention_reference(q, kv, block_tables, cu_query_lens, seq_lens, scale, out=out)
+    if q.shape[0] == seq_lens.shape[0] and (max_query_len is None or max_query_len == 1):
+        return decode_attention(q, kv, block_tables, seq_lens, scale, max_seq_len=max_seq_len, out=out)
+    return prefill_attention(q, kv, block_tables, cu_query_lens, seq_lens, scale, max_query_len=max_query_len,
+                             out=out)
+
+
+__all__ = [
+    "choose_num_splits", "decode_attention", "decode_attention_reference", "paged_attention",
+    "prefill_attention", "prefill_attention_reference", "write_kv",
+]

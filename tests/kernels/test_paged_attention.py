@@ -1,0 +1,235 @@
+"""Paged attention: Triton kernels (interpreted on CPU) vs the torch reference vs SDPA on unpaged tensors."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' @triton.jit
+
+import torch.nn.functional as F  # noqa: E402
+
+from rimuru.kernels.attention_reference import (  # noqa: E402
+    decode_attention_reference,
+    gather_kv,
+    prefill_attention_reference,
+    write_kv_reference,
+)
+from rimuru.kernels.paged_attention import (  # noqa: E402
+    decode_attention,
+    paged_attention,
+    prefill_attention,
+    write_kv,
+)
+from rimuru.memory import KV, PagePool, PoolLayout  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+class PagedBatch:
+    """Requests with random K/V scattered over random pages of a pool poisoned with NaN elsewhere."""
+
+    def __init__(self, q_lens, seq_lens, block=4, kv_heads=2, group=2, head_dim=16, dtype=torch.float32,
+                 seed=0, spare_pages=7, device=DEVICE, kv=None):
+        gen = torch.Generator().manual_seed(seed)
+        self.q_lens, self.seq_lens = list(q_lens), list(seq_lens)
+        self.block, self.kv_heads, self.group, self.head_dim = block, kv_heads, group, head_dim
+        self.heads = kv_heads * group
+        self.scale = head_dim**-0.5
+        blocks = [-(-n // block) for n in seq_lens]
+        num_pages = sum(blocks) + spare_pages
+        if kv is None:
+            kv = torch.full((num_pages, 2, block, kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+            pages = torch.randperm(num_pages, generator=gen)[: sum(blocks)]
+        else:  # pages handed out by a real pool's allocator, shuffled
+            pages = kv.pop("pages")
+            pages = pages[torch.randperm(len(pages), generator=gen)]
+            kv = kv["view"]
+            kv.fill_(float("nan"))
+        self.kv = kv
+        self.block_tables = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32)
+        self.keys, self.values = [], []
+        used = 0
+        for r, n in enumerate(seq_lens):
+            self.block_tables[r, : blocks[r]] = pages[used: used + blocks[r]]
+            used += blocks[r]
+            k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+            v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+            self.keys.append(k.to(device))
+            self.values.append(v.to(device))
+            for t in range(n):  # written token by token: independent of write_kv
+                page = self.block_tables[r, t // block]
+                kv[page, 0, t % block] = k[t].to(device)
+                kv[page, 1, t % block] = v[t].to(device)
+        self.block_tables = self.block_tables.to(device)
+        self.cu_query_lens = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32,
+                                          device=device)
+        self.seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        self.q = torch.randn(sum(q_lens), self.heads, head_dim, generator=gen).to(dtype).to(device)
+
+    def poisoned_out(self) -> torch.Tensor:
+        return torch.full_like(self.q, float("nan"))
+
+    def sdpa(self) -> torch.Tensor:
+        """SDPA per request on unpaged K/V (fp32): the independent oracle."""
+        outs = []
+        for r, (ql, n) in enumerate(zip(self.q_lens, self.seq_lens)):
+            start = int(self.cu_query_lens[r])
+            q = self.q[start: start + ql].float().transpose(0, 1)[None]  # [1, H, Q, D]
+            k = self.keys[r].float().repeat_interleave(self.group, dim=1).transpose(0, 1)[None]  # [1, H, L, D]
+            v = self.values[r].float().repeat_interleave(self.group, dim=1).transpose(0, 1)[None]
+            mask = torch.arange(n, device=q.device)[None, :] <= torch.arange(n - ql, n, device=q.device)[:, None]
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)[0].transpose(0, 1))
+        return torch.cat(outs)
+
+
+# Several requests: fresh prefills, chunks over a cached prefix, single-token decodes mixed in.
+MIXED = dict(q_lens=[5, 1, 17, 3, 8], seq_lens=[5, 9, 40, 20, 8])
+
+
+def test_reference_matches_sdpa_on_unpaged_kv():
+    batch = PagedBatch(**MIXED)
+    out = prefill_attention_reference(batch.q, batch.kv, batch.block_tables, batch.cu_query_lens,
+                                      batch.seq_lens_t, batch.scale, out=batch.poisoned_out())
+    assert rel_err(out, batch.sdpa()) <= 1e-5
+
+
+def test_gather_kv_returns_tokens_in_sequence_order_across_scattered_pages():
+    batch = PagedBatch(**MIXED)
+    k, v = gather_kv(batch.kv, batch.block_tables[2], 40)
+    assert torch.equal(k, batch.keys[2]) and torch.equal(v, batch.values[2])
+
+
+@pytest.mark.parametrize("group,head_dim", [(2, 16), (3, 24), (1, 32)])
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_triton_prefill_matches_reference_and_sdpa_with_cached_prefix(group, head_dim, block_m):
+    batch = PagedBatch(**MIXED, group=group, head_dim=head_dim)
+    out = prefill_attention(batch.q, batch.kv, batch.block_tables, batch.cu_query_lens, batch.seq_lens_t,
+                            batch.scale, max_query_len=17, out=batch.poisoned_out(), block_m=block_m, block_n=16)
+    ref = prefill_attention_reference(batch.q, batch.kv, batch.block_tables, batch.cu_query_lens, batch.seq_lens_t,
+                                      batch.scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(out, batch.sdpa()) <= 1e-5
+
+
+def test_triton_prefill_tile_wider_than_a_page_and_longer_than_the_sequence():
+    batch = PagedBatch(q_lens=[3, 6], seq_lens=[3, 30], block=8)
+    out = prefill_attention(batch.q, batch.kv, batch.block_tables, batch.cu_query_lens, batch.seq_lens_t,
+                            batch.scale, out=batch.poisoned_out(), block_n=64)
+    assert rel_err(out, batch.sdpa()) <= 1e-5
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_triton_decode_matches_reference_for_any_split_count(num_splits):
+    seq_lens = [1, 7, 33, 64, 50]  # splits past a short request's end are skipped
+    batch = PagedBatch(q_lens=[1] * len(seq_lens), seq_lens=seq_lens, group=4)
+    out = decode_attention(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale,
+                           max_seq_len=64, out=batch.poisoned_out(), num_splits=num_splits, block_n=16)
+    ref = decode_attention_reference(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale)
+    assert not out.isnan().any()
+    assert rel_err(out, ref) <= 1e-5
+    assert rel_err(out, batch.sdpa()) <= 1e-5
+
+
+def test_decode_without_max_seq_len_uses_block_table_capacity():
+    batch = PagedBatch(q_lens=[1, 1], seq_lens=[10, 3], group=2)
+    out = decode_attention(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale, num_splits=2,
+                           block_n=16, out=batch.poisoned_out())
+    assert rel_err(out, batch.sdpa()) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_write_kv_scatters_tokens_to_slots_and_skips_negative_slots(impl):
+    gen = torch.Generator().manual_seed(1)
+    block, kv_heads, head_dim, num_pages = 4, 2, 16, 6
+    kv = torch.full((num_pages, 2, block, kv_heads, head_dim), float("nan"), device=DEVICE)
+    slots = torch.tensor([13, 0, 22, -1, 7], dtype=torch.int64, device=DEVICE)
+    k = torch.randn(5, kv_heads, head_dim, generator=gen).to(DEVICE)
+    v = torch.randn(5, kv_heads, head_dim, generator=gen).to(DEVICE)
+    write_kv(k, v, kv, slots, impl=impl)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        assert torch.equal(kv[slot // block, 0, slot % block], k[t])
+        assert torch.equal(kv[slot // block, 1, slot % block], v[t])
+    written = torch.zeros(num_pages, block, dtype=torch.bool)
+    for slot in (13, 0, 22, 7):
+        written[slot // block, slot % block] = True
+    assert kv.transpose(1, 2)[~written.to(DEVICE)].isnan().all()  # nothing else touched
+
+
+def test_write_kv_casts_to_the_cache_dtype():
+    kv = torch.zeros(2, 2, 4, 1, 16, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(1, 1, 16, device=DEVICE)
+    write_kv(k, -k, kv, torch.tensor([5], device=DEVICE), impl="triton")
+    write_kv_reference(k, -k, kv[:, :, :, :, :], torch.tensor([6], device=DEVICE))
+    assert torch.equal(kv[1, 0, 1], k[0].bfloat16()) and torch.equal(kv[1, 0, 2], k[0].bfloat16())
+    assert torch.equal(kv[1, 1, 1], -k[0].bfloat16())
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_dispatcher_routes_decode_and_mixed_batches(impl):
+    mixed = PagedBatch(**MIXED)
+    out = paged_attention(mixed.q, mixed.kv, mixed.block_tables, mixed.cu_query_lens, mixed.seq_lens_t,
+                          mixed.scale, impl=impl, out=mixed.poisoned_out())
+    assert rel_err(out, mixed.sdpa()) <= 1e-5
+    decode = PagedBatch(q_lens=[1, 1, 1], seq_lens=[30, 2, 17])
+    out = paged_attention(decode.q, decode.kv, decode.block_tables, decode.cu_query_lens, decode.seq_lens_t,
+                          decode.scale, impl=impl, max_query_len=1, max_seq_len=30)
+    assert rel_err(out, decode.sdpa()) <= 1e-5
+
+
+def test_dispatcher_rejects_unknown_impl():
+    batch = PagedBatch(q_lens=[1], seq_lens=[3])
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        paged_attention(batch.q, batch.kv, batch.block_tables, batch.cu_query_lens, batch.seq_lens_t,
+                        batch.scale, impl="flash")
+
+
+def test_kernels_read_kv_pages_handed_out_by_the_page_pool():
+    block, kv_heads, head_dim = 4, 2, 16
+    layout = PoolLayout.build(hidden_size=32, expert_intermediate=16, weight_dtype=torch.float32,
+                              kv=(block, kv_heads, head_dim), kv_dtype=torch.float32)
+    pool = PagePool(layout, 8 * layout.huge_page_bytes, device=DEVICE)
+    ids = torch.as_tensor(pool.allocator.allocate(KV, 12).astype("int64"))
+    pool.allocator.check_integrity()
+    view = pool.view(KV)
+    assert tuple(view.tensor.shape[1:]) == (2, block, kv_heads, head_dim)
+    batch = PagedBatch(q_lens=[4, 1], seq_lens=[20, 27], kv={"view": view.tensor, "pages": ids})
+    for impl in ("triton", "reference"):
+        out = paged_attention(batch.q, view, batch.block_tables, batch.cu_query_lens, batch.seq_lens_t,
+                              batch.scale, impl=impl, out=batch.poisoned_out())
+        assert rel_err(out, batch.sdpa()) <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_bf16_prefill_and_decode_match_fp32_reference():
+    q_lens = [300, 1, 64, 1, 129]
+    seq_lens = [300, 700, 1000, 65, 129 + 512]
+    batch = PagedBatch(q_lens, seq_lens, block=16, kv_heads=4, group=8, head_dim=128, dtype=torch.bfloat16)
+    ref = prefill_attention_reference(batch.q.float(), batch.kv.float(), batch.block_tables, batch.cu_query_lens,
+                                      batch.seq_lens_t, batch.scale)
+    out = paged_attention(batch.q, batch.kv, batch.block_tables, batch.cu_query_lens, batch.seq_lens_t, batch.scale,
+                          max_query_len=300)
+    assert rel_err(out, ref) <= 1e-2
+    dec = PagedBatch([1] * 6, [1, 100, 2000, 513, 16, 1500], block=16, kv_heads=4, group=8, head_dim=128,
+                     dtype=torch.bfloat16)
+    ref = decode_attention_reference(dec.q.float(), dec.kv.float(), dec.block_tables, dec.seq_lens_t, dec.scale)
+    for splits in (None, 1, 5):
+        out = decode_attention(dec.q, dec.kv, dec.block_tables, dec.seq_lens_t, dec.scale, max_seq_len=2000,
+                               num_splits=splits, out=dec.poisoned_out())
+        assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_kernels_use_ieee_dots():
+    batch = PagedBatch(**MIXED, block=16, kv_heads=4, group=8, head_dim=128)
+    out = paged_attention(batch.q, batch.kv, batch.block_tables, batch.cu_query_lens, batch.seq_lens_t, batch.scale)
+    assert rel_err(out, batch.sdpa()) <= 1e-4
