@@ -1,0 +1,82 @@
+"""Engine configuration (frozen) and the memory policies that run over the same engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rimuru.units import parse_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPolicy:
+    name: str
+    adjust: bool  # the workload-aware adjuster resizes the expert cache
+    all_experts_resident: bool
+    stands_for: str
+
+
+POLICIES = {
+    "elastic": MemoryPolicy("elastic", True, False,
+                            "Rimuru: experts and KV share the pool; the adjuster moves pages with the load"),
+    "fixed": MemoryPolicy("fixed", False, False,
+                          "fixed-ratio expert cache + separate KV region (Fate, MoE-Infinity, SGLang paged experts)"),
+    "static": MemoryPolicy("static", False, True,
+                           "every expert resident, KV gets the rest (vLLM, SGLang default serving)"),
+}
+
+
+def get_policy(name: str) -> MemoryPolicy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    gpu_memory_budget: int | str = "2GiB"  # everything the engine puts on the device
+    policy: str = "elastic"
+    device: str | None = None  # default: cuda if available else cpu
+    dtype: torch.dtype | None = None  # default: bf16 on cuda, fp32 on cpu
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: model limit, capped by what KV can hold
+    block_tokens: int = 16
+    initial_cache_experts: int | None = None  # default: fill the pool but kv_reserve
+    kv_reserve: float = 0.25  # fraction of the pool kept for KV when sizing the default cache
+    expert_offload_limit: int | None = None  # EOL (elastic only)
+    prefetch: str = "predict"  # "predict" (next layer's router on this hidden) | "none"
+    activation_reserve: int | str | None = None  # default: estimated from max_num_batched_tokens
+    hotset: str | None = None  # profile JSON; default: <model_dir>/hotset.json if present
+    moe_impl: str = "auto"  # auto | triton | reference
+    attention_impl: str = "auto"
+    seed: int = 0
+    record_routing: bool = False  # count router selections (for `rimuru profile`)
+
+    def __post_init__(self) -> None:
+        get_policy(self.policy)
+        if self.prefetch not in ("predict", "none"):
+            raise ValueError(f"prefetch must be 'predict' or 'none', got {self.prefetch!r}")
+        if not 0 <= self.kv_reserve < 1:
+            raise ValueError("kv_reserve must be in [0, 1)")
+
+    @property
+    def budget_bytes(self) -> int:
+        return parse_bytes(self.gpu_memory_budget)
+
+    @property
+    def memory_policy(self) -> MemoryPolicy:
+        return get_policy(self.policy)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return self.dtype
+        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32

@@ -1,0 +1,276 @@
+"""`rimuru.LLM`: the engine's public face — offline `generate` and the streaming step API.
+
+Owns the pool, the scheduler, the expert cache and the executor, and runs one loop:
+poll finished expert loads -> schedule -> adjust the cache -> forward -> sample -> update ->
+reclaim shrunk experts -> record the step.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from rimuru.engine.config import EngineConfig
+from rimuru.engine.kv_manager import KVCacheManager
+from rimuru.engine.model_runner import TorchExecutor
+from rimuru.engine.outputs import EngineStats, RequestOutput
+from rimuru.engine.request import Request
+from rimuru.engine.sampler import sample
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.engine.scheduler import Scheduler, SchedulerConfig
+from rimuru.engine.timeline import StepRecord, Timeline
+from rimuru.experts.adjuster import AdjusterConfig, decide
+from rimuru.experts.cache import ExpertCache
+from rimuru.experts.hotset import Hotset
+from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.provider import PagedExperts, ResidentExperts
+from rimuru.memory import EXPERT, KV, PagePool, PoolLayout
+from rimuru.models.qwen_moe import QwenMoeModel
+from rimuru.units import format_bytes, parse_bytes
+
+
+class MemoryBudgetError(ValueError):
+    """The budget cannot hold what the chosen policy needs."""
+
+
+class LLM:
+    def __init__(self, model_dir: str | Path, **options) -> None:
+        from rimuru.models.loader import load_checkpoint
+
+        self.config = config = EngineConfig(**options)
+        self.model_dir = Path(model_dir)
+        self.model_name = self.model_dir.name
+        device, dtype = config.torch_device, config.torch_dtype
+        self.device = device
+        ckpt = load_checkpoint(self.model_dir, device=device, dtype=dtype)
+        spec = self.spec = ckpt.spec
+        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.eos_token_ids = frozenset(spec.eos_token_ids)
+        policy = config.memory_policy
+
+        # ---- memory: the budget holds dense weights, activations and the pool
+        layout = PoolLayout.from_hf_config(spec.hf_config, block_tokens=config.block_tokens, weight_dtype=dtype)
+        dense_bytes = sum(t.numel() * t.element_size() for t in ckpt.dense.values())
+        act_bytes = (parse_bytes(config.activation_reserve) if config.activation_reserve is not None
+                     else _activation_estimate(spec, config, dtype, device))
+        pool_bytes = config.budget_bytes - dense_bytes - act_bytes
+        moe_layers, experts = ckpt.experts.num_layers, ckpt.experts.num_experts
+        total_experts = moe_layers * experts
+        buffer_experts = 0 if policy.all_experts_resident else experts
+        needed_l2 = (3 * total_experts if policy.all_experts_resident else 6 * buffer_experts) + 1
+        if pool_bytes < needed_l2 * layout.page_bytes(EXPERT):
+            what = "every expert" if policy.all_experts_resident else "two loading buffers"
+            raise MemoryBudgetError(
+                f"budget {format_bytes(config.budget_bytes)} is too small for policy {policy.name!r}: dense weights "
+                f"{format_bytes(dense_bytes)} + activations {format_bytes(act_bytes)} + {what} and one KV block "
+                f"({format_bytes(needed_l2 * layout.page_bytes(EXPERT))}) do not fit")
+        self.pool = PagePool(layout, pool_bytes, device)
+        alloc = self.allocator = self.pool.allocator
+
+        # ---- experts: hotset order, cache, loader
+        hotset_path = Path(config.hotset) if config.hotset else self.model_dir / "hotset.json"
+        self.hotset = Hotset.load(hotset_path) if hotset_path.exists() else Hotset.uniform(moe_layers, experts)
+        self.loader = ExpertLoader(ckpt.experts.weights, self.pool.view(EXPERT).tensor, alloc, buffer_experts)
+        self.cache = ExpertCache(alloc, self.hotset.global_order(), moe_layers, experts, self.loader.copy_expert)
+        free_l2 = alloc.free_l2_pages(EXPERT)
+        if policy.all_experts_resident:
+            initial = total_experts
+        elif config.initial_cache_experts is not None:
+            initial = min(total_experts, config.initial_cache_experts)
+        else:
+            initial = min(total_experts, int(free_l2 * (1 - config.kv_reserve)) // 3)
+        if 3 * initial >= free_l2:
+            raise MemoryBudgetError(f"{initial} cached experts leave no page for KV in a pool of {free_l2} L2 pages")
+        self.cache.expand(initial)
+        self.cache.poll(wait=True)
+        self.loader.bytes_loaded = self.loader.experts_loaded = 0  # count serving-time I/O only
+        self.adjuster = AdjusterConfig(expert_offload_limit=config.expert_offload_limit)
+        eol = config.expert_offload_limit
+        # the smallest cache this engine can ever hold: what KV capacity (and max_model_len) is sized from
+        min_cache = initial if not policy.adjust else max(0, total_experts - eol) if eol is not None else 0
+        self._cache_floor = min_cache
+
+        # ---- scheduler and executor
+        attn_layers = spec.num_layers
+        kv_per_l2 = layout.page_bytes(EXPERT) // layout.page_bytes(KV)
+        kv_capacity_tokens = (free_l2 - 3 * min_cache) * kv_per_l2 // attn_layers * config.block_tokens
+        limit = min(spec.max_position_embeddings, kv_capacity_tokens)
+        self.max_model_len = min(limit, config.max_model_len) if config.max_model_len else limit
+        if self.max_model_len < 2:
+            raise MemoryBudgetError(f"KV capacity of {kv_capacity_tokens} tokens is below one request's minimum")
+        self.kv = KVCacheManager(alloc, attn_layers, config.block_tokens)
+        releasable = (lambda: self.cache.releasable_l2_pages(self._cache_floor)) if policy.adjust else (lambda: 0)
+        sched_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(sched_config, self.kv, releasable)
+        self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl)
+        if config.record_routing:
+            self.model.record_routing()
+        if policy.all_experts_resident:
+            provider = ResidentExperts(self.cache.page_table, device)
+        else:
+            gates = [ckpt.dense[f"model.layers.{layer}.mlp.gate.weight"] for layer in spec.moe_layers]
+            provider = PagedExperts(self.cache, self.loader, gates, spec.top_k, spec.norm_topk_prob,
+                                    prefetch=config.prefetch == "predict")
+        self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor,
+                                      provider, device)
+        self.timeline = Timeline()
+        self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._requests: dict[str, Request] = {}
+        self._start = time.perf_counter()
+        self._generated = 0
+        self.memory_report = {
+            "budget": config.budget_bytes, "dense": dense_bytes, "activations": act_bytes, "pool": self.pool.num_bytes,
+            "buffer_pages": self.loader.buffer_pages, "initial_cache_experts": initial, "total_experts": total_experts,
+            "max_model_len": self.max_model_len,
+        }
+
+    # ------------------------------------------------------------------ streaming API
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if any(not 0 <= t < self.spec.vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
+        request = Request(request_id, list(prompt_token_ids), params,
+                          time.perf_counter() if arrival_time is None else arrival_time)
+        self.scheduler.add(request)
+        self._requests[request_id] = request
+        self._generators[request_id] = (torch.Generator().manual_seed(params.seed) if params.seed is not None
+                                        else None if params.greedy else self._generator)
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+        self._generators.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        self.cache.poll()
+        loaded_before = (self.loader.bytes_loaded, self.loader.experts_loaded)
+        out = self.scheduler.schedule()
+        change = 0
+        if self.config.memory_policy.adjust:
+            f_b = self.allocator.free_l2_pages(EXPERT)
+            change = decide(self.adjuster, out.kv_short_l2, f_b, self.cache.num_cached, self.cache.total)
+            change = self.cache.expand(change) if change > 0 else -self.cache.shrink(-change) if change < 0 else 0
+        outputs: list[RequestOutput] = []
+        if not out.is_empty:
+            logits = self.executor.execute(out)
+            samplers = [c for c in out.chunks if c.samples]
+            tokens = sample(logits, [c.request.params for c in samplers],
+                            [self._generators[c.request.request_id] for c in samplers])
+            now = time.perf_counter()
+            sampled = {c.request.request_id: t for c, t in zip(samplers, tokens)}
+            finished = {r.request_id for r in self.scheduler.update(out, sampled, now, self.eos_token_ids)}
+            self._generated += len(tokens)
+            for chunk in samplers:
+                req = chunk.request
+                outputs.append(self._output(req, [sampled[req.request_id]], req.request_id in finished))
+                if req.request_id in finished:
+                    self._requests.pop(req.request_id, None)
+                    self._generators.pop(req.request_id, None)
+        self.cache.reclaim()
+        if not out.is_empty:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._record(out, t0, change, loaded_before)
+        return outputs
+
+    def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, finished,
+                             req.finish_reason if finished else None, None, req.arrival_time, req.first_token_time,
+                             list(req.token_times))
+
+    def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int]) -> None:
+        now = time.perf_counter()
+        decode = sum(c.num_tokens for c in out.chunks if c.num_tokens == 1 and c.samples)
+        kv_pages = self.kv.num_allocated_pages
+        self.timeline.add(StepRecord(
+            step=self.scheduler.forward_steps, time_s=now - self._start, step_ms=(now - t0) * 1e3,
+            tokens=out.num_tokens, prefill_tokens=out.num_tokens - decode, decode_tokens=decode,
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_pages=kv_pages,
+            kv_l2_pages=self.kv.l2_pages_for(kv_pages), cached_experts=self.cache.num_cached,
+            free_l2_pages=self.allocator.free_l2_pages(EXPERT),
+            expert_bytes_loaded=self.loader.bytes_loaded - loaded_before[0],
+            experts_loaded=self.loader.experts_loaded - loaded_before[1], r_b=out.kv_short_l2, adjust=change,
+            preempted=len(out.preempted)))
+
+    def stats(self) -> EngineStats:
+        kv_pages = self.kv.num_allocated_pages
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_pages=kv_pages,
+            cached_experts=self.cache.num_cached, free_l2_pages=self.allocator.free_l2_pages(EXPERT),
+            peak_concurrency=self.scheduler.peak_concurrency, forward_steps=self.scheduler.forward_steps,
+            preemptions=self.scheduler.num_preemptions, generated_tokens=self._generated,
+            expert_bytes_loaded=self.loader.bytes_loaded)
+
+    # ------------------------------------------------------------------ offline API
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts as strings (needs a tokenizer) or token-id lists; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        ids = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            tokens = self._encode(prompt)
+            rid = f"gen-{id(self)}-{i}-{time.perf_counter_ns()}"
+            self.add_request(rid, tokens, p)
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            while self.has_unfinished_requests():
+                for o in self.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                        bar.update(1)
+        results = [done[r] for r in ids]
+        if self.tokenizer is not None:
+            for r in results:
+                r.text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+        return results
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def routing_hotset(self) -> Hotset:
+        """The hotset measured from the routing recorded so far (``record_routing=True``)."""
+        counts = self.model.routing_counts
+        if counts is None:
+            raise RuntimeError("create the engine with record_routing=True to profile routing")
+        tokens = int(counts[0].sum()) // self.spec.top_k
+        return Hotset.from_counts(counts.numpy().astype(np.float64), tokens, self.model_name)
+
+    def check_integrity(self) -> None:
+        self.allocator.check_integrity()
+        self.cache.check()
+
+
+def _activation_estimate(spec, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """Working memory outside the pool: per-token hidden/attention/MoE temporaries and sampled logits."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    t = config.max_num_batched_tokens
+    per_token = (24 * spec.hidden_size + 6 * spec.top_k * spec.moe_intermediate_size
+                 + 4 * spec.num_heads * spec.head_dim) * elem
+    logits = 2 * config.max_num_seqs * spec.vocab_size * 4
+    slack = 512 * 2**20 if device.type == "cuda" else 0  # CUDA context, cuBLAS workspaces, Triton
+    return t * per_token + logits + slack
+
+
+def _load_tokenizer(model_dir: Path):
+    if not (model_dir / "tokenizer.json").exists():
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))

@@ -1,0 +1,49 @@
+"""Per-step engine timeline: one row per forward step, written as CSV (or parquet)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    time_s: float  # since engine start
+    step_ms: float
+    tokens: int
+    prefill_tokens: int
+    decode_tokens: int
+    running: int
+    waiting: int
+    kv_pages: int
+    kv_l2_pages: int  # L2 pages worth of KV
+    cached_experts: int
+    free_l2_pages: int
+    expert_bytes_loaded: int  # this step
+    experts_loaded: int  # this step (misses + prefetches + expansions)
+    r_b: int
+    adjust: int  # experts expanded (+) or shrunk (-) this step
+    preempted: int
+
+
+class Timeline:
+    def __init__(self) -> None:
+        self.records: list[StepRecord] = []
+
+    def add(self, record: StepRecord) -> None:
+        self.records.append(record)
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame([asdict(r) for r in self.records], columns=list(StepRecord.__dataclass_fields__))
+
+    def write(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        frame = self.frame()
+        if path.suffix == ".parquet":
+            frame.to_parquet(path, index=False)
+        else:
+            frame.to_csv(path, index=False)

@@ -1,0 +1,56 @@
+"""Hotset profile: per MoE layer, experts ordered by empirical routing probability.
+
+The cache policy is prefix-based over one global order that interleaves layers by probability
+(DESIGN.md §3). Profiles are JSON so they can be inspected and committed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Hotset:
+    probability: np.ndarray  # [moe_layers, experts]: P(expert selected for a token)
+    num_tokens: int = 0
+    model: str = ""
+
+    @classmethod
+    def uniform(cls, num_layers: int, num_experts: int) -> Hotset:
+        return cls(np.full((num_layers, num_experts), 1.0 / num_experts))
+
+    @classmethod
+    def from_counts(cls, counts: np.ndarray, num_tokens: int, model: str = "") -> Hotset:
+        return cls(counts / max(1, num_tokens), num_tokens, model)
+
+    def global_order(self) -> np.ndarray:
+        """[layers*experts, 2] (layer, expert), most probable first; ties interleave layers by rank."""
+        layers, experts = self.probability.shape
+        rank = np.argsort(np.argsort(-self.probability, axis=1, kind="stable"), axis=1, kind="stable")
+        layer_idx, expert_idx = np.meshgrid(np.arange(layers), np.arange(experts), indexing="ij")
+        keys = np.lexsort((layer_idx.ravel(), rank.ravel(), -self.probability.ravel()))
+        return np.stack([layer_idx.ravel()[keys], expert_idx.ravel()[keys]], axis=1)
+
+    def top_share(self, k: int) -> float:
+        """Mean over layers of the routing share taken by each layer's k most used experts."""
+        p = np.sort(self.probability, axis=1)[:, ::-1]
+        return float((p[:, :k].sum(axis=1) / p.sum(axis=1)).mean())
+
+    def save(self, path: str | Path) -> None:
+        order = np.argsort(-self.probability, axis=1, kind="stable")
+        layers = [{"order": o.tolist(), "probability": self.probability[i, o].round(6).tolist()}
+                  for i, o in enumerate(order)]
+        Path(path).write_text(json.dumps({"model": self.model, "num_tokens": self.num_tokens, "layers": layers}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Hotset:
+        data = json.loads(Path(path).read_text())
+        layers = data["layers"]
+        prob = np.zeros((len(layers), len(layers[0]["order"])))
+        for i, layer in enumerate(layers):
+            prob[i, layer["order"]] = layer["probability"]
+        return cls(prob, data.get("num_tokens", 0), data.get("model", ""))

@@ -1,0 +1,53 @@
+"""Per-layer expert access for the model: page tables over cache + loading buffers.
+
+Bridges the model (which only knows routed ids) and the cache/loader. With ``prefetch`` on,
+after routing layer ``m`` it applies layer ``m+1``'s router to the same hidden state (the
+Fate-style predictor) and starts loading the predicted misses into the other buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rimuru.experts.cache import ExpertCache
+from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.router import experts_touched, route
+
+
+class PagedExperts:
+    def __init__(self, cache: ExpertCache, loader: ExpertLoader, gate_weights: list[torch.Tensor], top_k: int,
+                 norm_topk_prob: bool, prefetch: bool) -> None:
+        self.cache = cache
+        self.loader = loader
+        self.gates = gate_weights
+        self.top_k = top_k
+        self.norm = norm_topk_prob
+        self.prefetch = prefetch
+        self.num_experts = cache.num_experts
+
+    def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        touched = experts_touched(topk_ids, self.num_experts).cpu().numpy()
+        table = self.loader.layer_table(moe_layer, touched, self.cache.page_table[moe_layer])
+        nxt = moe_layer + 1
+        if self.prefetch and nxt < len(self.gates) and not self.cache.page_table[nxt, :, 0].min() >= 0:
+            _, ids = route(hidden, self.gates[nxt], self.top_k, self.norm)
+            predicted = experts_touched(ids, self.num_experts).cpu().numpy()
+            self.loader.prefetch(nxt, predicted, self.cache.page_table[nxt])
+        return table
+
+    def layer_done(self, moe_layer: int) -> None:
+        self.loader.layer_done(moe_layer)
+
+
+class ResidentExperts:
+    """Every expert resident (static policy): one device page table, no loading."""
+
+    def __init__(self, page_table: np.ndarray, device: torch.device) -> None:
+        self.tables = torch.from_numpy(page_table).to(device)
+
+    def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.tables[moe_layer]
+
+    def layer_done(self, moe_layer: int) -> None:
+        pass

@@ -1,0 +1,99 @@
+"""Qwen2-MoE / Qwen3-MoE decoder over a packed batch, with paged KV and paged experts.
+
+Dense weights come as the checkpoint's HF-named tensors; routed experts are never held here:
+each MoE layer asks an ``ExpertProvider`` for the page table of the experts its tokens route
+to (cache pages or loading-buffer pages) and computes them from the pool's expert view.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from rimuru.experts.router import route
+from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
+from rimuru.models.rms_norm import rms_norm
+from rimuru.models.rope import RotaryEmbedding
+from rimuru.models.spec import ModelSpec
+
+SUPPORTED = ("qwen2_moe", "qwen3_moe")
+
+
+class ExpertProvider(Protocol):
+    def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Page table [E, 3] for this layer's routed tokens (may start the next layer's prefetch)."""
+
+    def layer_done(self, moe_layer: int) -> None: ...
+
+
+def routed_experts(hidden, topk_weights, topk_ids, expert_view, page_table, impl: str) -> torch.Tensor:
+    """Routed-expert output through the page table: the Triton kernel on CUDA, einsum otherwise."""
+    if impl == "triton" or (impl == "auto" and hidden.is_cuda):
+        from rimuru.kernels.fused_moe import fused_moe
+
+        return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table)
+    from rimuru.experts.moe_reference import moe_reference
+
+    return moe_reference(hidden, topk_weights, topk_ids, expert_view, page_table)
+
+
+class QwenMoeModel:
+    def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], device: torch.device,
+                 attention_impl: str = "auto", moe_impl: str = "auto") -> None:
+        if spec.model_type not in SUPPORTED:
+            raise ValueError(f"the engine runs {', '.join(SUPPORTED)} models; {spec.model_type} "
+                             "(linear-attention layers) is not supported yet")
+        self.spec = spec
+        self.w = dense
+        self.moe_impl = moe_impl
+        rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.max_position_embeddings,
+                               spec.partial_rotary_factor, device=device)
+        cfg = AttentionConfig(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
+        self.attn = [Attention(cfg, dense, i, rope, impl=attention_impl) for i in range(spec.num_layers)]
+        self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
+        self.routing_counts: torch.Tensor | None = None  # [moe_layers, E] when recording
+
+    def record_routing(self) -> None:
+        self.routing_counts = torch.zeros(len(self.spec.moe_layers), self.spec.num_experts, dtype=torch.int64)
+
+    def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        gate = F.linear(x, w[f"{prefix}.gate_proj.weight"])
+        up = F.linear(x, w[f"{prefix}.up_proj.weight"])
+        return F.linear(F.silu(gate) * up, w[f"{prefix}.down_proj.weight"])
+
+    def _moe(self, layer: int, x: torch.Tensor, experts: ExpertProvider, expert_view: torch.Tensor) -> torch.Tensor:
+        spec, w, p = self.spec, self.w, f"model.layers.{layer}.mlp"
+        m = self.moe_index[layer]
+        topk_weights, topk_ids = route(x, w[f"{p}.gate.weight"], spec.top_k, spec.norm_topk_prob)
+        if self.routing_counts is not None:
+            self.routing_counts[m] += torch.bincount(topk_ids.reshape(-1).long().cpu(), minlength=spec.num_experts)
+        table = experts.layer_table(m, topk_ids, x)
+        out = routed_experts(x, topk_weights, topk_ids, expert_view, table, self.moe_impl)
+        experts.layer_done(m)
+        if spec.shared_expert_intermediate_size:
+            shared = self._mlp(f"{p}.shared_expert", x)
+            gate = w.get(f"{p}.shared_expert_gate.weight")
+            out = out + (shared if gate is None else torch.sigmoid(F.linear(x, gate)) * shared)
+        return out
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_view, expert_view: torch.Tensor,
+                experts: ExpertProvider, sample_index: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> logits [S, V] fp32 for the tokens at ``sample_index`` [S]."""
+        spec, w = self.spec, self.w
+        eps = spec.rms_norm_eps
+        h = F.embedding(input_ids, w["model.embed_tokens.weight"])  # [T, d]
+        for layer in range(spec.num_layers):
+            p = f"model.layers.{layer}"
+            h = h + self.attn[layer](rms_norm(h, w[f"{p}.input_layernorm.weight"], eps), meta, kv_view)
+            x = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], eps)
+            if layer in self.moe_index:
+                h = h + self._moe(layer, x, experts, expert_view)
+            else:
+                h = h + self._mlp(f"{p}.mlp", x)
+        h = rms_norm(h[sample_index], w["model.norm.weight"], eps)
+        return F.linear(h, self.lm_head).float()
