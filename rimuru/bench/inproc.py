@@ -1,0 +1,102 @@
+"""The `inproc` backend: drives an engine object with the `rimuru.LLM` step interface directly.
+
+Arrival times are honoured against the wall clock: a request is added (``add_request``) when it is due,
+and the loop calls ``step()`` while anything is unfinished, sleeping when idle until the next arrival.
+A request's token times are the wall-clock times at which ``step()`` returned its tokens, i.e. what a
+client streaming from the engine would see; a step that returns several tokens of one request counts as
+one chunk (one ITL sample), as a streaming server would send it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+
+from rimuru.bench.metrics import RequestRecord
+from rimuru.workloads.trace import TraceRequest
+
+
+def prompt_encoder(engine) -> Callable[[str], list[int]]:
+    """Prompt text -> token ids with the engine's tokenizer, else Qwen's BPE through tiktoken."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is not None:
+        return lambda text: list(tokenizer(text).input_ids) if callable(tokenizer) else tokenizer.encode(text)
+    from rimuru.workloads.tokens import get_token_counter
+
+    return get_token_counter("qwen").encode
+
+
+def _stats(engine) -> dict | None:
+    stats = getattr(engine, "stats", None)
+    if stats is None:
+        return None
+    value = stats()
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(vars(value))
+
+
+def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = True, progress: bool = True,
+               time_scale: float = 1.0, sample_interval_s: float = 0.25) -> tuple[list[RequestRecord], float, dict]:
+    """Run ``requests`` through ``engine``; return (records, duration, engine info with a stats timeline)."""
+    from tqdm import tqdm
+
+    from rimuru.engine.sampling_params import SamplingParams
+
+    encode = prompt_encoder(engine)
+    ordered = sorted(requests, key=lambda r: r.arrival_time)
+    prompts = [encode(r.prompt) for r in ordered]
+    records = {r.request_id: RequestRecord(r.request_id, len(p), r.output_len) for r, p in zip(ordered, prompts)}
+    last_token: dict[str, float] = {}
+    timeline: list[dict] = []
+    bar = tqdm(total=len(ordered), desc="requests", unit="req", disable=not progress)
+    start = time.perf_counter()
+    next_sample = start
+    i = 0
+    while i < len(ordered) or engine.has_unfinished_requests():
+        now = time.perf_counter()
+        while i < len(ordered) and start + ordered[i].arrival_time * time_scale <= now:
+            req, rec = ordered[i], records[ordered[i].request_id]
+            rec.start_time = time.perf_counter()
+            try:
+                engine.add_request(req.request_id, prompts[i],
+                                   SamplingParams(max_tokens=req.output_len, ignore_eos=ignore_eos))
+            except ValueError as exc:
+                rec.error = str(exc)
+                bar.update(1)
+            i += 1
+        if not engine.has_unfinished_requests():
+            if i < len(ordered):
+                time.sleep(max(0.0, start + ordered[i].arrival_time * time_scale - time.perf_counter()))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            rec = records.get(out.request_id)
+            if rec is None:
+                continue
+            if out.new_token_ids:
+                if out.request_id not in last_token:
+                    rec.ttft = now - rec.start_time
+                else:
+                    rec.itl.append(now - last_token[out.request_id])
+                last_token[out.request_id] = now
+            if out.finished:
+                rec.output_tokens = len(out.output_token_ids)
+                rec.latency = last_token.get(out.request_id, now) - rec.start_time
+                rec.success = out.finish_reason != "abort" and rec.output_tokens > 0
+                if not rec.success:
+                    rec.error = f"finished without output ({out.finish_reason})"
+                bar.update(1)
+        if now >= next_sample:
+            stats = _stats(engine)
+            if stats is not None:
+                timeline.append({"t": round(now - start, 4), **stats})
+            next_sample = now + sample_interval_s
+    duration = time.perf_counter() - start
+    bar.close()
+    info: dict = {}
+    final = _stats(engine)
+    if final is not None:
+        info.update(final)
+        info["timeline"] = timeline
+    return [records[r.request_id] for r in ordered], duration, info

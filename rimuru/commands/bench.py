@@ -1,0 +1,124 @@
+"""`rimuru bench`: load-generate a workload against an OpenAI-compatible server or the in-process engine
+and report `vllm bench serve` metrics (docs/bench.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=("openai", "inproc"), default="openai",
+                        help="openai: an OpenAI-compatible HTTP server; inproc: drive rimuru.LLM directly")
+    parser.add_argument("--workload", default="sharegpt-all-at-once",
+                        help="a workload spec name/YAML path, or a trace .jsonl written by `rimuru workload`")
+    parser.add_argument("--num-requests", type=int, default=None, help="requests to send (default: the workload's)")
+    parser.add_argument("--seed", type=int, default=None, help="workload seed (default: the spec's)")
+    parser.add_argument("--request-rate", type=float, default=None,
+                        help="override the arrivals: req/s, inf = all at once (as vllm bench serve)")
+    parser.add_argument("--burstiness", type=float, default=None, help="gamma shape with --request-rate (1 = Poisson)")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="multiply every arrival time by this")
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="SLO:MS",
+                        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:10000 (milliseconds)")
+    parser.add_argument("--percentiles", default="99", help="comma-separated latency percentiles to report")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="generate exactly output_len tokens (ignore_eos where the server supports it)")
+    parser.add_argument("--out", default=None, help="write the JSON result here")
+    parser.add_argument("--save-details", action="store_true", help="also store per-request ITLs and texts")
+    parser.add_argument("--label", default=None, help="a free-form label stored in the result")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    http = parser.add_argument_group("openai backend")
+    http.add_argument("--base-url", default="http://127.0.0.1:8000", help="server base URL")
+    http.add_argument("--endpoint", default="/v1/completions", choices=("/v1/completions", "/v1/chat/completions"))
+    http.add_argument("--served-model", default=None, help="model name to request (default: the server's first)")
+    http.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    http.add_argument("--ready-timeout", type=float, default=60.0, help="seconds to wait for the server")
+    local = parser.add_argument_group("inproc backend")
+    local.add_argument("--model", default=None, help="checkpoint directory for the in-process engine")
+    local.add_argument("--policy", default="elastic", help="memory policy")
+    local.add_argument("--gpu-memory-budget", default="2GiB", help="device memory budget, e.g. 32GiB")
+    local.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    local.add_argument("--max-num-seqs", type=int, default=256)
+    local.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    local.add_argument("--engine-seed", type=int, default=0, help="engine sampling seed")
+    local.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                       help="extra LLM(...) keyword option (value parsed as JSON when it parses)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rimuru.bench.metrics import parse_goodput, summary_lines
+    from rimuru.bench.runner import bench_openai, load_requests, make_result
+    from rimuru.cli import UserError
+
+    goodput = parse_goodput(args.goodput)
+    try:
+        percentiles = [float(p) for p in args.percentiles.split(",") if p.strip()]
+    except ValueError as exc:
+        raise UserError(f"--percentiles: comma-separated numbers, got {args.percentiles!r}") from exc
+    if any(not 0 <= p <= 100 for p in percentiles):
+        raise UserError("--percentiles must lie in [0, 100]")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise UserError(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise UserError(f"--request-rate must be positive (inf = all at once), got {args.request_rate}")
+    if args.time_scale < 0 or math.isnan(args.time_scale):
+        raise UserError("--time-scale must be non-negative")
+    if args.backend == "inproc" and not args.model:
+        raise UserError("--backend inproc needs --model DIR (a checkpoint directory)")
+    requests, workload = load_requests(args.workload, seed=args.seed, num_requests=args.num_requests,
+                                       request_rate=args.request_rate, burstiness=args.burstiness,
+                                       progress=not args.no_progress)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out",)}
+    settings["engine_option"] = dict(args.engine_option)
+    engine_info = None
+    if args.backend == "openai":
+        from rimuru.workloads.tokens import get_token_counter
+
+        records, duration, model = bench_openai(
+            requests, args.base_url, model=args.served_model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
+            max_concurrency=args.max_concurrency, count_tokens=get_token_counter("qwen"),
+            ready_timeout_s=args.ready_timeout, progress=not args.no_progress, time_scale=args.time_scale)
+    else:
+        from rimuru.bench.inproc import run_inproc
+
+        engine = _make_engine(args)
+        model = getattr(engine, "model_name", str(args.model))
+        records, duration, engine_info = run_inproc(engine, requests, ignore_eos=args.ignore_eos,
+                                                    progress=not args.no_progress, time_scale=args.time_scale)
+    result = make_result(records, duration, backend=args.backend, model=model, workload=workload, goodput=goodput,
+                         percentiles=percentiles, engine=engine_info, settings=settings, details=args.save_details)
+    print("\n".join(summary_lines(result)))
+    errors = [r.error for r in records if not r.success]
+    if errors:
+        print(f"{len(errors)} requests failed; first error: {errors[0][:300]}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"result -> {args.out}")
+    return 0 if result["completed"] else 1
+
+
+def _make_engine(args: argparse.Namespace):
+    from rimuru.cli import UserError
+
+    if not Path(args.model).is_dir():
+        raise UserError(f"--model {args.model!r} is not a checkpoint directory")
+    try:
+        from rimuru.engine.llm import LLM
+    except ImportError as exc:
+        raise UserError(f"the in-process engine is not available ({exc})") from exc
+    return LLM(args.model, gpu_memory_budget=args.gpu_memory_budget, policy=args.policy, device=args.device,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               seed=args.engine_seed, **dict(args.engine_option))

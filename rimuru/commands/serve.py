@@ -1,0 +1,42 @@
+"""`rimuru serve`: the OpenAI-compatible server (docs/serving.md)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rimuru.commands.bench import _key_value
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="checkpoint directory (config.json, safetensors, tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="model id in the API (default: the engine's)")
+    parser.add_argument("--gpu-memory-budget", default="2GiB", help="device memory budget, e.g. 32GiB")
+    parser.add_argument("--policy", default="elastic", help="memory policy (elastic, static, ...)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if present, else cpu)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
+    parser.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+                        help="extra LLM(...) keyword option (value parsed as JSON when it parses)")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from rimuru.cli import UserError
+
+    if not Path(args.model_dir).is_dir():
+        raise UserError(f"{args.model_dir!r} is not a checkpoint directory")
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
+        raise UserError("--max-num-seqs and --max-num-batched-tokens must be positive")
+    from rimuru.serve.server import serve
+
+    serve(args.model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
+          log_level=args.log_level, gpu_memory_budget=args.gpu_memory_budget, policy=args.policy,
+          device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+          seed=args.seed, **dict(args.engine_option))
+    return 0

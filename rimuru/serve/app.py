@@ -1,0 +1,385 @@
+"""The OpenAI-compatible HTTP API over an AsyncEngine (docs/serving.md).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming or not), ``GET /v1/models``,
+``GET /health``, ``GET /metrics``. Every error is an OpenAI error body; a client that disconnects has its
+request aborted in the engine (its pages are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from rimuru.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from rimuru.serve.text import TextStream
+
+log = logging.getLogger("rimuru.serve")
+
+# Used when the tokenizer has no chat template: ChatML, the format of the Qwen family.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, model_root: str | None = None) -> FastAPI:
+    """The FastAPI app; it starts the engine thread on startup and stops it on shutdown."""
+    from rimuru.serve.metrics import make_registry
+
+    model_name = served_model_name or engine.model_name
+    request_counts: dict[str, int] = {}
+    registry = make_registry(engine, request_counts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.stop()
+
+    app = FastAPI(title="rimuru", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.middleware("http")
+    async def count_requests(request: Request, call_next):
+        response = await call_next(request)
+        if request.url.path.startswith("/v1/") and request.method == "POST":
+            key = f"{response.status_code // 100}xx"
+            request_counts[key] = request_counts.get(key, 0) + 1
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(str(exc.detail), status=exc.status_code, type=kind).body(),
+                            status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(APIError(str(exc.errors()[0].get("msg", exc))).body(), status_code=400)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(APIError(str(exc), status=503, type="server_error").body(), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse(APIError(f"internal error: {exc!r}", status=500, type="server_error").body(),
+                            status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.healthy else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": int(time.time()), "owned_by": "rimuru",
+            "root": model_root or model_name, "parent": None, "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req: CompletionRequest = parse_request(CompletionRequest, await _json_body(request))
+        _check_common(req, model_name)
+        if req.echo:
+            raise APIError("echo is not supported", param="echo")
+        prompts = _completion_prompts(req.prompt, engine)
+        if req.stream and len(prompts) > 1:
+            raise APIError("streaming supports one prompt per request", param="prompt")
+        max_tokens = _max_tokens(req.max_tokens, max(len(p) for p in prompts), engine.max_model_len, "prompt")
+        params = _sampling_params(req, max_tokens)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        if req.stream:
+            stream = await _add(engine, rid, prompts[0], params)
+            return _sse(request, _completion_chunks(stream, TextStream(engine.tokenizer, _stops(req)), req, rid,
+                                                    model_name, len(prompts[0])), stream)
+
+        async def run() -> dict:
+            streams = []
+            try:
+                for i, prompt in enumerate(prompts):
+                    streams.append(await _add(engine, f"{rid}-{i}", prompt, params))
+                results = await asyncio.gather(*(_collect(s, TextStream(engine.tokenizer, _stops(req)))
+                                                 for s in streams))
+            finally:
+                for s in streams:
+                    s.close()
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                       for i, (text, finish, _) in enumerate(results)]
+            return _response(rid, "text_completion", model_name, choices, sum(map(len, prompts)),
+                             sum(n for _, _, n in results))
+
+        return await _unless_disconnected(request, run())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request))
+        _check_common(req, model_name)
+        prompt = _chat_prompt(req, engine)
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = _max_tokens(limit, len(prompt), engine.max_model_len, "messages", param)
+        params = _sampling_params(req, max_tokens)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await _add(engine, rid, prompt, params)
+        text_stream = TextStream(engine.tokenizer, _stops(req))
+        if req.stream:
+            return _sse(request, _chat_chunks(stream, text_stream, req, rid, model_name, len(prompt)), stream)
+
+        async def run() -> dict:
+            try:
+                text, finish, n = await _collect(stream, text_stream)
+            finally:
+                stream.close()
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish}
+            return _response(rid, "chat.completion", model_name, [choice], len(prompt), n)
+
+        return await _unless_disconnected(request, run())
+
+    return app
+
+
+# -- request parsing --------------------------------------------------------------------------------
+
+async def _json_body(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _check_common(req, model_name: str) -> None:
+    if req.model is not None and req.model != model_name:
+        raise APIError(f"The model `{req.model}` does not exist. This server serves `{model_name}`.",
+                       status=404, param="model", code="model_not_found")
+    if req.n != 1:
+        raise APIError("only n=1 is supported", param="n")
+    if req.logprobs not in (None, False, 0):
+        raise APIError("logprobs are not supported", param="logprobs")
+
+
+def _vocab_size(engine: AsyncEngine) -> int | None:
+    size = getattr(engine.engine, "vocab_size", None)
+    if size is None and engine.tokenizer is not None:
+        with contextlib.suppress(TypeError):
+            size = len(engine.tokenizer)
+    return size
+
+
+def _encode(engine: AsyncEngine, text: str, *, special: bool = True) -> list[int]:
+    if engine.tokenizer is None:
+        raise APIError("this model has no tokenizer: send the prompt as token ids", param="prompt")
+    return list(engine.tokenizer.encode(text, add_special_tokens=special))
+
+
+def _completion_prompts(prompt, engine: AsyncEngine) -> list[list[int]]:
+    if isinstance(prompt, str):
+        items: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise APIError("prompt must not be empty", param="prompt")
+    vocab = _vocab_size(engine)
+    out = []
+    for item in items:
+        ids = _encode(engine, item) if isinstance(item, str) else list(item)
+        if not ids:
+            raise APIError("prompt must not be empty", param="prompt")
+        if any(t < 0 or (vocab is not None and t >= vocab) for t in ids):
+            raise APIError(f"prompt token ids must lie in [0, {vocab})", param="prompt")
+        out.append(ids)
+    return out
+
+
+def _chat_prompt(req: ChatCompletionRequest, engine: AsyncEngine) -> list[int]:
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise APIError("only text content parts are supported", param=f"messages.{i}.content")
+                parts.append(part["text"])
+            content = "".join(parts)
+        messages.append({"role": m.role, "content": content or ""})
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise APIError("this model has no tokenizer: use /v1/completions with token ids", param="messages")
+    template = None if getattr(tokenizer, "chat_template", None) else CHATML_TEMPLATE
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             chat_template=template)
+    except Exception as exc:  # noqa: BLE001 - a template that rejects these messages
+        raise APIError(f"the chat template rejected the messages: {exc}", param="messages") from None
+    ids = _encode(engine, text, special=False)
+    if not ids:
+        raise APIError("messages produce an empty prompt", param="messages")
+    return ids
+
+
+def _max_tokens(requested: int | None, prompt_len: int, max_model_len: int, prompt_param: str,
+                param: str = "max_tokens") -> int:
+    if prompt_len >= max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                       f"{prompt_param} has {prompt_len} tokens, leaving no room for any output.",
+                       param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return max_model_len - prompt_len
+    if requested < 1:
+        raise APIError(f"{param} must be at least 1, got {requested}", param=param)
+    if prompt_len + requested > max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, {requested} for the "
+                       f"completion). Please reduce the {prompt_param} or {param}.",
+                       param=param, code="context_length_exceeded")
+    return requested
+
+
+def _stops(req) -> list[str]:
+    return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+
+
+def _sampling_params(req, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0), seed=req.seed,
+            ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()))
+    except ValueError as exc:
+        raise APIError(str(exc)) from None
+
+
+async def _add(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> RequestStream:
+    try:
+        return await engine.add_request(rid, prompt, params)
+    except EngineDeadError:
+        raise
+    except ValueError as exc:  # the engine's own limits
+        raise APIError(str(exc), param="prompt") from None
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _response(rid: str, obj: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices,
+            "usage": _usage(prompt_tokens, completion_tokens)}
+
+
+async def _deltas(stream: RequestStream, text: TextStream) -> AsyncIterator[tuple[str, str | None, int]]:
+    """(text delta, finish reason or None, completion tokens so far) per batch of engine outputs."""
+    n = 0
+    while True:
+        outputs = await stream.next_batch()
+        if not outputs:
+            return
+        new = [t for out in outputs for t in out.new_token_ids]
+        n = len(outputs[-1].output_token_ids)
+        finish = outputs[-1].finish_reason if outputs[-1].finished else None
+        delta = text.add(new, final=finish is not None)
+        if text.stopped and finish is None:
+            stream.close()  # a stop string: abort the rest of the generation
+            finish = "stop"
+        yield delta, finish, n
+        if finish is not None:
+            return
+
+
+async def _collect(stream: RequestStream, text: TextStream) -> tuple[str, str | None, int]:
+    parts, finish, n = [], None, 0
+    async for delta, *state in _deltas(stream, text):
+        parts.append(delta)
+        finish, n = state
+    return "".join(parts), finish, n
+
+
+async def _completion_chunks(stream, text, req, rid, model, prompt_tokens) -> AsyncIterator[dict]:
+    created, n = int(time.time()), 0
+    async for delta, finish, *count in _deltas(stream, text):
+        n = count[0]
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model,
+               "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]}
+    if req.stream_options and req.stream_options.include_usage:
+        yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
+               "usage": _usage(prompt_tokens, n)}
+
+
+async def _chat_chunks(stream, text, req, rid, model, prompt_tokens) -> AsyncIterator[dict]:
+    created, n, first = int(time.time()), 0, True
+    async for delta, finish, *count in _deltas(stream, text):
+        n = count[0]
+        message = {"role": "assistant", "content": delta} if first else {"content": delta}
+        first = False
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": message, "logprobs": None, "finish_reason": finish}]}
+    if req.stream_options and req.stream_options.include_usage:
+        yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
+               "usage": _usage(prompt_tokens, n)}
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _sse(request: Request, chunks: AsyncIterator[dict], stream: RequestStream) -> StreamingResponse:
+    """Server-sent events; a disconnect closes (aborts) the request at once, even before its first token."""
+
+    async def body():
+        watcher = asyncio.ensure_future(_until_disconnected(request))
+        watcher.add_done_callback(lambda _: stream.close())
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            stream.close()
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _unless_disconnected(request: Request, work) -> dict | Response:
+    """Run a non-streaming request; if the client goes away first, cancel it (which aborts its request)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)
