@@ -1,0 +1,98 @@
+"""One MoE layer's forward: route, routed experts through the page table, shared expert.
+
+The engine calls ``moe_forward`` once per MoE layer. It may first call ``route`` itself to see
+which experts the step touches (to load the missing ones into loading-buffer pages), then pass
+that routing back in so it is not computed twice. The page table may point anywhere in the
+expert view: cache pages and loading-buffer pages look the same to the kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rimuru.experts.moe_reference import moe_reference
+from rimuru.experts.router import route
+
+IMPLS = ("auto", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class SharedExpertWeights:
+    """qwen2_moe / qwen3.5: an always-on dense expert, scaled by sigmoid(shared_expert_gate(x))."""
+
+    gate_proj: torch.Tensor  # [fs, d]
+    up_proj: torch.Tensor  # [fs, d]
+    down_proj: torch.Tensor  # [d, fs]
+    gate: torch.Tensor | None  # [1, d]; None: unscaled
+
+
+@dataclass(frozen=True)
+class MoeLayerWeights:
+    """The dense (always-resident) part of one MoE layer; routed experts live in the pool."""
+
+    gate_weight: torch.Tensor  # [E, d] router
+    top_k: int
+    norm_topk_prob: bool
+    shared: SharedExpertWeights | None = None
+
+    @classmethod
+    def from_dense(cls, dense: dict[str, torch.Tensor], spec, layer: int,
+                   prefix: str = "model.layers") -> MoeLayerWeights:
+        p = f"{prefix}.{layer}.mlp"
+        shared = None
+        if f"{p}.shared_expert.gate_proj.weight" in dense:
+            shared = SharedExpertWeights(
+                gate_proj=dense[f"{p}.shared_expert.gate_proj.weight"],
+                up_proj=dense[f"{p}.shared_expert.up_proj.weight"],
+                down_proj=dense[f"{p}.shared_expert.down_proj.weight"],
+                gate=dense.get(f"{p}.shared_expert_gate.weight"),
+            )
+        return cls(dense[f"{p}.gate.weight"], spec.top_k, spec.norm_topk_prob, shared)
+
+
+def route_layer(hidden: torch.Tensor, layer: MoeLayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) for hidden [T, d]."""
+    return route(hidden, layer.gate_weight, layer.top_k, layer.norm_topk_prob)
+
+
+def shared_expert_forward(hidden: torch.Tensor, shared: SharedExpertWeights) -> torch.Tensor:
+    """[T, d] -> [T, d], in hidden's dtype (as HF's Qwen2MoeMLP + gate)."""
+    h = F.silu(F.linear(hidden, shared.gate_proj)) * F.linear(hidden, shared.up_proj)  # [T, fs]
+    out = F.linear(h, shared.down_proj)  # [T, d]
+    if shared.gate is not None:
+        out = torch.sigmoid(F.linear(hidden, shared.gate)) * out  # [T, 1] * [T, d]
+    return out
+
+
+def routed_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   expert_view: torch.Tensor, page_table: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """Routed part only: [T, d] through the page table [E, 3] into expert_view [P, f, d]."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "triton" if hidden.is_cuda else "reference"
+    if impl == "reference":
+        return moe_reference(hidden, topk_weights, topk_ids, expert_view, page_table)
+    from rimuru.kernels.fused_moe import fused_moe
+
+    return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table)
+
+
+def moe_forward(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch.Tensor, page_table: torch.Tensor,
+                routing: tuple[torch.Tensor, torch.Tensor] | None = None, impl: str = "auto") -> torch.Tensor:
+    """One MoE layer: hidden [..., d] -> [..., d].
+
+    ``routing`` = (topk_weights, topk_ids) from ``route_layer`` when the caller already routed.
+    ``page_table`` [E, 3] int32: this layer's (W1, W3, W2^T) page ids in ``expert_view``; rows
+    of experts no token routes to are never read.
+    """
+    shape = hidden.shape
+    x = hidden.reshape(-1, shape[-1])  # [T, d]
+    topk_weights, topk_ids = routing if routing is not None else route_layer(x, layer)
+    out = routed_experts(x, topk_weights, topk_ids, expert_view, page_table, impl)
+    if layer.shared is not None:
+        out = out + shared_expert_forward(x, layer.shared)
+    return out.reshape(shape)

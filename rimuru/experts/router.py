@@ -1,0 +1,28 @@
+"""Top-k softmax routing, as the Hugging Face Qwen MoE blocks compute it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
+          norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick each token's experts.
+
+    hidden [T, d], gate_weight [E, d] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]).
+    Logits in the hidden dtype (HF's ``F.linear``), softmax in fp32, top-k, optional renormalisation.
+    Unlike HF the weights stay fp32: the kernel combines in fp32 anyway.
+    """
+    logits = F.linear(hidden, gate_weight.to(hidden.dtype))  # [T, E]
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def experts_touched(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Sorted ids of the experts a step routes at least one token to ([n] int64)."""
+    counts = torch.bincount(topk_ids.reshape(-1).long(), minlength=num_experts)
+    return torch.nonzero(counts, as_tuple=False).reshape(-1)
