@@ -13,6 +13,7 @@ KV head are processed by one program, so each K/V tile is read once per KV head.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 
 import torch
@@ -72,13 +73,15 @@ def prefill_attention_kernel(
     # meta-parameters
     GROUP: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Causal varlen attention of packed queries over paged KV. Grid ``(R, cdiv(max_q_len * G, BLOCK_M), Hkv)``.
 
     q, out: [T, H, D]; kv: [num_pages, 2, B, Hkv, D]; block_tables: [R, max_blocks] int32;
     cu_query_lens: [R+1] int32; seq_lens: [R] int32 (cached + new tokens).
     Row ``i`` of a program is query token ``i // G`` of the block, head ``hkv * G + i % G``; that token
-    sits at position ``seq_len - q_len + token`` and sees keys ``0..position``.
+    sits at position ``seq_len - q_len + token`` and sees keys ``0..position``. ``DOT_PRECISION`` is
+    "ieee" for fp32 KV (no TF32), ``UPCAST`` runs the dots in fp32 (only for the CPU interpreter).
     """
     req = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -96,6 +99,8 @@ def prefill_attention_kernel(
         q_rows = (q_start + tok).to(tl.int64)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                     mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
         q_pos = seq_len - q_len + tok  # [BLOCK_M]
         last_tok = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
         kv_end = seq_len - q_len + last_tok + 1  # keys this block can see
@@ -110,6 +115,8 @@ def prefill_attention_kernel(
             kv_off = page * stride_page + (offs_n % BLOCK_TOKENS) * stride_tok + kv_head * stride_head  # [BLOCK_N]
             k = tl.load(kv_ptr + kv_off[None, :] + offs_d[:, None],
                         mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            if UPCAST:
+                k = k.to(tl.float32)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
             visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
             qk = tl.where(visible, qk, float("-inf"))
@@ -119,6 +126,8 @@ def prefill_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(kv_ptr + stride_kv + kv_off[:, None] + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            if UPCAST:
+                v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
@@ -138,6 +147,7 @@ def decode_attention_kernel(
     # meta-parameters
     GROUP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One query token per request over its KV range ``split``. Grid ``(R, Hkv, NUM_SPLITS)``.
 
@@ -160,6 +170,8 @@ def decode_attention_kernel(
         d_valid = offs_d < head_dim
         q = tl.load(q_ptr + req.to(tl.int64) * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
                     mask=g_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+        if UPCAST:
+            q = q.to(tl.float32)
         m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -171,6 +183,8 @@ def decode_attention_kernel(
             kv_off = page * stride_page + (offs_n % BLOCK_TOKENS) * stride_tok + kv_head * stride_head  # [BLOCK_N]
             k = tl.load(kv_ptr + kv_off[None, :] + offs_d[:, None],
                         mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+            if UPCAST:
+                k = k.to(tl.float32)
             qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
             qk = tl.where(n_valid[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -179,6 +193,8 @@ def decode_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(kv_ptr + stride_kv + kv_off[:, None] + offs_d[None, :],
                         mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+            if UPCAST:
+                v = v.to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         acc = acc / l_i[:, None]
@@ -231,6 +247,18 @@ def decode_reduce_kernel(
 # ---------------------------------------------------------------------------------------------- wrappers
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _upcast_dots(dtype: torch.dtype) -> bool:
+    """The CPU interpreter (triton 3.9) computes 16-bit ``tl.dot`` wrongly; there the dots run in fp32."""
+    return dtype != torch.float32 and _interpreting()
 
 
 @cache
@@ -310,6 +338,7 @@ def prefill_attention(
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
         GROUP=group, BLOCK_TOKENS=kv.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=_dot_precision(kv.dtype),
+        UPCAST=_upcast_dots(kv.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -371,7 +400,8 @@ def decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, BLOCK_TOKENS=block_tokens, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
-        DOT_PRECISION=_dot_precision(kv.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=_dot_precision(kv.dtype), UPCAST=_upcast_dots(kv.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         decode_reduce_kernel[(num_req, heads)](

@@ -208,6 +208,31 @@ def test_kernels_read_kv_pages_handed_out_by_the_page_pool():
         assert rel_err(out, batch.sdpa()) <= 1e-5
 
 
+def test_bf16_kernels_stay_within_1e2_of_the_fp32_reference():
+    """bf16 pages and queries (the serving dtype); under the interpreter the dots are upcast to fp32."""
+    mixed = PagedBatch(**MIXED, group=4, dtype=torch.bfloat16)
+    ref = prefill_attention_reference(mixed.q.float(), mixed.kv.float(), mixed.block_tables, mixed.cu_query_lens,
+                                      mixed.seq_lens_t, mixed.scale)
+    out = prefill_attention(mixed.q, mixed.kv, mixed.block_tables, mixed.cu_query_lens, mixed.seq_lens_t,
+                            mixed.scale, out=mixed.poisoned_out(), block_n=16)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ref) <= 1e-2
+    dec = PagedBatch([1] * 4, [3, 40, 17, 64], group=4, dtype=torch.bfloat16)
+    ref = decode_attention_reference(dec.q.float(), dec.kv.float(), dec.block_tables, dec.seq_lens_t, dec.scale)
+    out = decode_attention(dec.q, dec.kv, dec.block_tables, dec.seq_lens_t, dec.scale, num_splits=4, block_n=16,
+                           out=dec.poisoned_out())
+    assert rel_err(out, ref) <= 1e-2
+
+
+def test_fp32_queries_over_a_bf16_cache_return_fp32():
+    dec = PagedBatch([1] * 2, [9, 20], dtype=torch.bfloat16)
+    q32 = dec.q.float()
+    out = paged_attention(q32, dec.kv, dec.block_tables, dec.cu_query_lens, dec.seq_lens_t, dec.scale, impl="triton",
+                          max_query_len=1)
+    assert out.dtype == torch.float32
+    ref = decode_attention_reference(q32, dec.kv.float(), dec.block_tables, dec.seq_lens_t, dec.scale)
+    assert rel_err(out, ref) <= 1e-2
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_gpu_bf16_prefill_and_decode_match_fp32_reference():

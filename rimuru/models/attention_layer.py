@@ -1,0 +1,160 @@
+"""The attention sub-layer of a Qwen2-MoE / Qwen3-MoE decoder layer over a packed batch with paged KV.
+
+``x [T, d]`` → q/k/v projections (qwen2_moe: with bias; qwen3_moe: no bias, per-head q_norm/k_norm
+RMSNorm before RoPE) → RoPE at ``positions`` → K/V written into this layer's pool pages at
+``slot_mapping`` → paged attention over each request's pages → o_proj → ``[T, d]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from rimuru.kernels.paged_attention import paged_attention, write_kv
+from rimuru.models.rms_norm import rms_norm
+from rimuru.models.rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token of a step's packed batch sits. Built once per step by the model runner; read-only here.
+
+    Requests are packed in order; request ``r`` owns query tokens ``cu_query_lens[r]:cu_query_lens[r+1]``,
+    which are its last ``q_len`` tokens of ``seq_lens[r]`` (cached + new). ``block_tables`` and
+    ``slot_mapping`` are either one layer's (``[R, max_blocks]`` / ``[T]``) or stacked for all layers
+    (``[L, R, max_blocks]`` / ``[L, T]``; :meth:`for_layer` selects one), since a KV page holds one layer.
+    """
+
+    positions: torch.Tensor  # [T] int64: position of each query token in its sequence
+    slot_mapping: torch.Tensor  # [T] or [L, T] int64: page_id * B + offset where the token's K/V go (<0 skips)
+    cu_query_lens: torch.Tensor  # [R+1] int32
+    seq_lens: torch.Tensor  # [R] int32: KV length after this step's tokens are written
+    block_tables: torch.Tensor  # [R, max_blocks] or [L, R, max_blocks] int32 page ids
+    max_query_len: int  # host copy of max q_len (grid size, no device sync)
+    is_pure_decode: bool  # every request has exactly one query token
+    max_seq_len: int | None = None  # host copy of max(seq_lens): bounds decode KV splits
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_requests(self) -> int:
+        return self.seq_lens.shape[0]
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata with one layer's block table and slot mapping (itself when they are per-layer already)."""
+        if self.block_tables.dim() == 2 and self.slot_mapping.dim() == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            block_tables=self.block_tables[layer] if self.block_tables.dim() == 3 else self.block_tables,
+            slot_mapping=self.slot_mapping[layer] if self.slot_mapping.dim() == 2 else self.slot_mapping,
+        )
+
+
+def _config_get(config: Any, key: str, default=None):
+    if isinstance(config, dict):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Shapes of one attention sub-layer, read from a HF config."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> AttentionConfig:
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        hidden = _config_get(config, "hidden_size")
+        heads = _config_get(config, "num_attention_heads")
+        return cls(
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=_config_get(config, "num_key_value_heads") or heads,
+            head_dim=_config_get(config, "head_dim") or hidden // heads,
+            rms_norm_eps=_config_get(config, "rms_norm_eps", 1e-6),
+        )
+
+
+WEIGHT_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+OPTIONAL_NAMES = ("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "q_norm.weight", "k_norm.weight")
+
+
+def _lookup(weights: dict[str, torch.Tensor], layer: int, name: str) -> torch.Tensor | None:
+    for key in (f"self_attn.{name}", f"model.layers.{layer}.self_attn.{name}", name):
+        if key in weights:
+            return weights[key]
+    return None
+
+
+class Attention:
+    """One decoder layer's attention; holds references to the caller's weight tensors (no copies).
+
+    ``weights`` maps HF names to tensors, as ``"self_attn.q_proj.weight"`` (also accepted: the full
+    ``"model.layers.{i}.self_attn..."`` name or the bare ``"q_proj.weight"``). Biases and q/k norms are
+    used when present: qwen2_moe has q/k/v biases, qwen3_moe has q_norm/k_norm.
+    """
+
+    def __init__(self, config: AttentionConfig, weights: dict[str, torch.Tensor], layer_idx: int,
+                 rope: RotaryEmbedding, impl: str = "auto") -> None:
+        self.config = config
+        self.layer_idx = layer_idx
+        self.rope = rope
+        self.impl = impl
+        missing = [n for n in WEIGHT_NAMES if _lookup(weights, layer_idx, n) is None]
+        if missing:
+            raise KeyError(f"layer {layer_idx}: missing attention weights {missing}")
+        w = {n: _lookup(weights, layer_idx, n) for n in WEIGHT_NAMES + OPTIONAL_NAMES}
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (w[n] for n in WEIGHT_NAMES)
+        self.q_bias, self.k_bias, self.v_bias, self.o_bias = (w[f"{p}.bias"] for p in ("q_proj", "k_proj", "v_proj",
+                                                                                          "o_proj"))
+        self.q_norm, self.k_norm = w["q_norm.weight"], w["k_norm.weight"]
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise KeyError(f"layer {layer_idx}: q_norm and k_norm must come together")
+        c = config
+        expected = {"q": (c.num_heads * c.head_dim, c.hidden_size), "k": (c.num_kv_heads * c.head_dim, c.hidden_size),
+                    "v": (c.num_kv_heads * c.head_dim, c.hidden_size), "o": (c.hidden_size, c.num_heads * c.head_dim)}
+        for name, shape in expected.items():
+            got = tuple(getattr(self, f"{name}_proj").shape)
+            if got != shape:
+                raise ValueError(f"layer {layer_idx}: {name}_proj.weight is {got}, expected {shape}")
+
+    def __call__(self, hidden_states: torch.Tensor, meta: AttentionMetadata, kv_view) -> torch.Tensor:
+        return self.forward(hidden_states, meta, kv_view)
+
+    def forward(self, hidden_states: torch.Tensor, meta: AttentionMetadata, kv_view) -> torch.Tensor:
+        """``hidden_states [T, d]`` → ``[T, d]``; writes this step's K/V into ``kv_view`` first."""
+        c = self.config
+        meta = meta.for_layer(self.layer_idx)
+        num_tokens = hidden_states.shape[0]
+        q = F.linear(hidden_states, self.q_proj, self.q_bias).view(num_tokens, c.num_heads, c.head_dim)
+        k = F.linear(hidden_states, self.k_proj, self.k_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = F.linear(hidden_states, self.v_proj, self.v_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
+        q, k = self.rope(meta.positions, q, k)
+        write_kv(k, v, kv_view, meta.slot_mapping, impl=self.impl)
+        attn = paged_attention(q, kv_view, meta.block_tables, meta.cu_query_lens, meta.seq_lens, c.scale,
+                               impl=self.impl, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+        return F.linear(attn.reshape(num_tokens, c.num_heads * c.head_dim), self.o_proj, self.o_bias)

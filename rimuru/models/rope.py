@@ -1,0 +1,82 @@
+"""Rotary position embedding as Qwen2/Qwen3 apply it (neox style, ``rotate_half``).
+
+The first ``rotary_dim = head_dim * partial_rotary_factor`` dims of each head are rotated, as
+pairs ``(i, i + rotary_dim/2)``; the rest pass through (Qwen3-Next / Qwen3.5 use a factor of 0.25).
+cos/sin are cached in fp32 for positions ``[0, max_position)`` and indexed by a positions tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _config_get(config: Any, key: str, default=None):
+    if isinstance(config, dict):
+        return config.get(key, default)
+    return getattr(config, key, default)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin cache ``[max_position, rotary_dim]`` (fp32) and ``forward(positions, q, k)``.
+
+    Only the default RoPE type (no YaRN/linear/dynamic scaling) is implemented.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, max_position: int, partial_rotary_factor: float = 1.0,
+                 device: str | torch.device | None = None) -> None:
+        super().__init__()
+        rotary_dim = int(head_dim * partial_rotary_factor)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary dim {rotary_dim} (head_dim {head_dim} * {partial_rotary_factor}) must be even")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.rope_theta = float(rope_theta)
+        self.max_position = max_position
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=device)
+                                               / rotary_dim))  # [rotary_dim/2]
+        freqs = torch.arange(max_position, device=device).float()[:, None] * inv_freq  # [P, rotary_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, rotary_dim]
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    @classmethod
+    def from_hf_config(cls, config: Any, device: str | torch.device | None = None) -> RotaryEmbedding:
+        """Reads head_dim, rope theta, partial rotary factor and max positions from a HF config (object or dict)."""
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        heads = _config_get(config, "num_attention_heads")
+        head_dim = _config_get(config, "head_dim") or _config_get(config, "hidden_size") // heads
+        params = _config_get(config, "rope_parameters") or {}
+        scaling = _config_get(config, "rope_scaling") or {}
+        rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+        if rope_type != "default":
+            raise NotImplementedError(f"RoPE type {rope_type!r} is not implemented (only 'default')")
+        theta = params.get("rope_theta") or _config_get(config, "rope_theta") or 10000.0
+        factor = params.get("partial_rotary_factor") or _config_get(config, "partial_rotary_factor") or 1.0
+        max_pos = _config_get(config, "max_position_embeddings") or 32768
+        return cls(head_dim, theta, max_pos, factor, device=device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin [T, rotary_dim]`` (fp32) at ``positions [T]``."""
+        positions = positions.long()
+        return self.cos_cache[positions], self.sin_cache[positions]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``; fp32 math, result in the input dtype."""
+        cos, sin = self.cos_sin(positions)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rotary_dim]
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot = x[..., : self.rotary_dim].float()
+        rot = rot * cos + rotate_half(rot) * sin
+        if self.rotary_dim == self.head_dim:
+            return rot.to(x.dtype)
+        return torch.cat((rot.to(x.dtype), x[..., self.rotary_dim:]), dim=-1)
