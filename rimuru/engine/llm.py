@@ -110,11 +110,12 @@ class LLM:
         if config.record_routing:
             self.model.record_routing()
         if policy.all_experts_resident:
-            provider = ResidentExperts(self.cache.page_table, device)
+            provider = ResidentExperts(self.cache.page_table, device, experts)
         else:
             gates = [ckpt.dense[f"model.layers.{layer}.mlp.gate.weight"] for layer in spec.moe_layers]
             provider = PagedExperts(self.cache, self.loader, gates, spec.top_k, spec.norm_topk_prob,
                                     prefetch=config.prefetch == "predict")
+        self.provider = provider
         self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor,
                                       provider, device)
         self.timeline = Timeline()
@@ -153,7 +154,7 @@ class LLM:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.cache.poll()
-        loaded_before = (self.loader.bytes_loaded, self.loader.experts_loaded)
+        loaded_before = (self.loader.bytes_loaded, self.loader.experts_loaded, self.provider.experts_touched)
         out = self.scheduler.schedule()
         change = 0
         if self.config.memory_policy.adjust:
@@ -188,7 +189,7 @@ class LLM:
                              req.finish_reason if finished else None, None, req.arrival_time, req.first_token_time,
                              list(req.token_times))
 
-    def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int]) -> None:
+    def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int]) -> None:
         now = time.perf_counter()
         decode = sum(c.num_tokens for c in out.chunks if c.num_tokens == 1 and c.samples)
         kv_pages = self.kv.num_allocated_pages
@@ -198,6 +199,8 @@ class LLM:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_pages=kv_pages,
             kv_l2_pages=self.kv.l2_pages_for(kv_pages), cached_experts=self.cache.num_cached,
             free_l2_pages=self.allocator.free_l2_pages(EXPERT),
+            context_tokens=sum(c.start + c.num_tokens for c in out.chunks),
+            experts_touched=self.provider.experts_touched - loaded_before[2],
             expert_bytes_loaded=self.loader.bytes_loaded - loaded_before[0],
             experts_loaded=self.loader.experts_loaded - loaded_before[1], r_b=out.kv_short_l2, adjust=change,
             preempted=len(out.preempted)))

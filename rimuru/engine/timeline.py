@@ -22,6 +22,8 @@ class StepRecord:
     kv_l2_pages: int  # L2 pages worth of KV
     cached_experts: int
     free_l2_pages: int
+    context_tokens: int  # KV tokens attended over (sum of sequence lengths): KV bytes read
+    experts_touched: int  # (layer, expert) pairs computed this step
     expert_bytes_loaded: int  # this step
     experts_loaded: int  # this step (misses + prefetches + expansions)
     r_b: int

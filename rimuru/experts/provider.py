@@ -25,9 +25,11 @@ class PagedExperts:
         self.norm = norm_topk_prob
         self.prefetch = prefetch
         self.num_experts = cache.num_experts
+        self.experts_touched = 0  # (layer, expert) pairs computed, summed over steps: HBM bytes for the floor
 
     def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         touched = experts_touched(topk_ids, self.num_experts).cpu().numpy()
+        self.experts_touched += len(touched)
         table = self.loader.layer_table(moe_layer, touched, self.cache.page_table[moe_layer])
         nxt = moe_layer + 1
         if self.prefetch and nxt < len(self.gates) and not self.cache.page_table[nxt, :, 0].min() >= 0:
@@ -43,10 +45,13 @@ class PagedExperts:
 class ResidentExperts:
     """Every expert resident (static policy): one device page table, no loading."""
 
-    def __init__(self, page_table: np.ndarray, device: torch.device) -> None:
+    def __init__(self, page_table: np.ndarray, device: torch.device, num_experts: int) -> None:
         self.tables = torch.from_numpy(page_table).to(device)
+        self.num_experts = num_experts
+        self.experts_touched = 0
 
     def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        self.experts_touched += int(experts_touched(topk_ids, self.num_experts).numel())
         return self.tables[moe_layer]
 
     def layer_done(self, moe_layer: int) -> None:

@@ -36,7 +36,7 @@ def reference(model_dir):
 
 
 def run(model_dir, **options):
-    llm = LLM(model_dir, device="cpu", dtype=torch.float32, **options)
+    llm = LLM(model_dir, device="cpu", dtype=torch.float32, activation_reserve="1MiB", **options)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     llm.check_integrity()
     assert not llm.has_unfinished_requests()
@@ -55,8 +55,9 @@ def test_greedy_matches_transformers_with_a_quarter_of_experts_cached(model_dir,
 
 
 def test_greedy_matches_under_pressure_with_shrink_and_preemption(model_dir, reference):
+    # the offload limit stops the shrinking at 14 cached experts, so the scheduler must preempt too
     llm, outs = run(model_dir, gpu_memory_budget=_tight_budget(model_dir), policy="elastic",
-                    initial_cache_experts=16, max_num_batched_tokens=64)
+                    initial_cache_experts=16, expert_offload_limit=2, max_num_batched_tokens=64)
     assert outs == reference
     shrinks = sum(1 for r in llm.timeline.records if r.adjust < 0)
     assert shrinks > 0, "the adjuster never shrank"
@@ -78,7 +79,7 @@ def test_budget_too_small_is_a_clear_error(model_dir):
 def _tight_budget(model_dir) -> int:
     """Dense weights + activations + buffers + 16 cached experts + a few KV blocks."""
     probe = LLM(model_dir, device="cpu", dtype=torch.float32, gpu_memory_budget="400MiB", policy="fixed",
-                initial_cache_experts=0)
+                initial_cache_experts=0, activation_reserve="1MiB")
     r = probe.memory_report
     page = probe.pool.layout.page_bytes("expert")
     return r["dense"] + r["activations"] + r["buffer_pages"] * page + (3 * 16 + 4) * page
