@@ -24,6 +24,9 @@ POLICIES = {
                           "fixed-ratio expert cache + separate KV region (Fate, MoE-Infinity, SGLang paged experts)"),
     "static": MemoryPolicy("static", False, True,
                            "every expert resident, KV gets the rest (vLLM, SGLang default serving)"),
+    "cpu": MemoryPolicy("cpu", False, False,
+                        "fixed expert cache on the device, other experts computed on the CPU "
+                        "(KTransformers, llama.cpp --n-cpu-moe)"),
 }
 
 

@@ -27,7 +27,7 @@ from rimuru.experts.adjuster import AdjusterConfig, decide
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.hotset import Hotset
 from rimuru.experts.loader import ExpertLoader
-from rimuru.experts.provider import PagedExperts, ResidentExperts
+from rimuru.experts.provider import CpuComputedExperts, PagedExperts, ResidentExperts
 from rimuru.memory import EXPERT, KV, PagePool, PoolLayout
 from rimuru.models.qwen_moe import QwenMoeModel
 from rimuru.units import format_bytes, parse_bytes
@@ -60,10 +60,11 @@ class LLM:
         pool_bytes = config.budget_bytes - dense_bytes - act_bytes
         moe_layers, experts = ckpt.experts.num_layers, ckpt.experts.num_experts
         total_experts = moe_layers * experts
-        buffer_experts = 0 if policy.all_experts_resident else experts
+        buffer_experts = 0 if policy.all_experts_resident or policy.name == "cpu" else experts
         needed_l2 = (3 * total_experts if policy.all_experts_resident else 6 * buffer_experts) + 1
+        what = ("every expert" if policy.all_experts_resident
+                else "two loading buffers" if buffer_experts else "no expert pages")
         if pool_bytes < needed_l2 * layout.page_bytes(EXPERT):
-            what = "every expert" if policy.all_experts_resident else "two loading buffers"
             raise MemoryBudgetError(
                 f"budget {format_bytes(config.budget_bytes)} is too small for policy {policy.name!r}: dense weights "
                 f"{format_bytes(dense_bytes)} + activations {format_bytes(act_bytes)} + {what} and one KV block "
@@ -111,6 +112,8 @@ class LLM:
             self.model.record_routing()
         if policy.all_experts_resident:
             provider = ResidentExperts(self.cache.page_table, device, experts)
+        elif policy.name == "cpu":
+            provider = CpuComputedExperts(self.cache, ckpt.experts.weights, device)
         else:
             gates = [ckpt.dense[f"model.layers.{layer}.mlp.gate.weight"] for layer in spec.moe_layers]
             provider = PagedExperts(self.cache, self.loader, gates, spec.top_k, spec.norm_topk_prob,

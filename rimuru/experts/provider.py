@@ -56,3 +56,49 @@ class ResidentExperts:
 
     def layer_done(self, moe_layer: int) -> None:
         pass
+
+
+class CpuComputedExperts:
+    """Cached experts run on the device; the rest run on the CPU from the host copies
+    (KTransformers; llama.cpp ``--n-cpu-moe``). Nothing is loaded over PCIe but activations."""
+
+    def __init__(self, cache: ExpertCache, host_weights: torch.Tensor, device: torch.device) -> None:
+        self.cache = cache
+        self.host = host_weights  # [L, E, 3, f, d]
+        self.device = device
+        self.num_experts = cache.num_experts
+        self.experts_touched = 0
+        self.experts_on_cpu = 0
+
+    def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        row = self.cache.page_table[moe_layer].copy()
+        resident = np.flatnonzero(row[:, 0] >= 0)
+        if len(resident):
+            row[row[:, 0] < 0] = row[resident[0]]  # misses get zero weight (see split); any finite page works
+        else:
+            row[:] = 0
+        self.experts_touched += int(experts_touched(topk_ids, self.num_experts).numel())
+        return torch.from_numpy(row).to(self.device)
+
+    def split(self, moe_layer: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Zero the device-side weight of non-resident picks and compute them on the CPU."""
+        resident = torch.from_numpy(self.cache.page_table[moe_layer, :, 0] >= 0).to(topk_ids.device)
+        on_device = resident[topk_ids.long()]  # [T, k]
+        if bool(on_device.all()):
+            return topk_weights, None
+        x = hidden.float().cpu()  # [T, d]
+        ids, weights = topk_ids.cpu(), topk_weights.float().cpu()
+        miss = ~on_device.cpu()
+        out = torch.zeros_like(x)  # [T, d]
+        for e in torch.unique(ids[miss]).tolist():
+            tok, slot = torch.where((ids == e) & miss)
+            w1, w3, w2t = (self.host[moe_layer, e, p].float() for p in range(3))  # [f, d] each
+            h = torch.nn.functional.silu(x[tok] @ w1.T) * (x[tok] @ w3.T)  # [n, f]
+            out.index_add_(0, tok, (h @ w2t) * weights[tok, slot, None])
+            self.experts_on_cpu += 1
+        device_weights = torch.where(on_device, topk_weights, torch.zeros_like(topk_weights))
+        return device_weights, out.to(hidden.device, hidden.dtype)
+
+    def layer_done(self, moe_layer: int) -> None:
+        pass

@@ -72,7 +72,12 @@ class QwenMoeModel:
         if self.routing_counts is not None:
             self.routing_counts[m] += torch.bincount(topk_ids.reshape(-1).long().cpu(), minlength=spec.num_experts)
         table = experts.layer_table(m, topk_ids, x)
+        cpu_out = None
+        if hasattr(experts, "split"):  # CPU-computed misses (KTransformers-style policy)
+            topk_weights, cpu_out = experts.split(m, x, topk_weights, topk_ids)
         out = routed_experts(x, topk_weights, topk_ids, expert_view, table, self.moe_impl)
+        if cpu_out is not None:
+            out = out + cpu_out
         experts.layer_done(m)
         if spec.shared_expert_intermediate_size:
             shared = self._mlp(f"{p}.shared_expert", x)

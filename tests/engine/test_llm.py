@@ -54,6 +54,12 @@ def test_greedy_matches_transformers_with_a_quarter_of_experts_cached(model_dir,
     assert llm.loader.experts_loaded > 0
 
 
+def test_greedy_matches_with_uncached_experts_computed_on_cpu(model_dir, reference):
+    llm, outs = run(model_dir, gpu_memory_budget="400MiB", policy="cpu", initial_cache_experts=4)
+    assert outs == reference
+    assert llm.provider.experts_on_cpu > 0 and llm.loader.experts_loaded == 0
+
+
 def test_greedy_matches_under_pressure_with_shrink_and_preemption(model_dir, reference):
     # the offload limit stops the shrinking at 14 cached experts, so the scheduler must preempt too
     llm, outs = run(model_dir, gpu_memory_budget=_tight_budget(model_dir), policy="elastic",
