@@ -102,3 +102,20 @@ def test_shared_expert_without_gate_is_added_unscaled():
     x = torch.randn(3, d)
     expected = (torch.nn.functional.silu(x @ shared.gate_proj.T) * (x @ shared.up_proj.T)) @ shared.down_proj.T
     torch.testing.assert_close(moe_forward(x, layer, view, table), expected)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
+                    reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_moe_forward_triton_impl_matches_reference_impl_with_shared_expert():
+    spec, block = _hf_block("tiny-qwen2-moe", seed=9)
+    view, table = _paged_copy(block, spec, "scattered", seed=10)
+    shared = SharedExpertWeights(block.shared_expert.gate_proj.weight.detach(),
+                                 block.shared_expert.up_proj.weight.detach(),
+                                 block.shared_expert.down_proj.weight.detach(),
+                                 block.shared_expert_gate.weight.detach())
+    layer = MoeLayerWeights(block.gate.weight.detach(), spec.top_k, spec.norm_topk_prob, shared)
+    x = torch.randn(6, spec.hidden_size)
+    with torch.no_grad():
+        ref = moe_forward(x, layer, view, table, impl="reference")
+        got = moe_forward(x, layer, view, table, impl="triton")
+    assert ((got - ref).norm() / ref.norm()).item() <= 1e-5

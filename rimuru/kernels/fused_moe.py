@@ -1,0 +1,234 @@
+"""Page-table-aware fused MoE (DESIGN.md §3): experts read straight from pool pages.
+
+Two launches of one kernel over the expert-grouped schedule of :mod:`rimuru.kernels.moe_align`:
+
+1. ``GATE_UP``: ``h = silu(x @ W1^T) * (x @ W3^T)`` — one program computes output columns
+   ``n`` and ``n + f`` of the joint ``[2f]`` projection, so SiLU-and-multiply fuse in registers.
+   Column ``n`` of ``2f`` lives in page ``p_w1`` if ``n < f`` else ``p_w3``, at element
+   ``base + p * f * d + (n mod f) * d + t`` (the paper's eq. 1).
+2. ``DOWN``: ``y = h @ W2^T`` with W2 stored transposed as a ``[f, d]`` page, scaled by the
+   routing weight in the epilogue; the wrapper sums the ``k`` routed rows of each token.
+
+``PAGED=False`` is the contiguous baseline over ``[E, 3, f, d]``: the same kernel, whose page id
+``3e + proj`` is computed instead of loaded — the overhead ablation compares exactly one load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rimuru.kernels.moe_align import MoeAlignment, moe_align
+
+
+@triton.jit
+def fused_moe_kernel(
+    # pointers
+    a_ptr, w_ptr, c_ptr, page_table_ptr, topk_weights_ptr,
+    sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+    # sizes and strides (elements)
+    N, K, F, D, num_pairs, stride_am, stride_cm,
+    # meta-parameters
+    TOP_K: tl.constexpr, GATE_UP: tl.constexpr, PAGED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """One ``[BLOCK_M, BLOCK_N]`` output tile of one expert's rows. Grid ``(max_blocks * cdiv(N, BLOCK_N),)``.
+
+    w: the expert view ``[P, F, D]`` (PAGED) or contiguous ``[E, 3, F, D]`` (= ``[3E, F, D]``);
+    page_table: ``[E, 3]`` int32 (W1, W3, W2^T) page ids (PAGED only).
+    GATE_UP: a = hidden ``[T, D]`` (row = pair // TOP_K), c = h ``[T*TOP_K, F]``; N = F, K = D.
+    DOWN:    a = h ``[T*TOP_K, F]`` (row = pair), c = y ``[T*TOP_K, D]``; N = D, K = F.
+    sorted_token_ids ``[max_padded]`` pair ids (padding = num_pairs); expert_ids ``[max_blocks]`` (-1 = none).
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M)
+    # grouped ordering: GROUP_M row blocks share a band of weight columns in L2
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    if group_m <= 0:
+        return  # a block past the real end of the schedule
+    pid_m = first_m + (pid % group) % group_m
+    pid_n = (pid % group) // group_m
+
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
+    row_mask = pair < num_pairs
+    a_row = pair // TOP_K if GATE_UP else pair
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_wn = offs_n % N  # wrap instead of masking weight loads; the store masks
+    offs_k = tl.arange(0, BLOCK_K)
+    page_elems = F.to(tl.int64) * D
+
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
+    if GATE_UP:
+        if PAGED:
+            p1 = tl.load(page_table_ptr + expert * 3).to(tl.int64)
+            p3 = tl.load(page_table_ptr + expert * 3 + 1).to(tl.int64)
+        else:
+            p1 = expert * 3
+            p3 = expert * 3 + 1
+        # page [F, D] row-major: W[n, t] at n * D + t; tile [BLOCK_K, BLOCK_N]
+        w1_ptrs = w_ptr + p1 * page_elems + offs_wn[None, :] * D + offs_k[:, None]
+        w3_ptrs = w_ptr + p3 * page_elems + offs_wn[None, :] * D + offs_k[:, None]
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                w1 = tl.load(w1_ptrs)
+                w3 = tl.load(w3_ptrs)
+            else:
+                k_mask = offs_k < K - k0 * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                w1 = tl.load(w1_ptrs, mask=k_mask[:, None], other=0.0)
+                w3 = tl.load(w3_ptrs, mask=k_mask[:, None], other=0.0)
+            acc1 = tl.dot(a, w1, acc1)
+            acc3 = tl.dot(a, w3, acc3)
+            a_ptrs += BLOCK_K
+            w1_ptrs += BLOCK_K
+            w3_ptrs += BLOCK_K
+        out = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
+    else:
+        if PAGED:
+            p2 = tl.load(page_table_ptr + expert * 3 + 2).to(tl.int64)
+        else:
+            p2 = expert * 3 + 2
+        # W2^T page [F, D]: element (j, n) at j * D + n; tile [BLOCK_K, BLOCK_N]
+        w2_ptrs = w_ptr + p2 * page_elems + offs_k[:, None] * D + offs_wn[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+                w2 = tl.load(w2_ptrs)
+            else:
+                k_mask = offs_k < K - k0 * BLOCK_K
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                w2 = tl.load(w2_ptrs, mask=k_mask[:, None], other=0.0)
+            acc = tl.dot(a, w2, acc)
+            a_ptrs += BLOCK_K
+            w2_ptrs += BLOCK_K * D
+        out = acc
+        if MUL_ROUTED_WEIGHT:
+            rw = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)
+            out = out * rw[:, None]
+    c_ptrs = c_ptr + pair[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))
+
+
+# ---------------------------------------------------------------------------------------------- configs
+@dataclass(frozen=True)
+class MoeKernelConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeConfigs:
+    """One block_m for both passes (they share the schedule); tiles per pass."""
+
+    gate_up: MoeKernelConfig
+    down: MoeKernelConfig
+
+
+def _cfg(bm, bn, bk, gm, w, s) -> MoeKernelConfig:
+    return MoeKernelConfig(bm, bn, bk, gm, w, s)
+
+
+# Hand-picked for H100/H200 from a sweep (docs/kernel.md), keyed by the largest tokens*top_k/E
+# (average rows per expert) they serve. Small batches are weight-bandwidth bound: thin row
+# blocks, many column programs, deep K tiles. Large batches are compute bound: 128-row blocks.
+# GATE_UP keeps two accumulators, so its BLOCK_N is half of a single-GEMM tile's.
+H200_CONFIGS: tuple[tuple[float, MoeConfigs], ...] = (
+    (1.0, MoeConfigs(_cfg(16, 32, 256, 1, 4, 4), _cfg(16, 64, 256, 1, 4, 4))),
+    (4.0, MoeConfigs(_cfg(16, 64, 128, 1, 4, 4), _cfg(16, 64, 128, 1, 4, 4))),
+    (16.0, MoeConfigs(_cfg(32, 64, 128, 8, 4, 3), _cfg(32, 128, 128, 8, 4, 3))),
+    (64.0, MoeConfigs(_cfg(64, 64, 64, 8, 4, 4), _cfg(64, 128, 64, 8, 4, 4))),
+    (float("inf"), MoeConfigs(_cfg(128, 128, 64, 8, 8, 3), _cfg(128, 256, 64, 8, 8, 3))),
+)
+# TRITON_INTERPRET / tiny shapes: dot needs >= 16 per dim; keep programs few.
+SMALL_CONFIGS = MoeConfigs(_cfg(16, 16, 32, 1, 4, 1), _cfg(16, 32, 32, 1, 4, 1))
+
+
+def pick_configs(num_tokens: int, top_k: int, num_experts: int, f: int, d: int) -> MoeConfigs:
+    if f < 128 or d < 128:
+        return SMALL_CONFIGS
+    rows_per_expert = num_tokens * top_k / num_experts
+    for bound, cfgs in H200_CONFIGS:
+        if rows_per_expert <= bound:
+            return cfgs
+    return H200_CONFIGS[-1][1]
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment, *, N, K, F, D, top_k, gate_up, paged,
+            cfg: MoeKernelConfig) -> None:
+    grid = (align.max_blocks * triton.cdiv(N, cfg.block_n),)
+    fused_moe_kernel[grid](
+        a, w, c, page_table, topk_weights,
+        align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        N, K, F, D, align.num_pairs, a.stride(0), c.stride(0),
+        TOP_K=top_k, GATE_UP=gate_up, PAGED=paged, MUL_ROUTED_WEIGHT=not gate_up,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=K % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      weights: torch.Tensor, page_table: torch.Tensor | None, *,
+                      configs: MoeConfigs | None = None, align: MoeAlignment | None = None,
+                      out: torch.Tensor | None = None, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+    """Both passes; returns the per-routing rows ``[T * k, d]`` (already scaled by their weights).
+
+    ``page_table`` None: ``weights`` is contiguous ``[E, 3, f, d]``; else ``weights`` is the
+    expert view ``[P, f, d]`` and ``page_table`` ``[E, 3]`` int32. ``out`` [T*k, d] and
+    ``intermediate`` [T*k, f] are optional preallocated buffers (every row is overwritten).
+    """
+    T, d = hidden.shape
+    k = topk_ids.shape[1]
+    paged = page_table is not None
+    if paged:
+        f = weights.shape[1]
+        E = page_table.shape[0]
+        if page_table.dtype != torch.int32 or not page_table.is_contiguous():
+            page_table = page_table.to(torch.int32).contiguous()
+    else:
+        E, _, f, _ = weights.shape
+        page_table = topk_ids  # unused pointer
+    if weights.shape[-1] != d or not weights.is_contiguous() or not hidden.is_contiguous():
+        raise ValueError(f"want contiguous hidden [T, {weights.shape[-1]}] and weights, got {tuple(hidden.shape)}")
+    configs = configs or pick_configs(T, k, E, f, d)
+    if align is None:
+        align = moe_align(topk_ids, E, configs.gate_up.block_m)
+    elif align.block_m != configs.gate_up.block_m:
+        raise ValueError(f"alignment has block_m {align.block_m}, configs want {configs.gate_up.block_m}")
+    w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    h = intermediate if intermediate is not None else torch.empty(T * k, f, dtype=hidden.dtype, device=hidden.device)
+    y = out if out is not None else torch.empty(T * k, d, dtype=hidden.dtype, device=hidden.device)
+    common = dict(F=f, D=d, top_k=k, paged=paged)
+    _launch(hidden, weights, h, page_table, w_flat, align, N=f, K=d, gate_up=True, cfg=configs.gate_up, **common)
+    _launch(h, weights, y, page_table, w_flat, align, N=d, K=f, gate_up=False, cfg=configs.down, **common)
+    return y
+
+
+def fused_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_view: torch.Tensor,
+              page_table: torch.Tensor | None, *, configs: MoeConfigs | None = None,
+              align: MoeAlignment | None = None) -> torch.Tensor:
+    """Routed-expert MoE output ``[T, d]``: hidden [T, d], topk_weights [T, k] fp32, topk_ids [T, k],
+    expert_view [P, f, d] with page_table [E, 3] (or contiguous [E, 3, f, d] with page_table None)."""
+    T, d = hidden.shape
+    y = fused_moe_experts(hidden, topk_weights, topk_ids, expert_view, page_table, configs=configs, align=align)
+    return y.view(T, -1, d).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

@@ -1,0 +1,139 @@
+"""The Triton fused MoE vs the einsum reference, under TRITON_INTERPRET=1 on CPU (tiny shapes)."""
+
+import os
+import zlib
+
+import pytest
+import torch
+
+from rimuru.experts.moe_reference import moe_reference
+from rimuru.kernels.fused_moe import MoeConfigs, MoeKernelConfig, fused_moe, fused_moe_experts
+from rimuru.kernels.moe_align import moe_align
+
+needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def _pool(E, f, d, placement, gen, cache_pages=64, buffer_experts=None):
+    """Expert view = cache region then a loading-buffer region; unused pages are NaN poison."""
+    buffer_experts = buffer_experts or E
+    view = torch.full((cache_pages + 3 * buffer_experts, f, d), float("nan"))
+    cache_ids = torch.randperm(cache_pages, generator=gen)
+    buffer_ids = cache_pages + torch.randperm(3 * buffer_experts, generator=gen)
+    in_cache = {"cache": torch.ones(E, dtype=torch.bool), "buffer": torch.zeros(E, dtype=torch.bool),
+                "mixed": torch.rand(E, generator=gen) < 0.5}[placement]
+    table = torch.empty(E, 3, dtype=torch.int32)
+    ci = bi = 0
+    for e in range(E):
+        if in_cache[e]:
+            table[e] = cache_ids[ci:ci + 3].to(torch.int32)
+            ci += 3
+        else:
+            table[e] = buffer_ids[bi:bi + 3].to(torch.int32)
+            bi += 3
+    for e in range(E):
+        for p in range(3):
+            view[table[e, p]] = torch.randn(f, d, generator=gen) / d**0.5
+    return view, table
+
+
+def _routing(T, E, k, gen, skip_expert=None):
+    scores = torch.rand(T, E, generator=gen)
+    if skip_expert is not None:
+        scores[:, skip_expert] = -1.0  # never routed: its page-table row must not matter
+    ids = scores.topk(k, dim=-1).indices.to(torch.int32)
+    w = torch.rand(T, k, generator=gen) + 0.1
+    return w / w.sum(-1, keepdim=True), ids
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@needs_triton
+@pytest.mark.parametrize("placement", ["cache", "buffer", "mixed"])
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_paged_kernel_matches_reference_for_any_page_placement(placement, T):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{placement}{T}".encode()))
+    E, f, d, k = 8, 32, 64, 2
+    view, table = _pool(E, f, d, placement, gen)
+    table[3] = 10**6 if T == 1 else table[3]  # a garbage row for an expert nobody routes to (T=1)
+    w, ids = _routing(T, E, k, gen, skip_expert=3)
+    x = torch.randn(T, d, generator=gen)
+    ref = moe_reference(x, w, ids, view, table)
+    out = torch.full((T * k, d), float("nan"))
+    inter = torch.full((T * k, f), float("nan"))
+    rows = fused_moe_experts(x, w, ids, view, table, out=out, intermediate=inter)
+    got = rows.view(T, k, d).sum(1)
+    assert torch.isfinite(got).all()
+    assert _rel(got, ref) <= 1e-5
+
+
+@needs_triton
+def test_contiguous_variant_equals_paged_variant_on_the_same_weights():
+    gen = torch.Generator().manual_seed(11)
+    E, f, d, k, T = 8, 32, 64, 2, 12
+    view, table = _pool(E, f, d, "mixed", gen)
+    contiguous = view[table.long()].contiguous()  # [E, 3, f, d]
+    w, ids = _routing(T, E, k, gen)
+    x = torch.randn(T, d, generator=gen)
+    torch.testing.assert_close(fused_moe(x, w, ids, contiguous, None), fused_moe(x, w, ids, view, table))
+
+
+@needs_triton
+def test_uneven_hidden_and_intermediate_sizes_use_masked_tiles():
+    gen = torch.Generator().manual_seed(5)
+    E, f, d, k, T = 4, 48, 80, 2, 9  # neither a multiple of the 32-wide K tiles
+    view, table = _pool(E, f, d, "mixed", gen)
+    w, ids = _routing(T, E, k, gen)
+    x = torch.randn(T, d, generator=gen)
+    assert _rel(fused_moe(x, w, ids, view, table), moe_reference(x, w, ids, view, table)) <= 1e-5
+
+
+@needs_triton
+def test_multi_block_experts_and_grouped_program_order():
+    gen = torch.Generator().manual_seed(6)
+    E, f, d, k, T = 4, 32, 64, 2, 40  # ~20 rows per expert: two 16-row blocks each
+    view, table = _pool(E, f, d, "cache", gen)
+    w, ids = _routing(T, E, k, gen)
+    x = torch.randn(T, d, generator=gen)
+    cfg = MoeConfigs(MoeKernelConfig(16, 16, 32, group_m=4, num_stages=1), MoeKernelConfig(16, 32, 32, group_m=4,
+                                                                                          num_stages=1))
+    assert _rel(fused_moe(x, w, ids, view, table, configs=cfg), moe_reference(x, w, ids, view, table)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 1024])
+def test_bf16_kernel_on_gpu_at_qwen3_shapes_within_1e2_of_fp32_reference(T):
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    E, f, d, k = 128, 768, 2048, 8
+    P = 3 * E * 2
+    view = (torch.randn(P, f, d, device="cuda", generator=gen) / d**0.5).to(torch.bfloat16)
+    table = torch.randperm(P, device="cuda", generator=gen)[: 3 * E].reshape(E, 3).to(torch.int32)
+    x = torch.randn(T, d, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = torch.randn(T, E, device="cuda", generator=gen)
+    w, ids = torch.softmax(logits, -1).topk(k, -1)
+    ids = ids.to(torch.int32)
+    got = fused_moe(x, w, ids, view, table)
+    ref = moe_reference(x.float(), w, ids, view.float(), table)
+    assert _rel(got, ref) <= 1e-2
+
+
+def test_alignment_puts_every_pair_once_in_single_expert_blocks():
+    gen = torch.Generator().manual_seed(0)
+    T, E, k, bm = 37, 16, 4, 8
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
+    a = moe_align(ids, E, bm)
+    n = T * k
+    used = int(a.num_tokens_post_padded)
+    assert used % bm == 0 and used <= a.sorted_token_ids.numel()
+    s = a.sorted_token_ids[:used]
+    real = s[s < n]
+    assert sorted(real.tolist()) == list(range(n))
+    assert (a.sorted_token_ids[used:] == n).all()
+    flat = ids.reshape(-1)
+    for b in range(used // bm):
+        block = s[b * bm:(b + 1) * bm]
+        block = block[block < n]
+        assert len(block) > 0 and (flat[block.long()] == a.expert_ids[b]).all()
+    assert (a.expert_ids[used // bm:] == -1).all()
