@@ -1,0 +1,78 @@
+import json
+
+import pytest
+
+from rimuru.bench.inproc import run_inproc
+from rimuru.bench.runner import bench_openai
+from rimuru.cli import main
+from rimuru.serve.server import build_app
+from rimuru.workloads.trace import TraceRequest, write_trace
+from tests.serve.fake_engine import FakeLLM
+from tests.serve.harness import running_server
+
+
+def trace(n=12, spacing=0.02, output_len=lambda i: 3 + i % 5):
+    return [TraceRequest(f"r{i}", i * spacing, f"prompt {i} " * 4, 16, output_len(i)) for i in range(n)]
+
+
+def test_inproc_honours_arrivals_and_generates_exactly_output_len_tokens():
+    engine = FakeLLM(step_delay_s=0.002)
+    reqs = trace()
+    records, duration, info = run_inproc(engine, reqs, progress=False)
+    assert all(r.success for r in records)
+    assert [r.output_tokens for r in records] == [r.output_len for r in reqs]
+    t0 = min(r.start_time for r in records)
+    for rec, req in zip(records, reqs):
+        assert rec.start_time - t0 >= req.arrival_time - 1e-3  # never sent early
+        assert 0 < rec.ttft <= rec.latency and len(rec.itl) == rec.output_tokens - 1
+    assert duration >= reqs[-1].arrival_time
+    assert info["forward_steps"] == engine.steps and info["peak_concurrency"] >= 1 and info["timeline"]
+    assert engine.added == [r.request_id for r in reqs] and not engine.has_unfinished_requests()
+
+
+def test_inproc_counts_a_rejected_prompt_as_failed():
+    engine = FakeLLM(max_model_len=20)
+    reqs = [TraceRequest("ok", 0.0, "short", 5, 4), TraceRequest("long", 0.0, "x" * 50, 50, 4)]
+    records, _, _ = run_inproc(engine, reqs, progress=False)
+    assert records[0].success and not records[1].success and "max_model_len" in records[1].error
+
+
+def test_openai_backend_against_the_server_gets_every_requested_token():
+    engine = FakeLLM(step_delay_s=0.002)
+    reqs = trace(n=20, spacing=0.01)
+    with running_server(build_app(engine)) as url:
+        records, duration, model = bench_openai(reqs, url, progress=False)
+    assert model == "fake-model"
+    assert all(r.success for r in records), [r.error for r in records]
+    assert [r.output_tokens for r in records] == [r.output_len for r in reqs]
+    assert [r.generated_text for r in records] == ["abcdefg"[:r.output_len] for r in reqs]
+    # one chunk per engine step; a step whose outputs queue up behind a slow reader is merged into one chunk
+    assert all(1 <= len(r.itl) + 1 <= r.output_tokens for r in records)
+
+
+def test_bench_command_writes_vllm_named_metrics_and_provenance(tmp_path, capsys):
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, trace(n=8))
+    out = tmp_path / "result.json"
+    engine = FakeLLM(step_delay_s=0.001)
+    with running_server(build_app(engine)) as url:
+        rc = main(["bench", "--backend", "openai", "--base-url", url, "--workload", str(path), "--out", str(out),
+                   "--goodput", "ttft:10000", "tpot:10000", "--no-progress"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    for key in ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
+                "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
+                "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "request_goodput",
+                "completed", "failed", "duration", "peak_concurrency"):
+        assert key in result, key
+    assert result["completed"] == 8 and result["failed"] == 0
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert {"commit", "device", "date", "command"} <= set(result["provenance"])
+    assert "Serving Benchmark Result" in capsys.readouterr().out
+
+
+def test_bench_command_rejects_bad_input_in_one_line(capsys):
+    assert main(["bench", "--goodput", "latency:5"]) == 2
+    assert main(["bench", "--backend", "inproc", "--workload", "sharegpt-burst"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "goodput" in err[0] and "--model" in err[1]
