@@ -329,6 +329,8 @@ def prefill_attention(
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
     qk = q if q.dtype == kv.dtype else q.to(kv.dtype)
     head_dim = q.shape[2]
+    if kv.element_size() >= 4:  # fp32 tiles are twice the bytes: keep them within shared memory
+        block_m, block_n = min(block_m, 64), min(block_n, 32)
     block_m = max(16, min(block_m, triton.next_power_of_2(max_query_len * group)))
     grid = (num_req, triton.cdiv(max_query_len * group, block_m), kv_heads)
     prefill_attention_kernel[grid](
@@ -378,6 +380,8 @@ def decode_attention(
     if num_req == 0:
         return out
     block_tokens = kv.shape[2]
+    if kv.element_size() >= 4:
+        block_n = min(block_n, 32)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_tokens
     if num_splits is None:
