@@ -29,6 +29,7 @@ from rimuru.experts.hotset import Hotset
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.provider import CpuComputedExperts, PagedExperts, ResidentExperts
 from rimuru.memory import EXPERT, KV, PagePool, PoolLayout
+from rimuru.models.loader import LoadedCheckpoint, load_checkpoint
 from rimuru.models.qwen_moe import QwenMoeModel
 from rimuru.units import format_bytes, parse_bytes
 
@@ -38,17 +39,22 @@ class MemoryBudgetError(ValueError):
 
 
 class LLM:
-    def __init__(self, model_dir: str | Path, **options) -> None:
-        from rimuru.models.loader import load_checkpoint
-
+    def __init__(self, model: str | Path | LoadedCheckpoint, **options) -> None:
+        """``model``: a checkpoint directory, or a checkpoint already in memory (``LoadedCheckpoint``)."""
         self.config = config = EngineConfig(**options)
-        self.model_dir = Path(model_dir)
-        self.model_name = self.model_dir.name
         device, dtype = config.torch_device, config.torch_dtype
         self.device = device
-        ckpt = load_checkpoint(self.model_dir, device=device, dtype=dtype)
+        if isinstance(model, LoadedCheckpoint):
+            ckpt, self.model_dir = model, Path(".")
+            self.model_name = Path(model.spec.source).parent.name or "in-memory"
+        else:
+            self.model_dir = Path(model)
+            if not (self.model_dir / "config.json").exists():
+                raise FileNotFoundError(f"{self.model_dir} is not a checkpoint directory (no config.json)")
+            self.model_name = self.model_dir.name
+            ckpt = load_checkpoint(self.model_dir, device=device, dtype=dtype)
         spec = self.spec = ckpt.spec
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = None if isinstance(model, LoadedCheckpoint) else _load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         policy = config.memory_policy
 

@@ -89,3 +89,14 @@ def _tight_budget(model_dir) -> int:
     r = probe.memory_report
     page = probe.pool.layout.page_bytes("expert")
     return r["dense"] + r["activations"] + r["buffer_pages"] * page + (3 * 16 + 4) * page
+
+
+def test_in_memory_synthetic_checkpoint_equals_the_written_one(model_dir):
+    from rimuru.models.loader import load_checkpoint
+    from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory
+
+    disk = load_checkpoint(model_dir, dtype=torch.float32)
+    mem = synthetic_checkpoint_in_memory("tiny-qwen3-moe", seed=0, dtype=torch.float32, progress=False)
+    assert torch.equal(disk.experts.weights, mem.experts.weights)
+    assert disk.dense.keys() == mem.dense.keys()
+    assert all(torch.equal(disk.dense[k], mem.dense[k]) for k in disk.dense)

@@ -1,0 +1,47 @@
+"""A synthetic checkpoint built straight into memory (pinned host experts, dense on device).
+
+Same tensors as ``write_synthetic_checkpoint`` (same recipes, same seeds) without the disk:
+paper-scale models on a GPU machine whose disk cannot hold them (DESIGN.md §6). An optional
+``num_layers`` keeps the real layer shapes but fewer layers, for runs that must fit a time budget.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rimuru.experts.host_store import HostExpertStore
+from rimuru.models.checkpoint import hub_config, synthetic_tensors
+from rimuru.models.loader import _PER_EXPERT, _PROJ, LoadedCheckpoint
+from rimuru.models.spec import ModelSpec
+
+
+def synthetic_checkpoint_in_memory(config_name_or_path: str | Path, *, seed: int = 0,
+                                   dtype: torch.dtype = torch.bfloat16, routing_skew: float | None = None,
+                                   device: str | torch.device = "cpu", num_layers: int | None = None,
+                                   progress: bool = True) -> LoadedCheckpoint:
+    config = hub_config(config_name_or_path)
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:num_layers]
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        spec = ModelSpec.from_pretrained(tmp)
+        store = HostExpertStore.for_spec(spec, dtype)
+        dense: dict[str, torch.Tensor] = {}
+        total = spec.num_moe_layers * spec.num_experts * 3
+        from tqdm.auto import tqdm
+
+        with tqdm(total=total, desc="synthesize experts", unit="proj", disable=not progress) as bar:
+            for name, tensor in synthetic_tensors(tmp, seed, dtype, routing_skew):
+                if m := _PER_EXPERT.search(name):
+                    store.set_projection(int(m.group(1)), int(m.group(2)), _PROJ[m.group(3)], tensor)
+                    bar.update(1)
+                else:
+                    dense[name] = tensor.to(device)
+    return LoadedCheckpoint(spec, dense, store)
