@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' @triton.jit
 
-from transformers import Qwen2MoeConfig, Qwen3MoeConfig, Qwen3NextConfig  # noqa: E402
+from transformers import DynamicCache, Qwen2MoeConfig, Qwen3MoeConfig, Qwen3NextConfig  # noqa: E402
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention  # noqa: E402
 from transformers.models.qwen3_moe.modeling_qwen3_moe import (  # noqa: E402
     Qwen3MoeAttention,
@@ -68,6 +68,22 @@ def hf_forward(config, module, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out, _ = module(x[None], position_embeddings=(cos, sin), attention_mask=mask)
     return out[0]
+
+
+def hf_incremental(config, module, x: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
+    """The same sequence fed chunk by chunk (start, length) through HF's own DynamicCache."""
+    cache = DynamicCache(config=config)
+    rotary = Qwen3MoeRotaryEmbedding(config)
+    outs = []
+    for start, n in chunks:
+        cos, sin = rotary(x[None], torch.arange(start, start + n)[None])
+        visible = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+        mask = torch.zeros(n, start + n).masked_fill(~visible, float("-inf"))[None, None]
+        with torch.no_grad():
+            out, _ = module(x[None, start: start + n], position_embeddings=(cos, sin), attention_mask=mask,
+                            cache=cache)
+        outs.append(out[0])
+    return torch.cat(outs)
 
 
 class PagedKV:
@@ -139,6 +155,10 @@ def test_prefill_then_decode_matches_transformers_attention(kind, impl):
     total = {0: 11, 1: 14, 2: 9}
     xs = {r: torch.randn(n, config.hidden_size, generator=gen) for r, n in total.items()}
     expected = {r: hf_forward(config, module, x) for r, x in xs.items()}
+    for r, x in xs.items():  # HF's own cached decoding agrees with its full causal forward
+        chunks = [(c, n) for steps in SCHEDULE for req, c, n in steps if req == r]
+        assert sum(n for _, n in chunks) == total[r]
+        assert rel_err(hf_incremental(config, module, x, chunks), expected[r]) <= 1e-6
     # layer 1 of a two-layer cache: its pages differ from layer 0's, which must stay untouched
     attn = Attention(AttentionConfig.from_hf_config(config), weights, layer_idx=1,
                      rope=RotaryEmbedding.from_hf_config(config, device=DEVICE), impl=impl)
