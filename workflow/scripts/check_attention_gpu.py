@@ -128,6 +128,21 @@ def row(case: str, provider: str, batch: Batch, ms: float, err: float | None, **
     }
 
 
+def measure(rows: list, case: str, provider: str, batch: Batch, fn, ref: torch.Tensor, **extra) -> None:
+    """Check then time ``fn``; a sweep configuration that fails to compile or run is recorded, not fatal."""
+    try:
+        err = rel_err(fn(), ref)
+        rows.append(row(case, provider, batch, bench_ms(fn), err, **extra))
+    except Exception as exc:  # noqa: BLE001 (e.g. out of shared memory for one block configuration)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        rows.append(row(case, provider, batch, float("nan"), None, error=f"{type(exc).__name__}: {exc}"[:300], **extra))
+        rows[-1]["passed"] = False if provider == "triton" else None  # the default configuration must work
+        print(f"{case:28s} {provider:36s} ERROR {rows[-1]['error']}", flush=True)
+        return
+    report(rows[-1])
+
+
 def check_decode(rows: list, shape: dict, device: str, sizes: list[int], sweep: bool, lo: int, hi: int) -> None:
     rng = np.random.default_rng(0)
     for num_req in sizes:
@@ -144,9 +159,7 @@ def check_decode(rows: list, shape: dict, device: str, sizes: list[int], sweep: 
         for provider, kwargs in configs:
             fn = partial(decode_attention, b.q, b.kv, b.block_tables, b.seq_lens_t, b.scale,
                          max_seq_len=b.max_seq_len, **kwargs)
-            err = rel_err(fn(), ref)
-            rows.append(row(case, provider, b, bench_ms(fn), err, num_splits=kwargs.get("num_splits", auto)))
-            report(rows[-1])
+            measure(rows, case, provider, b, fn, ref, num_splits=kwargs.get("num_splits", auto))
         if num_req == sizes[0]:
             fn = partial(decode_attention_reference, b.q, b.kv, b.block_tables, b.seq_lens_t, b.scale)
             rows.append(row(case, "torch_reference", b, bench_ms(fn), None))
@@ -176,9 +189,7 @@ def check_prefill(rows: list, shape: dict, device: str, chunk: int, decodes: int
             else:  # through the dispatcher, as the attention layer calls it
                 fn = partial(paged_attention, b.q, b.kv, b.block_tables, b.cu_query_lens, b.seq_lens_t, b.scale,
                              impl="triton", max_query_len=b.max_query_len, max_seq_len=b.max_seq_len)
-            err = rel_err(fn(), ref)
-            rows.append(row(case, provider, b, bench_ms(fn), err))
-            report(rows[-1])
+            measure(rows, case, provider, b, fn, ref)
         if case == f"prefill_{chunk}" and torch.cuda.is_available():
             n = seq_lens[0]
             idx = torch.arange(n, device=device)
@@ -222,6 +233,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true", help="small shapes (smoke test; runs interpreted on CPU)")
     parser.add_argument("--no-sweep", action="store_true", help="skip the block-size / split sweeps")
     args = parser.parse_args()
+    started = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     rows: list[dict] = []
@@ -238,7 +250,14 @@ def main() -> int:
                                       shape=str(TINY if args.tiny else QWEN3_30B))
     table.to_csv(args.out, index=False)
     failed = table[table["passed"] == False]  # noqa: E712 (None = not checked)
-    print(f"wrote {len(table)} rows to {args.out}; {len(failed)} correctness failures")
+    timed = table[table["provider"].str.startswith("triton") & table["median_ms"].notna()]
+    for case, group in timed.groupby("case", sort=False):
+        best = group.loc[group["median_ms"].idxmin()]
+        default = group[group["provider"] == "triton"]["median_ms"]
+        print(f"best {case:28s} {best['provider']:36s} {best['median_ms'] * 1e3:9.1f} us"
+              + (f" (default {default.iloc[0] * 1e3:.1f} us)" if len(default) else ""))
+    print(f"wrote {len(table)} rows to {args.out} in {time.perf_counter() - started:.0f} s; "
+          f"{len(failed)} correctness failures")
     return 1 if len(failed) else 0
 
 
