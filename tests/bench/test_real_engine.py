@@ -1,0 +1,29 @@
+"""`rimuru bench --backend inproc` on the real engine (tiny synthetic checkpoint, CPU)."""
+
+import json
+
+from rimuru.cli import main
+from rimuru.workloads.trace import TraceRequest, write_trace
+from tests.serve.real_engine import ENGINE_OPTIONS, tiny_checkpoint
+
+
+def small_trace(n=6):
+    return [TraceRequest(f"r{i}", 0.01 * i, f"Question {i}: why is the sky blue?", 10, 2 + i % 7) for i in range(n)]
+
+
+def test_bench_command_inproc_generates_every_token_and_reports_engine_stats(tmp_path, capsys):
+    path, out = tmp_path / "trace.jsonl", tmp_path / "result.json"
+    reqs = small_trace()
+    write_trace(path, reqs)
+    rc = main(["bench", "--backend", "inproc", "--model", str(tiny_checkpoint()), "--workload", str(path),
+               "--gpu-memory-budget", ENGINE_OPTIONS["gpu_memory_budget"], "--device", "cpu", "--max-num-seqs", "8",
+               "--max-num-batched-tokens", "512", "--engine-option", "max_model_len=256", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["completed"] == 6 and result["backend"] == "inproc" and result["model_id"] == "tiny-qwen3-moe"
+    assert result["output_lens"] == [r.output_len for r in reqs]
+    engine = result["engine"]
+    assert engine["generated_tokens"] == sum(r.output_len for r in reqs) and engine["kv_pages"] == 0
+    assert engine["forward_steps"] > 0 and engine["peak_concurrency"] >= 2 and engine["timeline"]
+    assert "Peak concurrent requests" in capsys.readouterr().out
