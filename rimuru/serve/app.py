@@ -183,7 +183,8 @@ def _check_common(req, model_name: str) -> None:
 
 
 def _vocab_size(engine: AsyncEngine) -> int | None:
-    size = getattr(engine.engine, "vocab_size", None) or getattr(getattr(engine.engine, "spec", None), "vocab_size", None)
+    inner = engine.engine
+    size = getattr(inner, "vocab_size", None) or getattr(getattr(inner, "spec", None), "vocab_size", None)
     if size is None and engine.tokenizer is not None:
         with contextlib.suppress(TypeError):
             size = len(engine.tokenizer)
