@@ -63,6 +63,63 @@ def write_kv_kernel(
 
 
 @triton.jit
+def _online_softmax_tiles(
+    acc, m_i, l_i, q, q_pos,
+    # pointers
+    kv_ptr, bt_row_ptr,
+    # sizes and strides (elements)
+    kv_head, kv_lo, kv_hi, scale_log2, head_dim,
+    stride_page, stride_kv, stride_tok, stride_head,
+    # meta-parameters
+    BLOCK_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    MASK_KEYS: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Fold keys ``[kv_lo, kv_hi)`` of one request and KV head into the running softmax ``(acc, m_i, l_i)``.
+
+    q: [M, BLOCK_D] (M query rows); acc: [M, BLOCK_D] fp32; m_i, l_i: [M] fp32 (log2 domain);
+    q_pos: [M] key limit per row (with ``CAUSAL``, row ``i`` sees keys ``<= q_pos[i]``); bt_row_ptr: this
+    request's block-table row. Token ``n`` is read from page ``bt_row[n // B]``, offset ``n % B``.
+    ``MASK_KEYS=False`` when every tile is full (``kv_hi - kv_lo`` a multiple of ``BLOCK_N``) and visible.
+    """
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < head_dim
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        if MASK_KEYS:
+            n_valid = offs_n < kv_hi
+            page = tl.load(bt_row_ptr + offs_n // BLOCK_TOKENS, mask=n_valid, other=0).to(tl.int64)
+        else:
+            page = tl.load(bt_row_ptr + offs_n // BLOCK_TOKENS).to(tl.int64)
+        kv_off = page * stride_page + (offs_n % BLOCK_TOKENS) * stride_tok + kv_head * stride_head  # [BLOCK_N]
+        k_ptrs = kv_ptr + kv_off[None, :] + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
+        v_ptrs = kv_ptr + stride_kv + kv_off[:, None] + offs_d[None, :]  # [BLOCK_N, BLOCK_D]
+        if MASK_KEYS:
+            k = tl.load(k_ptrs, mask=n_valid[None, :] & d_valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=d_valid[:, None], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, BLOCK_N]
+        if CAUSAL:
+            qk = tl.where((offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :], qk, float("-inf"))
+        elif MASK_KEYS:
+            qk = tl.where(n_valid[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK_KEYS:
+            v = tl.load(v_ptrs, mask=n_valid[:, None] & d_valid[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=d_valid[None, :], other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def prefill_attention_kernel(
     # pointers
     q_ptr, kv_ptr, out_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr,
@@ -80,8 +137,9 @@ def prefill_attention_kernel(
     q, out: [T, H, D]; kv: [num_pages, 2, B, Hkv, D]; block_tables: [R, max_blocks] int32;
     cu_query_lens: [R+1] int32; seq_lens: [R] int32 (cached + new tokens).
     Row ``i`` of a program is query token ``i // G`` of the block, head ``hkv * G + i % G``; that token
-    sits at position ``seq_len - q_len + token`` and sees keys ``0..position``. ``DOT_PRECISION`` is
-    "ieee" for fp32 KV (no TF32), ``UPCAST`` runs the dots in fp32 (only for the CPU interpreter).
+    sits at position ``seq_len - q_len + token`` and sees keys ``0..position``. Key tiles that every row
+    sees run without masks, the rest (the diagonal) with the causal mask. ``DOT_PRECISION`` is "ieee" for
+    fp32 KV (no TF32); ``UPCAST`` runs the dots in fp32 (only for the CPU interpreter).
     """
     req = tl.program_id(0)
     m_block = tl.program_id(1)
@@ -95,44 +153,32 @@ def prefill_attention_kernel(
         head = kv_head * GROUP + rows % GROUP
         row_valid = tok < q_len
         offs_d = tl.arange(0, BLOCK_D)
-        d_valid = offs_d < head_dim
+        mask = row_valid[:, None] & (offs_d < head_dim)[None, :]
         q_rows = (q_start + tok).to(tl.int64)
         q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+                    mask=mask, other=0.0)  # [BLOCK_M, BLOCK_D]
         if UPCAST:
             q = q.to(tl.float32)
         q_pos = seq_len - q_len + tok  # [BLOCK_M]
+        first_pos = seq_len - q_len + (m_block * BLOCK_M) // GROUP
         last_tok = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)
         kv_end = seq_len - q_len + last_tok + 1  # keys this block can see
+        full_end = (first_pos + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees, whole tiles
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
-        for start in range(0, kv_end, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < kv_end
-            page = tl.load(bt_row + offs_n // BLOCK_TOKENS, mask=n_valid, other=0).to(tl.int64)
-            kv_off = page * stride_page + (offs_n % BLOCK_TOKENS) * stride_tok + kv_head * stride_head  # [BLOCK_N]
-            k = tl.load(kv_ptr + kv_off[None, :] + offs_d[:, None],
-                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
-            visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(kv_ptr + stride_kv + kv_off[:, None] + offs_d[None, :],
-                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = _online_softmax_tiles(
+            acc, m_i, l_i, q, q_pos, kv_ptr, bt_row, kv_head, 0, full_end, scale_log2, head_dim,
+            stride_page, stride_kv, stride_tok, stride_head,
+            BLOCK_TOKENS, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION, UPCAST)
+        acc, m_i, l_i = _online_softmax_tiles(
+            acc, m_i, l_i, q, q_pos, kv_ptr, bt_row, kv_head, full_end, kv_end, scale_log2, head_dim,
+            stride_page, stride_kv, stride_tok, stride_head,
+            BLOCK_TOKENS, BLOCK_N, BLOCK_D, True, True, DOT_PRECISION, UPCAST)
         acc = acc / l_i[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -152,9 +198,11 @@ def decode_attention_kernel(
     """One query token per request over its KV range ``split``. Grid ``(R, Hkv, NUM_SPLITS)``.
 
     q, out: [R, H, D]; kv: [num_pages, 2, B, Hkv, D]; block_tables: [R, max_blocks]; seq_lens: [R].
+    The G query heads of a KV head are the rows of one program (padded to ``BLOCK_G >= 16`` for the dot).
     With ``NUM_SPLITS == 1`` the normalised result goes straight to ``out``; otherwise each split writes
     its partial ``part_out [R, H, S, D]`` (fp32, normalised within the split) and
     ``part_lse [R, H, S]`` (log2 domain) for :func:`decode_reduce_kernel`. Splits past ``seq_len`` write nothing.
+    ``tokens_per_split`` is a multiple of ``BLOCK_N``, so only a split's last tile needs masks.
     """
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,42 +211,29 @@ def decode_attention_kernel(
     kv_start = split * tokens_per_split
     if kv_start < seq_len:
         kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
+        full_end = kv_start + (kv_end - kv_start) // BLOCK_N * BLOCK_N
         offs_g = tl.arange(0, BLOCK_G)
         g_valid = offs_g < GROUP
         head = kv_head * GROUP + offs_g
         offs_d = tl.arange(0, BLOCK_D)
-        d_valid = offs_d < head_dim
+        mask = g_valid[:, None] & (offs_d < head_dim)[None, :]
         q = tl.load(q_ptr + req.to(tl.int64) * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_G, BLOCK_D]
+                    mask=mask, other=0.0)  # [BLOCK_G, BLOCK_D]
         if UPCAST:
             q = q.to(tl.float32)
         m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
-        for start in range(kv_start, kv_end, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_valid = offs_n < kv_end
-            page = tl.load(bt_row + offs_n // BLOCK_TOKENS, mask=n_valid, other=0).to(tl.int64)
-            kv_off = page * stride_page + (offs_n % BLOCK_TOKENS) * stride_tok + kv_head * stride_head  # [BLOCK_N]
-            k = tl.load(kv_ptr + kv_off[None, :] + offs_d[:, None],
-                        mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-            if UPCAST:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_G, BLOCK_N]
-            qk = tl.where(n_valid[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp2(qk - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(kv_ptr + stride_kv + kv_off[:, None] + offs_d[None, :],
-                        mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc, m_i, l_i = _online_softmax_tiles(
+            acc, m_i, l_i, q, offs_g, kv_ptr, bt_row, kv_head, kv_start, full_end, scale_log2, head_dim,
+            stride_page, stride_kv, stride_tok, stride_head,
+            BLOCK_TOKENS, BLOCK_N, BLOCK_D, False, False, DOT_PRECISION, UPCAST)
+        acc, m_i, l_i = _online_softmax_tiles(
+            acc, m_i, l_i, q, offs_g, kv_ptr, bt_row, kv_head, full_end, kv_end, scale_log2, head_dim,
+            stride_page, stride_kv, stride_tok, stride_head,
+            BLOCK_TOKENS, BLOCK_N, BLOCK_D, True, False, DOT_PRECISION, UPCAST)
         acc = acc / l_i[:, None]
-        mask = g_valid[:, None] & d_valid[None, :]
         if NUM_SPLITS == 1:
             tl.store(out_ptr + req.to(tl.int64) * stride_or + head[:, None] * stride_oh + offs_d[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,12 +1,18 @@
 """Attention sub-layer over paged KV vs transformers' own Qwen3MoeAttention / Qwen2MoeAttention."""
 
 import os
+import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernels' @triton.jit
+# Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1, which must be set before triton is first
+# imported (`make test` sets it). Alone, this module sets it itself; after another module imported triton it cannot.
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+needs_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before triton is imported (make test sets it)")
 
 from transformers import DynamicCache, Qwen2MoeConfig, Qwen3MoeConfig, Qwen3NextConfig  # noqa: E402
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention  # noqa: E402
@@ -144,7 +150,7 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton)])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
 def test_prefill_then_decode_matches_transformers_attention(kind, impl):
     config, module = make_hf_attention(kind)
