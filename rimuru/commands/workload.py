@@ -10,6 +10,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="sampling and arrival seed (default: the spec's)")
     parser.add_argument("--num-requests", type=int, default=None, help="requests in the trace (default: the spec's)")
     parser.add_argument("--dataset", default=None, help="override the spec's dataset (a ShareGPT JSON path, ...)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="override the spec's tokenizer: qwen, qwen3.5, or a HF tokenizer dir / hub name")
     parser.add_argument("--out", default=None, help="trace path (JSONL); default: print a summary only")
     parser.add_argument("--list", action="store_true", help="list the bundled workload specs and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -28,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give a workload spec (see --list)")
     if args.num_requests is not None and args.num_requests < 1:
         raise UserError(f"--num-requests must be at least 1, got {args.num_requests}")
-    spec = load_spec(args.spec).with_overrides(dataset=args.dataset)
+    spec = load_spec(args.spec).with_overrides(dataset=args.dataset, tokenizer=args.tokenizer)
     trace = build_trace(spec, seed=args.seed, num_requests=args.num_requests, progress=not args.no_progress)
     if args.out:
         write_trace(args.out, trace)
