@@ -15,3 +15,13 @@ def test_counts_are_cached_per_text():
     counter = TokenCounter("t", lambda text: calls.append(text) or text.split())
     assert counter("a b c") == 3 and counter("a b c") == 3 and counter("a b") == 2
     assert calls == ["a b c", "a b"]
+
+
+def test_tiktoken_fast_path_counts_like_the_checkpoints_hf_tokenizer():
+    from rimuru.workloads.sharegpt import load_sharegpt
+    from tests.serve.real_engine import tiny_checkpoint
+
+    fast, hf = get_token_counter("qwen"), get_token_counter(str(tiny_checkpoint()))
+    texts = [turn["value"] for r in load_sharegpt()[:150] for turn in r["conversations"][:2]]
+    texts += ["", "  leading spaces", "e\u0301 combining", "<|im_start|>user\nhi<|im_end|>", "数字 12345"]
+    assert [fast(t) for t in texts] == [hf(t) for t in texts]
