@@ -51,13 +51,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
     app = FastAPI(title="rimuru", lifespan=lifespan)
     app.state.engine = engine
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        if request.url.path.startswith("/v1/") and request.method == "POST":
-            key = f"{response.status_code // 100}xx"
-            request_counts[key] = request_counts.get(key, 0) + 1
-        return response
+    app.add_middleware(_CountResponses, counts=request_counts)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -160,6 +154,26 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
         return await _unless_disconnected(request, run())
 
     return app
+
+
+class _CountResponses:
+    """Pure ASGI middleware counting POST /v1/* answers by status class (no body buffering, unlike
+    BaseHTTPMiddleware, so streams and disconnect detection pass through untouched)."""
+
+    def __init__(self, app, counts: dict[str, int]) -> None:
+        self.app, self.counts = app, counts
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+
+        async def counting_send(message) -> None:
+            if message["type"] == "http.response.start":
+                key = f"{message['status'] // 100}xx"
+                self.counts[key] = self.counts.get(key, 0) + 1
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 # -- request parsing --------------------------------------------------------------------------------
