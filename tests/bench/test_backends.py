@@ -76,3 +76,35 @@ def test_bench_command_rejects_bad_input_in_one_line(capsys):
     assert main(["bench", "--backend", "inproc", "--workload", "sharegpt-burst"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "goodput" in err[0] and "--model" in err[1]
+
+
+def test_openai_backend_counts_text_tokens_when_the_server_reports_no_usage():
+    import json as _json
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "other-server"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        assert body["max_completion_tokens"] == 3 and body["messages"][0]["content"] == "p"
+
+        async def events():
+            yield ": ping\n\n"  # SSE comments are skipped
+            for piece in ("one ", "two ", "three"):
+                yield f"data: {_json.dumps({'choices': [{'delta': {'content': piece}}]})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    with running_server(app) as url:
+        records, _, model = bench_openai([TraceRequest("x", 0.0, "p", 1, 3)], url, endpoint="/v1/chat/completions",
+                                         count_tokens=lambda text: len(text.split()), progress=False)
+    assert model == "other-server"
+    assert records[0].success and records[0].generated_text == "one two three" and records[0].output_tokens == 3
+    assert len(records[0].itl) == 2
