@@ -171,6 +171,7 @@ class LLM:
             change = decide(self.adjuster, out.kv_short_l2, f_b, self.cache.num_cached, self.cache.total)
             change = self.cache.expand(change) if change > 0 else -self.cache.shrink(-change) if change < 0 else 0
         outputs: list[RequestOutput] = []
+        decode_tokens = sum(1 for c in out.chunks if c.num_tokens == 1 and c.samples)  # before update() appends
         if not out.is_empty:
             logits = self.executor.execute(out)
             samplers = [c for c in out.chunks if c.samples]
@@ -190,7 +191,7 @@ class LLM:
         if not out.is_empty:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._record(out, t0, change, loaded_before)
+            self._record(out, t0, change, loaded_before, decode_tokens)
         return outputs
 
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
@@ -198,9 +199,8 @@ class LLM:
                              req.finish_reason if finished else None, None, req.arrival_time, req.first_token_time,
                              list(req.token_times))
 
-    def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int]) -> None:
+    def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int], decode: int) -> None:
         now = time.perf_counter()
-        decode = sum(c.num_tokens for c in out.chunks if c.num_tokens == 1 and c.samples)
         kv_pages = self.kv.num_allocated_pages
         self.timeline.add(StepRecord(
             step=self.scheduler.forward_steps, time_s=now - self._start, step_ms=(now - t0) * 1e3,

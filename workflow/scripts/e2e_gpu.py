@@ -1,0 +1,199 @@
+"""End-to-end serving on one GPU: elastic vs fixed vs static on a synthetic Qwen3 MoE.
+
+Builds the model in memory (real layer shapes, seeded weights with a stated routing skew),
+profiles its hotset, then serves a token-id trace (ShareGPT lengths) through the in-process
+engine for each policy and arrival process. Writes e2e.csv (one row per run, vllm-bench-serve
+metric names, provenance), a timeline CSV per run, and step_floor.csv comparing each decode
+step's time with its floor (HBM bytes / 4.26 TB/s, expert bytes loaded / 55.4 GB/s).
+
+``--layers`` keeps the real per-layer shapes but fewer layers so that runs fit a device-time
+budget; the memory budget is scaled so that what the workload competes for — cache + KV, the
+pool minus the two loading buffers (which are per-layer-count independent) — is the same
+fraction of the model as the full model under ``--budget``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from rimuru.bench.metrics import RequestRecord, compute_metrics
+from rimuru.engine.config import EngineConfig
+from rimuru.engine.llm import LLM, _activation_estimate
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.models.spec import ModelSpec
+from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory
+from rimuru.provenance import provenance
+from rimuru.units import parse_bytes
+
+HBM_BPS, PCIE_BPS = 4.26e12, 55.4e9  # measured on the H200 (DESIGN.md §6)
+
+
+def load_trace(path: str, n: int) -> list[dict]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return rows[:n]
+
+
+def scaled_budget(full: ModelSpec, ckpt, budget: int, layers: int, config: EngineConfig, policy_static: bool,
+                  device: torch.device) -> int:
+    page = full.expert_projection_bytes(config.torch_dtype)
+    per_layer_dense = sum(t.numel() * t.element_size() for k, t in ckpt.dense.items()
+                          if k.startswith("model.layers.0."))
+    dense_small = sum(t.numel() * t.element_size() for t in ckpt.dense.values())
+    dense_full = dense_small + (full.num_layers - layers) * per_layer_dense
+    act = _activation_estimate(full, config, config.torch_dtype, device)
+    buffers = 0 if policy_static else 6 * full.num_experts * page
+    elastic_full = budget - dense_full - act - buffers
+    return int(dense_small + act + buffers + elastic_full * layers / full.num_layers)
+
+
+def serve(llm: LLM, trace: list[dict], rate: float | None, seed: int) -> tuple[dict, float]:
+    """Arrivals: all at time 0 (rate None) or Poisson at ``rate``; returns metrics and duration."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, len(trace)) if rate else np.zeros(len(trace))
+    arrivals = np.cumsum(gaps) - (gaps[0] if rate else 0)
+    records: dict[str, RequestRecord] = {}
+    start = time.perf_counter()
+    nxt = 0
+    while nxt < len(trace) or llm.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while nxt < len(trace) and arrivals[nxt] <= now:
+            row = trace[nxt]
+            rid = f"r{nxt}"
+            t_arr = start + arrivals[nxt]
+            llm.add_request(rid, row["prompt_token_ids"], SamplingParams(max_tokens=row["output_len"], ignore_eos=True),
+                            arrival_time=t_arr)
+            records[rid] = RequestRecord(rid, len(row["prompt_token_ids"]), row["output_len"], start_time=t_arr)
+            nxt += 1
+        if not llm.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.01, start + arrivals[nxt] - time.perf_counter())))
+            continue
+        for out in llm.step():
+            if out.finished:
+                r = records[out.request_id]
+                times = out.token_times
+                r.success, r.output_tokens = True, len(out.output_token_ids)
+                r.ttft, r.latency = times[0] - r.start_time, times[-1] - r.start_time
+                r.itl = list(np.diff(times))
+    duration = time.perf_counter() - start
+    return compute_metrics(list(records.values()), duration), duration
+
+
+def step_floor(frame: pd.DataFrame, llm: LLM) -> pd.DataFrame:
+    """Per decode-only step: bytes the step must read from HBM and load over PCIe, and its floor."""
+    spec = llm.spec
+    dense = sum(t.numel() * t.element_size() for t in llm.model.w.values())
+    embed = llm.model.w["model.embed_tokens.weight"]
+    dense_read = dense - embed.numel() * embed.element_size() * (0 if "lm_head.weight" in llm.model.w else 1)
+    expert_bytes = 3 * spec.expert_projection_bytes(torch.bfloat16)
+    kv_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+    d = frame[frame.prefill_tokens == 0].copy()
+    d["hbm_bytes"] = dense_read + d.experts_touched * expert_bytes + d.context_tokens * kv_token
+    d["hbm_ms"] = d.hbm_bytes / HBM_BPS * 1e3
+    d["pcie_ms"] = d.expert_bytes_loaded / PCIE_BPS * 1e3
+    d["floor_overlap_ms"] = np.maximum(d.hbm_ms, d.pcie_ms)  # copies hidden behind HBM-bound compute
+    d["floor_serial_ms"] = d.hbm_ms + d.pcie_ms  # no copy hidden
+    return d
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--skew", type=float, default=0.7, help="routing skew (Zipf exponent, see docs/routing_skew.md)")
+    ap.add_argument("--budget", default="32GiB")
+    ap.add_argument("--static-budget", default="80GiB")
+    ap.add_argument("--kv-reserve", type=float, default=0.1)
+    ap.add_argument("--trace", required=True, help="JSONL with prompt_token_ids and output_len")
+    ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--rate", type=float, default=4.0, help="Poisson rate for the second workload")
+    ap.add_argument("--runs", default="elastic:burst,fixed:burst,elastic:poisson,fixed:poisson,static:burst")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile-budget", default="100GiB")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+
+    t0 = time.perf_counter()
+    ckpt = synthetic_checkpoint_in_memory(args.model, seed=args.seed, routing_skew=args.skew, device=device,
+                                          dtype=dtype, num_layers=args.layers, progress=False)
+    print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
+    full = ModelSpec.from_pretrained(args.model)
+    trace = load_trace(args.trace, args.num_requests)
+
+    # hotset: route calibration prompts (the first 64 of the trace, truncated) with every expert resident
+    prof = LLM(ckpt, gpu_memory_budget=args.profile_budget, policy="static", record_routing=True, seed=args.seed,
+               device=args.device, dtype=dtype)
+    prof.generate([r["prompt_token_ids"][:256] for r in trace[:64]], SamplingParams(max_tokens=16, ignore_eos=True),
+                  use_tqdm=False)
+    hotset = prof.routing_hotset()
+    hotset_path = out / "hotset.json"
+    hotset.save(hotset_path)
+    top32 = hotset.top_share(32)
+    print(f"hotset: top-32 experts take {100 * top32:.1f}% of routings (skew {args.skew})", flush=True)
+    del prof
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    rows, floors = [], []
+    for run in args.runs.split(","):
+        policy, workload = run.split(":")
+        budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
+        probe_cfg = EngineConfig(policy=policy, device=args.device, dtype=dtype)
+        budget = scaled_budget(full, ckpt, budget_full, args.layers, probe_cfg, policy == "static", device)
+        llm = LLM(ckpt, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve, hotset=str(hotset_path),
+                  seed=args.seed, device=args.device, dtype=dtype)
+        # warm-up: compile kernels for prefill and decode shapes, then drop its steps from the record
+        llm.generate([trace[0]["prompt_token_ids"]] * 4, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.timeline.records.clear()
+        base = llm.stats()
+        rate = args.rate if workload == "poisson" else None
+        metrics, duration = serve(llm, trace, rate, args.seed)
+        stats = llm.stats()
+        frame = llm.timeline.frame()
+        frame.to_csv(out / f"timeline_{policy}_{workload}.csv", index=False)
+        fl = step_floor(frame, llm)
+        floors.append({"policy": policy, "workload": workload, "decode_steps": len(fl),
+                       "median_step_ms": fl.step_ms.median(), "median_floor_overlap_ms": fl.floor_overlap_ms.median(),
+                       "median_floor_serial_ms": fl.floor_serial_ms.median(),
+                       "median_ratio_to_overlap_floor": (fl.step_ms / fl.floor_overlap_ms).median(),
+                       "median_ratio_to_serial_floor": (fl.step_ms / fl.floor_serial_ms).median()})
+        rows.append({
+            "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew})", "policy": policy,
+            "budget_gib": budget_full / 2**30, "scaled_budget_gib": round(budget / 2**30, 3), "workload": workload,
+            "request_rate": rate if rate else float("inf"), "num_requests": len(trace),
+            "request_throughput": metrics["request_throughput"], "output_throughput": metrics["output_throughput"],
+            "mean_ttft_ms": metrics["mean_ttft_ms"], "p99_ttft_ms": metrics["p99_ttft_ms"],
+            "mean_tpot_ms": metrics["mean_tpot_ms"], "p99_tpot_ms": metrics["p99_tpot_ms"],
+            "mean_e2el_ms": metrics["mean_e2el_ms"], "peak_concurrency": stats.peak_concurrency,
+            "forward_steps": stats.forward_steps - base.forward_steps, "preemptions": stats.preemptions,
+            "expert_gb_loaded": (stats.expert_bytes_loaded - base.expert_bytes_loaded) / 1e9,
+            "initial_cache_experts": llm.memory_report["initial_cache_experts"],
+            "total_experts": llm.memory_report["total_experts"], "top32_share": round(top32, 4),
+            "duration_s": duration, **provenance(),
+        })
+        print(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "request_throughput", "output_throughput",
+                                                     "mean_ttft_ms", "mean_tpot_ms", "peak_concurrency",
+                                                     "forward_steps")}), flush=True)
+        print(json.dumps(floors[-1]), flush=True)
+        pd.DataFrame(rows).to_csv(out / "e2e.csv", index=False)
+        pd.DataFrame(floors).to_csv(out / "step_floor.csv", index=False)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
