@@ -9,6 +9,8 @@ Two launches of one kernel over the expert-grouped schedule of :mod:`rimuru.kern
 2. ``DOWN``: ``y = h @ W2^T`` with W2 stored transposed as a ``[f, d]`` page, scaled by the
    routing weight in the epilogue; the wrapper sums the ``k`` routed rows of each token.
 
+Under TRITON_INTERPRET=1 (CPU) use fp32: Triton 3.9's interpreter mis-computes bf16 ``tl.dot``.
+
 ``PAGED=False`` is the contiguous baseline over ``[E, 3, f, d]``: the same kernel, whose page id
 ``3e + proj`` is computed instead of loaded — the overhead ablation compares exactly one load.
 """
@@ -50,7 +52,7 @@ def fused_moe_kernel(
     # grouped ordering: GROUP_M row blocks share a band of weight columns in L2
     group = GROUP_M * num_pid_n
     first_m = (pid // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
     if group_m <= 0:
         return  # a block past the real end of the schedule
     pid_m = first_m + (pid % group) % group_m
