@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from rimuru.experts.moe_block import routed_experts
 from rimuru.experts.router import route
 from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
 from rimuru.models.rms_norm import rms_norm
@@ -26,17 +27,6 @@ class ExpertProvider(Protocol):
         """Page table [E, 3] for this layer's routed tokens (may start the next layer's prefetch)."""
 
     def layer_done(self, moe_layer: int) -> None: ...
-
-
-def routed_experts(hidden, topk_weights, topk_ids, expert_view, page_table, impl: str) -> torch.Tensor:
-    """Routed-expert output through the page table: the Triton kernel on CUDA, einsum otherwise."""
-    if impl == "triton" or (impl == "auto" and hidden.is_cuda):
-        from rimuru.kernels.fused_moe import fused_moe
-
-        return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table)
-    from rimuru.experts.moe_reference import moe_reference
-
-    return moe_reference(hidden, topk_weights, topk_ids, expert_view, page_table)
 
 
 class QwenMoeModel:
