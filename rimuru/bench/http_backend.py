@@ -10,6 +10,7 @@ between later such chunks, E2EL the time of the last one; the output token count
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import time
@@ -114,9 +115,13 @@ async def send_request(client: httpx.AsyncClient, url: str, req: TraceRequest, m
 async def run_openai(requests: Sequence[TraceRequest], base_url: str, *, model: str | None = None,
                      endpoint: str = "/v1/completions", ignore_eos: bool = True, max_concurrency: int | None = None,
                      extra_body: dict | None = None, count_tokens: Callable[[str], int] | None = None,
-                     ready_timeout_s: float = 60.0, progress: bool = True,
-                     time_scale: float = 1.0) -> tuple[list[RequestRecord], float, str]:
-    """Send ``requests`` at their arrival times (scaled by ``time_scale``); return (records, duration, model)."""
+                     ready_timeout_s: float = 60.0, progress: bool = True, time_scale: float = 1.0,
+                     num_warmups: int = 1) -> tuple[list[RequestRecord], float, str]:
+    """Send ``requests`` at their arrival times (scaled by ``time_scale``); return (records, duration, model).
+
+    First, ``num_warmups`` copies of the first request run concurrently and unmeasured (vLLM's initial test
+    prompt); if one fails, the run stops with its error.
+    """
     from tqdm.asyncio import tqdm
 
     base_url = base_url.rstrip("/")
@@ -129,6 +134,12 @@ async def run_openai(requests: Sequence[TraceRequest], base_url: str, *, model: 
         served = await wait_for_server(client, base_url, ready_timeout_s)
         model = model or served
         ordered = sorted(requests, key=lambda r: r.arrival_time)
+        warmups = await asyncio.gather(*(
+            send_request(client, url, dataclasses.replace(ordered[0], request_id=f"warmup-{i}"), model,
+                         ignore_eos=ignore_eos, extra_body=extra_body) for i in range(num_warmups)))
+        for rec in warmups:
+            if not rec.success:
+                raise ValueError(f"the warm-up request to {url} failed: {rec.error[:500]}")
         bar = tqdm(total=len(ordered), desc="requests", unit="req", disable=not progress)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 

@@ -27,17 +27,46 @@ def prompt_encoder(engine) -> Callable[[str], list[int]]:
     return get_token_counter("qwen").encode
 
 
-def _stats(engine) -> dict | None:
+def _warm_up(engine, prompt: list[int], output_len: int, ignore_eos: bool, n: int) -> None:
+    from rimuru.engine.sampling_params import SamplingParams
+
+    if n < 1 or not prompt:
+        return
+    for i in range(n):
+        try:
+            engine.add_request(f"warmup-{i}", prompt, SamplingParams(max_tokens=output_len, ignore_eos=ignore_eos))
+        except ValueError:
+            break  # the engine rejects this prompt; the measured run reports it as a failed request
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+COUNTERS = ("forward_steps", "preemptions", "generated_tokens", "expert_bytes_loaded")
+
+
+def _stats(engine, base: dict | None = None) -> dict | None:
+    """EngineStats as a dict; cumulative counters relative to ``base`` (the stats after the warm-up)."""
     stats = getattr(engine, "stats", None)
     if stats is None:
         return None
     value = stats()
-    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(vars(value))
+    out = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else dict(vars(value))
+    for key in COUNTERS:
+        if base and key in out and key in base:
+            out[key] -= base[key]
+    return out
 
 
 def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = True, progress: bool = True,
-               time_scale: float = 1.0, sample_interval_s: float = 0.25) -> tuple[list[RequestRecord], float, dict]:
-    """Run ``requests`` through ``engine``; return (records, duration, engine info with a stats timeline)."""
+               time_scale: float = 1.0, sample_interval_s: float = 0.25,
+               num_warmups: int = 1) -> tuple[list[RequestRecord], float, dict]:
+    """Run ``requests`` through ``engine``; return (records, duration, engine info with a stats timeline).
+
+    First, ``num_warmups`` copies of the first request run to completion, unmeasured (kernel compilation and
+    allocator warm-up stay out of the numbers). The engine info is the EngineStats at the end; its counters
+    (forward steps, preemptions, generated tokens, expert bytes loaded) count from the end of the warm-up;
+    peak_concurrency is the engine's own, since its start.
+    """
     from tqdm import tqdm
 
     from rimuru.engine.sampling_params import SamplingParams
@@ -46,6 +75,8 @@ def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = T
     ordered = sorted(requests, key=lambda r: r.arrival_time)
     prompts = [encode(r.prompt) for r in ordered]
     records = {r.request_id: RequestRecord(r.request_id, len(p), r.output_len) for r, p in zip(ordered, prompts)}
+    _warm_up(engine, prompts[0] if prompts else [], ordered[0].output_len if ordered else 1, ignore_eos, num_warmups)
+    base = _stats(engine)
     last_token: dict[str, float] = {}
     timeline: list[dict] = []
     bar = tqdm(total=len(ordered), desc="requests", unit="req", disable=not progress)
@@ -88,14 +119,14 @@ def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = T
                     rec.error = f"finished without output ({out.finish_reason})"
                 bar.update(1)
         if now >= next_sample:
-            stats = _stats(engine)
+            stats = _stats(engine, base)
             if stats is not None:
                 timeline.append({"t": round(now - start, 4), **stats})
             next_sample = now + sample_interval_s
     duration = time.perf_counter() - start
     bar.close()
     info: dict = {}
-    final = _stats(engine)
+    final = _stats(engine, base)
     if final is not None:
         info.update(final)
         info["timeline"] = timeline

@@ -35,6 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--percentiles", default="99", help="comma-separated latency percentiles to report")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="generate exactly output_len tokens (ignore_eos where the server supports it)")
+    parser.add_argument("--num-warmups", type=int, default=1,
+                        help="unmeasured copies of the first request run before the clock starts")
     parser.add_argument("--out", default=None, help="write the JSON result here")
     parser.add_argument("--save-details", action="store_true", help="also store per-request ITLs and texts")
     parser.add_argument("--label", default=None, help="a free-form label stored in the result")
@@ -73,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--num-requests must be at least 1, got {args.num_requests}")
     if args.request_rate is not None and not args.request_rate > 0:
         raise UserError(f"--request-rate must be positive (inf = all at once), got {args.request_rate}")
+    if args.num_warmups < 0:
+        raise UserError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if args.time_scale < 0 or math.isnan(args.time_scale):
         raise UserError("--time-scale must be non-negative")
     if args.backend == "inproc" and not args.model:
@@ -87,14 +91,16 @@ def run(args: argparse.Namespace) -> int:
         records, duration, model = bench_openai(
             requests, args.base_url, model=args.served_model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
             max_concurrency=args.max_concurrency, count_tokens=_count_qwen_tokens,
-            ready_timeout_s=args.ready_timeout, progress=not args.no_progress, time_scale=args.time_scale)
+            ready_timeout_s=args.ready_timeout, progress=not args.no_progress, time_scale=args.time_scale,
+            num_warmups=args.num_warmups)
     else:
         from rimuru.bench.inproc import run_inproc
 
         engine = _make_engine(args)
         model = getattr(engine, "model_name", str(args.model))
         records, duration, engine_info = run_inproc(engine, requests, ignore_eos=args.ignore_eos,
-                                                    progress=not args.no_progress, time_scale=args.time_scale)
+                                                    progress=not args.no_progress, time_scale=args.time_scale,
+                                                    num_warmups=args.num_warmups)
     result = make_result(records, duration, backend=args.backend, model=model, workload=workload, goodput=goodput,
                          percentiles=percentiles, engine=engine_info, settings=settings, details=args.save_details)
     print("\n".join(summary_lines(result)))

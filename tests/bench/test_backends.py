@@ -18,7 +18,7 @@ def trace(n=12, spacing=0.02, output_len=lambda i: 3 + i % 5):
 def test_inproc_honours_arrivals_and_generates_exactly_output_len_tokens():
     engine = FakeLLM(step_delay_s=0.002)
     reqs = trace()
-    records, duration, info = run_inproc(engine, reqs, progress=False)
+    records, duration, info = run_inproc(engine, reqs, progress=False, num_warmups=0)
     assert all(r.success for r in records)
     assert [r.output_tokens for r in records] == [r.output_len for r in reqs]
     t0 = min(r.start_time for r in records)
@@ -30,10 +30,21 @@ def test_inproc_honours_arrivals_and_generates_exactly_output_len_tokens():
     assert engine.added == [r.request_id for r in reqs] and not engine.has_unfinished_requests()
 
 
+def test_inproc_warm_up_runs_first_and_stays_out_of_the_numbers():
+    engine = FakeLLM()
+    reqs = trace(n=4, spacing=0.0)
+    records, _, info = run_inproc(engine, reqs, progress=False, num_warmups=2)
+    assert engine.added == ["warmup-0", "warmup-1"] + [r.request_id for r in reqs]
+    assert [r.request_id for r in records] == [r.request_id for r in reqs]
+    assert info["generated_tokens"] == sum(r.output_len for r in reqs)
+    assert info["forward_steps"] == engine.steps - reqs[0].output_len
+
+
 def test_inproc_counts_a_rejected_prompt_as_failed():
     engine = FakeLLM(max_model_len=20)
     reqs = [TraceRequest("ok", 0.0, "short", 5, 4), TraceRequest("long", 0.0, "x" * 50, 50, 4)]
-    records, _, _ = run_inproc(engine, reqs, progress=False)
+    records, _, _ = run_inproc(engine, reqs, progress=False, num_warmups=3)
+    assert engine.added[:3] == ["warmup-0", "warmup-1", "warmup-2"]
     assert records[0].success and not records[1].success and "max_model_len" in records[1].error
 
 
