@@ -112,15 +112,50 @@ async def send_request(client: httpx.AsyncClient, url: str, req: TraceRequest, m
     return rec
 
 
+# `rimuru serve` /metrics names -> EngineStats fields (rimuru/serve/metrics.py)
+ENGINE_METRICS = {
+    "rimuru:num_requests_running": "running", "rimuru:num_requests_waiting": "waiting",
+    "rimuru:kv_pages": "kv_pages", "rimuru:cached_experts": "cached_experts", "rimuru:free_l2_pages": "free_l2_pages",
+    "rimuru:peak_concurrency": "peak_concurrency", "rimuru:generation_tokens_total": "generated_tokens",
+    "rimuru:forward_steps_total": "forward_steps", "rimuru:preemptions_total": "preemptions",
+    "rimuru:expert_bytes_loaded_total": "expert_bytes_loaded",
+}
+COUNTERS = ("forward_steps", "preemptions", "generated_tokens", "expert_bytes_loaded")
+
+
+def parse_engine_metrics(text: str) -> dict[str, int] | None:
+    """EngineStats fields from a `rimuru serve` /metrics page (None for a server without them)."""
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ENGINE_METRICS:
+            try:
+                out[ENGINE_METRICS[name]] = int(float(value))
+            except ValueError:
+                continue
+    return out or None
+
+
+async def scrape_engine(client: httpx.AsyncClient, base_url: str) -> dict[str, int] | None:
+    try:
+        resp = await client.get(f"{base_url}/metrics", timeout=5)
+    except httpx.HTTPError:
+        return None
+    return parse_engine_metrics(resp.text) if resp.status_code == 200 else None
+
+
 async def run_openai(requests: Sequence[TraceRequest], base_url: str, *, model: str | None = None,
                      endpoint: str = "/v1/completions", ignore_eos: bool = True, max_concurrency: int | None = None,
                      extra_body: dict | None = None, count_tokens: Callable[[str], int] | None = None,
                      ready_timeout_s: float = 60.0, progress: bool = True, time_scale: float = 1.0,
-                     num_warmups: int = 1) -> tuple[list[RequestRecord], float, str]:
-    """Send ``requests`` at their arrival times (scaled by ``time_scale``); return (records, duration, model).
+                     num_warmups: int = 1,
+                     sample_interval_s: float = 0.25) -> tuple[list[RequestRecord], float, str, dict | None]:
+    """Send ``requests`` at their arrival times (scaled by ``time_scale``).
 
-    First, ``num_warmups`` copies of the first request run concurrently and unmeasured (vLLM's initial test
-    prompt); if one fails, the run stops with its error.
+    Returns (records, duration, model, engine): ``engine`` is None unless the server publishes `rimuru serve`
+    engine metrics, which are then scraped every ``sample_interval_s`` into a timeline, with the cumulative
+    counters relative to the start of the measured run. First, ``num_warmups`` copies of the first request
+    run concurrently and unmeasured (vLLM's initial test prompt); if one fails, the run stops with its error.
     """
     from tqdm.asyncio import tqdm
 
@@ -154,14 +189,36 @@ async def run_openai(requests: Sequence[TraceRequest], base_url: str, *, model: 
             bar.update(1)
             return rec
 
-        start = time.perf_counter()
-        tasks = []
-        for req in ordered:
-            delay = start + req.arrival_time * time_scale - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(req)))
-        records = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        bar.close()
-    return list(records), duration, model
+        async with httpx.AsyncClient() as scraper:  # its own connection: never queued behind the load
+            base = await scrape_engine(scraper, base_url)
+            timeline: list[dict] = []
+            start = time.perf_counter()
+            sampler = asyncio.create_task(_sample(scraper, base_url, base, start, sample_interval_s, timeline))
+            tasks = []
+            for req in ordered:
+                delay = start + req.arrival_time * time_scale - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(req)))
+            records = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - start
+            sampler.cancel()
+            bar.close()
+            engine = None
+            if base is not None and (final := await scrape_engine(scraper, base_url)) is not None:
+                engine = {**_relative(final, base), "timeline": timeline}
+    return list(records), duration, model, engine
+
+
+def _relative(stats: dict, base: dict) -> dict:
+    return {k: v - base.get(k, 0) if k in COUNTERS else v for k, v in stats.items()}
+
+
+async def _sample(client, base_url: str, base: dict | None, start: float, interval: float, out: list) -> None:
+    if base is None:
+        return
+    while True:
+        stats = await scrape_engine(client, base_url)
+        if stats is not None:
+            out.append({"t": round(time.perf_counter() - start, 4), **_relative(stats, base)})
+        await asyncio.sleep(interval)

@@ -83,7 +83,8 @@ def make_result(records: Sequence[RequestRecord], duration: float, *, backend: s
     return result
 
 
-def bench_openai(requests: Sequence[TraceRequest], base_url: str, **kwargs) -> tuple[list[RequestRecord], float, str]:
+def bench_openai(requests: Sequence[TraceRequest], base_url: str,
+                 **kwargs) -> tuple[list[RequestRecord], float, str, dict | None]:
     """Synchronous wrapper of rimuru.bench.http_backend.run_openai."""
     from rimuru.bench.http_backend import run_openai
 

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     settings["engine_option"] = dict(args.engine_option)
     engine_info = None
     if args.backend == "openai":
-        records, duration, model = bench_openai(
+        records, duration, model, engine_info = bench_openai(
             requests, args.base_url, model=args.served_model, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
             max_concurrency=args.max_concurrency, count_tokens=_count_qwen_tokens,
             ready_timeout_s=args.ready_timeout, progress=not args.no_progress, time_scale=args.time_scale,

@@ -231,12 +231,15 @@ class AsyncEngine:
             self._live.clear()
             self._loop.call_soon_threadsafe(self._fail, failed, RuntimeError(f"engine step failed: {exc!r}"))
             return
+        finished = False
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)
+                finished = True
+        # stats first: a client that saw its request finish then sees that step in /metrics
+        self._update_stats(force=finished)
         if outputs:
             self._loop.call_soon_threadsafe(self._dispatch, outputs)
-        self._update_stats(force=False)
 
     def _update_stats(self, force: bool) -> None:
         now = time.monotonic()

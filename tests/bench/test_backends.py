@@ -52,8 +52,11 @@ def test_openai_backend_against_the_server_gets_every_requested_token():
     engine = FakeLLM(step_delay_s=0.002)
     reqs = trace(n=20, spacing=0.01)
     with running_server(build_app(engine)) as url:
-        records, duration, model = bench_openai(reqs, url, progress=False)
+        records, duration, model, engine_info = bench_openai(reqs, url, progress=False)
     assert model == "fake-model"
+    # engine metrics scraped from /metrics, counted from the start of the measured run (after the warm-up)
+    assert engine_info["generated_tokens"] == sum(r.output_len for r in reqs) and engine_info["cached_experts"] == 7
+    assert engine_info["timeline"] and engine_info["timeline"][0]["t"] >= 0
     assert all(r.success for r in records), [r.error for r in records]
     assert [r.output_tokens for r in records] == [r.output_len for r in reqs]
     assert [r.generated_text for r in records] == ["abcdefg"[:r.output_len] for r in reqs]
@@ -114,8 +117,9 @@ def test_openai_backend_counts_text_tokens_when_the_server_reports_no_usage():
         return StreamingResponse(events(), media_type="text/event-stream")
 
     with running_server(app) as url:
-        records, _, model = bench_openai([TraceRequest("x", 0.0, "p", 1, 3)], url, endpoint="/v1/chat/completions",
-                                         count_tokens=lambda text: len(text.split()), progress=False)
-    assert model == "other-server"
+        records, _, model, engine_info = bench_openai([TraceRequest("x", 0.0, "p", 1, 3)], url,
+                                                      endpoint="/v1/chat/completions",
+                                                      count_tokens=lambda text: len(text.split()), progress=False)
+    assert model == "other-server" and engine_info is None  # no rimuru engine metrics there
     assert records[0].success and records[0].generated_text == "one two three" and records[0].output_tokens == 3
     assert len(records[0].itl) == 2
