@@ -123,3 +123,16 @@ def test_openai_backend_counts_text_tokens_when_the_server_reports_no_usage():
     assert model == "other-server" and engine_info is None  # no rimuru engine metrics there
     assert records[0].success and records[0].generated_text == "one two three" and records[0].output_tokens == 3
     assert len(records[0].itl) == 2
+
+
+def test_request_rate_flags_replace_a_traces_arrivals_as_vllm_flags_do(tmp_path):
+    from rimuru.bench.runner import load_requests
+
+    path = tmp_path / "t.jsonl"
+    write_trace(path, trace(n=50))
+    reqs, info = load_requests(str(path), request_rate=10.0, seed=1)
+    assert info["arrival"]["kind"] == "poisson" and reqs[-1].arrival_time == pytest.approx(5.0)
+    reqs, info = load_requests(str(path), request_rate=10.0, burstiness=0.5, num_requests=20)
+    assert info["arrival"]["kind"] == "gamma" and len(reqs) == 20
+    reqs, info = load_requests(str(path), request_rate=float("inf"))
+    assert {r.arrival_time for r in reqs} == {0.0} and info["arrival"]["rate"] == "inf"

@@ -92,3 +92,12 @@ def test_packaged_truncated_file_has_17671_whole_conversations():
     records = load_sharegpt()
     assert len(records) == 17671
     assert all("conversations" in r for r in records[-100:])
+
+
+def test_hub_name_needs_the_optional_datasets_package():
+    import importlib.util
+
+    if importlib.util.find_spec("datasets") is not None:
+        pytest.skip("datasets is installed here")
+    with pytest.raises(ValueError, match="datasets"):
+        load_sharegpt("anon8231489123/ShareGPT_Vicuna_unfiltered")
