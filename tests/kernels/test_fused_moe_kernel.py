@@ -8,7 +8,7 @@ import torch
 
 from rimuru.experts.moe_reference import moe_reference
 from rimuru.kernels.fused_moe import MoeConfigs, MoeKernelConfig, fused_moe, fused_moe_experts
-from rimuru.kernels.moe_align import moe_align
+from rimuru.kernels.moe_align import moe_align, moe_align_torch
 
 needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
                                   reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
@@ -119,11 +119,15 @@ def test_bf16_kernel_on_gpu_at_qwen3_shapes_within_1e2_of_fp32_reference(T):
     assert _rel(got, ref) <= 1e-2
 
 
-def test_alignment_puts_every_pair_once_in_single_expert_blocks():
-    gen = torch.Generator().manual_seed(0)
-    T, E, k, bm = 37, 16, 4, 8
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("T,E,k,bm", [(37, 16, 4, 8), (1, 128, 8, 16), (300, 256, 8, 64)])
+def test_alignment_puts_every_pair_once_in_single_expert_blocks(impl, T, E, k, bm):
+    gen = torch.Generator().manual_seed(T)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)
-    a = moe_align(ids, E, bm)
+    a = (moe_align if impl == "triton" else moe_align_torch)(ids, E, bm)
+    ref = moe_align_torch(ids, E, bm)
+    assert torch.equal(a.expert_ids, ref.expert_ids)
+    assert torch.equal(a.num_tokens_post_padded, ref.num_tokens_post_padded)
     n = T * k
     used = int(a.num_tokens_post_padded)
     assert used % bm == 0 and used <= a.sorted_token_ids.numel()

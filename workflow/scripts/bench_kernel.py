@@ -15,8 +15,11 @@ d=2048 f=512 E=256 top-8). Providers, all over the same bf16 weights and precomp
 * ``torch_grouped_mm`` — gather, ``torch._grouped_mm`` x2, SiLU-and-mul, weighted scatter-add;
 * ``reference``   — the einsum oracle (small M only).
 
-Medians from ``triton.testing.do_bench`` (L2 flushed before each call) while rotating ``--rotate``
-random input sets. ``gbps`` counts expert weight bytes touched (the decode floor); ``tflops``
+Times are GPU times of CUDA-graph replays (host launch cost excluded) of ``--rotate`` calls over
+different random input sets (touching different experts, so weights come from HBM, not L2),
+median over batches and over ``--rounds`` interleaved rounds; ``reference`` synchronises with the
+host, so it is timed with ``triton.testing.do_bench`` instead. ``gbps`` counts expert weight
+bytes touched (the decode floor); ``tflops``
 counts ``6 * M * k * f * d``. Imports only torch, triton and the kernel modules.
 """
 
@@ -125,9 +128,11 @@ def rel_err(a, b) -> float:
 def candidates(M, k, E) -> list[tuple[int, list[tuple[int, int, int, int, int]]]]:
     """(block_m, [(block_n, block_k, group_m, warps, stages)]) to try for this batch."""
     rows = M * k / E
-    small = [(32, 128, 1, 4, 4), (32, 256, 1, 4, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3), (64, 128, 1, 4, 4),
+    small = [(16, 128, 1, 4, 4), (16, 256, 1, 4, 3),
+             (32, 128, 1, 4, 4), (32, 256, 1, 4, 3), (64, 64, 1, 4, 4), (64, 128, 1, 4, 3), (64, 128, 1, 4, 4),
              (64, 256, 1, 4, 3), (128, 128, 1, 4, 3), (128, 64, 1, 4, 4)]
-    large = [(64, 64, 8, 4, 4), (64, 128, 8, 4, 3), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (128, 128, 8, 8, 3),
+    large = [(64, 64, 8, 4, 4), (64, 64, 8, 4, 5),
+             (64, 128, 8, 4, 3), (128, 64, 8, 4, 4), (128, 64, 8, 8, 4), (128, 128, 8, 8, 3),
              (256, 64, 8, 8, 3)]
     if DEVICE != "cuda":
         return [(16, [(16, 32, 1, 4, 1)])]
@@ -154,21 +159,18 @@ def tune(M, layer: Layer, k, sets, gen) -> MoeConfigs:
                 if gate_up and bm * bn > 128 * 128:
                     continue  # two accumulators
                 cfg = MoeKernelConfig(bm, bn, bk, gm, warps, stages)
-                state = [0]
 
-                def run(cfg=cfg, gate_up=gate_up, state=state, h=h, y=y, aligns=aligns):
-                    i = state[0] % len(sets)
-                    state[0] += 1
-                    x, w, ids = sets[i]
-                    wf = w.reshape(-1)
-                    if gate_up:
-                        _launch(x, layer.W, h, ids, wf, aligns[i], N=f, K=d, F=f, D=d, top_k=k, gate_up=True,
-                                paged=False, cfg=cfg)
-                    else:
-                        _launch(h, layer.W, y, ids, wf, aligns[i], N=d, K=f, F=f, D=d, top_k=k, gate_up=False,
-                                paged=False, cfg=cfg)
+                def run_all(cfg=cfg, gate_up=gate_up, h=h, y=y, aligns=aligns):
+                    for i, (x, w, ids) in enumerate(sets):
+                        wf = w.reshape(-1)
+                        if gate_up:
+                            _launch(x, layer.W, h, ids, wf, aligns[i], N=f, K=d, F=f, D=d, top_k=k, gate_up=True,
+                                    paged=False, cfg=cfg)
+                        else:
+                            _launch(h, layer.W, y, ids, wf, aligns[i], N=d, K=f, F=f, D=d, top_k=k, gate_up=False,
+                                    paged=False, cfg=cfg)
                 try:
-                    t = _timer(run, warmup=5, rep=15)
+                    t = graph_time_us(run_all, len(sets), target_ms=1.0, batches=5)
                 except Exception as exc:  # out of shared memory / registers for this tile
                     print(f"  skip {cfg}: {type(exc).__name__}", file=sys.stderr)
                     continue
@@ -181,23 +183,61 @@ def tune(M, layer: Layer, k, sets, gen) -> MoeConfigs:
 
 
 # ---------------------------------------------------------------------------------------------- bench
-def _timer(fn, warmup, rep, return_mode="median"):
-    if DEVICE == "cuda":
-        return do_bench(fn, warmup=warmup, rep=rep, return_mode=return_mode)
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
+def graph_time_us(run_all, n_calls: int, target_ms: float = 2.0, batches: int = 15) -> float:
+    """Median GPU time of one call: ``run_all`` (n_calls calls) captured in a CUDA graph, replayed
+    in batches of ~target_ms between two events. Graphs take the host's launch cost out: at
+    decode sizes the kernels run ~20 us, less than Python needs to launch them."""
+    if DEVICE != "cuda":
+        t = time.perf_counter()
+        run_all()
+        return (time.perf_counter() - t) * 1e6 / n_calls
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run_all()  # compile and warm up outside the capture
+        run_all()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_all()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(3):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    reps = max(1, int(target_ms / max(start.elapsed_time(end) / 3, 1e-3)))
+    times = []
+    for _ in range(batches):
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / reps)
+    del graph
+    times.sort()
+    return times[len(times) // 2] * 1e3 / n_calls
 
 
-def bench(fn, n_sets, rep=100):
+def bench(fn, n_sets, graph=True):
+    def run_all():
+        for i in range(n_sets):
+            fn(i)
+
+    if graph:
+        return graph_time_us(run_all, n_sets)
+    if DEVICE != "cuda":
+        return graph_time_us(run_all, n_sets)
     state = [0]
 
     def run():
-        i = state[0] % n_sets
+        fn(state[0] % n_sets)
         state[0] += 1
-        fn(i)
 
-    return _timer(run, warmup=25, rep=rep) * 1e3  # us
+    return do_bench(run, warmup=5, rep=30, return_mode="median") * 1e3  # host-synchronising code
 
 
 def bench_tokens(model, layer: Layer, M, k, args, prov, gen, rows) -> MoeConfigs:
@@ -224,24 +264,28 @@ def bench_tokens(model, layer: Layer, M, k, args, prov, gen, rows) -> MoeConfigs
     def cont_fn(i):
         return fused_moe(*sets[i], layer.W, None, configs=cfgs, align=aligns[i])
 
-    # interleave two rounds so clock drift hits every provider alike
+    # interleaved rounds, order rotated each round, so clock and power drift hit every provider alike
+    providers = [("contiguous", cont_fn), ("paged@1.0", paged_fn(1.0)), ("paged@0.75", paged_fn(0.75)),
+                 ("paged@0.5", paged_fn(0.5))]
     times: dict[str, list[float]] = {}
-    for _ in range(2):
-        for name, fn in (("contiguous", cont_fn), ("paged@1.0", paged_fn(1.0)), ("paged@0.75", paged_fn(0.75)),
-                         ("paged@0.5", paged_fn(0.5))):
+    for rnd in range(args.rounds):
+        for name, fn in providers[rnd % 4:] + providers[:rnd % 4]:
             times.setdefault(name, []).append(bench(fn, len(sets)))
     for name, ts in times.items():
         provider, _, r = name.partition("@")
-        rec(provider, sum(ts) / len(ts), r or "")
+        rec(provider, sorted(ts)[len(ts) // 2], r or "")
     if hasattr(torch, "_grouped_mm") and DEVICE == "cuda":
         preps = [grouped_mm_prep(ids, E) for _, _, ids in sets]
+        gfn = lambda i: grouped_mm_moe(*sets[i], layer, preps[i])  # noqa: E731
         try:
-            rec("torch_grouped_mm", bench(lambda i: grouped_mm_moe(*sets[i], layer, preps[i]), len(sets)))
+            rec("torch_grouped_mm", bench(gfn, len(sets)))
         except Exception as exc:
-            print(f"  torch_grouped_mm failed at M={M}: {exc}")
-    rec("align", bench(lambda i: moe_align(sets[i][2], E, cfgs.gate_up.block_m), len(sets), rep=30))
+            print(f"  torch_grouped_mm in a CUDA graph failed at M={M} ({type(exc).__name__}: {exc}); do_bench")
+            torch.cuda.synchronize()
+            rec("torch_grouped_mm", bench(gfn, len(sets), graph=False))
+    rec("align", bench(lambda i: moe_align(sets[i][2], E, cfgs.gate_up.block_m), len(sets)))
     if M <= args.reference_max_tokens:
-        rec("reference", bench(lambda i: moe_reference(*sets[i], layer.pool, tables[1.0][i]), len(sets), rep=30))
+        rec("reference", bench(lambda i: moe_reference(*sets[i], layer.pool, tables[1.0][i]), len(sets), graph=False))
     by = {(r["provider"], r["resident_fraction"]): r for r in new}
     c, p, g = by["contiguous", ""], by["paged", "1.0"], by.get(("torch_grouped_mm", ""))
     print(f"  M={M:5d} cont {c['median_us']:9.1f} us  paged {p['median_us']:9.1f} us "
@@ -263,6 +307,7 @@ def main() -> int:
     ap.add_argument("--pool-factor", type=int, default=8, help="pool pages per layer page (scatter range)")
     ap.add_argument("--no-tune", action="store_true", help="use the kernel's built-in config table")
     ap.add_argument("--reference-max-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (median taken)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="CPU + TRITON_INTERPRET=1 at a toy shape (script check)")
     args = ap.parse_args()
