@@ -141,10 +141,9 @@ class Scheduler:
             n = min(request.num_uncomputed_tokens, budget)
             if not self.config.chunked_prefill and n < request.num_uncomputed_tokens:
                 break
-            if not fit(request, n):
-                short_kv_pages += self.kv.pages_needed(request.request_id, request.num_computed_tokens + n) \
-                    - self.kv.free_pages()
-                break  # FCFS: later requests wait behind the head
+            if not fit(request, n):  # FCFS: later requests wait behind the head
+                short_kv_pages += self._unmet_demand(budget, len(self.running))
+                break
             self.waiting.popleft()
             self.kv.allocate(request.request_id, request.num_computed_tokens + n)
             request.status = Status.RUNNING
@@ -156,6 +155,18 @@ class Scheduler:
         if chunks:
             self.forward_steps += 1
         return SchedulerOutput(tuple(chunks), self.kv.l2_pages_for(max(0, short_kv_pages)), tuple(preempted))
+
+    def _unmet_demand(self, budget: int, running: int) -> int:
+        """KV pages the waiting requests that this step's token budget would admit lack (the waiting part of R_b)."""
+        need = 0
+        for request in self.waiting:
+            if budget <= 0 or running >= self.config.max_num_seqs:
+                break
+            n = min(request.num_uncomputed_tokens, budget)
+            need += self.kv.pages_needed(request.request_id, request.num_computed_tokens + n)
+            budget -= n
+            running += 1
+        return max(0, need - self.kv.free_pages())
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -31,6 +31,10 @@ class ExpertLoader:
         self.experts_loaded = 0
         self._buffer_free: list[torch.cuda.Event | None] = [None, None]  # last reader of each buffer done
         self._prefetched: list[dict[int, int]] = [{}, {}]  # buffer -> {expert: slot}
+        # per-layer host staging for page-table uploads; a layer's row is rewritten only in the next step,
+        # after the step's sampling synchronised with the device
+        layers, experts = host_weights.shape[:2]
+        self._staging = torch.empty(layers, experts, 3, dtype=torch.int32, pin_memory=self.cuda)
 
     @property
     def buffer_pages(self) -> int:
@@ -94,11 +98,13 @@ class ExpertLoader:
         misses = touched[cache_row[touched, 0] < 0]
         new = np.array([e for e in misses.tolist() if e not in assigned], dtype=np.int64)
         done = self._fill(layer, new, assigned) if len(new) or self.cuda else None
-        row = cache_row.copy()
-        for e in misses.tolist():
-            row[e] = self.buffers[buf, assigned[e]]
+        row = self._staging[layer]  # pinned: the upload does not stall the host
+        row[:] = torch.from_numpy(cache_row)
+        if len(misses):
+            slots = np.array([assigned[e] for e in misses.tolist()])
+            row[torch.from_numpy(misses)] = torch.from_numpy(self.buffers[buf, slots].astype(np.int32))
         assigned.clear()
-        table = torch.from_numpy(row).to(self.device, non_blocking=False)
+        table = row.to(self.device, non_blocking=True)
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
         return table

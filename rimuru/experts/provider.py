@@ -28,14 +28,18 @@ class PagedExperts:
         self.experts_touched = 0  # (layer, expert) pairs computed, summed over steps: HBM bytes for the floor
 
     def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        touched = experts_touched(topk_ids, self.num_experts).cpu().numpy()
+        nxt = moe_layer + 1
+        predict = self.prefetch and nxt < len(self.gates) and not self.cache.page_table[nxt, :, 0].min() >= 0
+        used = torch.bincount(topk_ids.reshape(-1).long(), minlength=self.num_experts) > 0  # [E]
+        if predict:  # the next layer's router on this hidden state: Fate's predictor
+            _, ids = route(hidden, self.gates[nxt], self.top_k, self.norm)
+            used = torch.stack([used, torch.bincount(ids.reshape(-1).long(), minlength=self.num_experts) > 0])
+        used = used.cpu().numpy()  # one device sync per layer: the host must know the misses
+        touched = np.flatnonzero(used[0] if predict else used)
         self.experts_touched += len(touched)
         table = self.loader.layer_table(moe_layer, touched, self.cache.page_table[moe_layer])
-        nxt = moe_layer + 1
-        if self.prefetch and nxt < len(self.gates) and not self.cache.page_table[nxt, :, 0].min() >= 0:
-            _, ids = route(hidden, self.gates[nxt], self.top_k, self.norm)
-            predicted = experts_touched(ids, self.num_experts).cpu().numpy()
-            self.loader.prefetch(nxt, predicted, self.cache.page_table[nxt])
+        if predict:
+            self.loader.prefetch(nxt, np.flatnonzero(used[1]), self.cache.page_table[nxt])
         return table
 
     def layer_done(self, moe_layer: int) -> None:
@@ -48,10 +52,14 @@ class ResidentExperts:
     def __init__(self, page_table: np.ndarray, device: torch.device, num_experts: int) -> None:
         self.tables = torch.from_numpy(page_table).to(device)
         self.num_experts = num_experts
-        self.experts_touched = 0
+        self._touched = torch.zeros((), dtype=torch.int64, device=device)  # counted on device: no sync per layer
+
+    @property
+    def experts_touched(self) -> int:
+        return int(self._touched)
 
     def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        self.experts_touched += int(experts_touched(topk_ids, self.num_experts).numel())
+        self._touched += (torch.bincount(topk_ids.reshape(-1).long(), minlength=self.num_experts) > 0).sum()
         return self.tables[moe_layer]
 
     def layer_done(self, moe_layer: int) -> None:

@@ -86,6 +86,27 @@ def serve(llm: LLM, trace: list[dict], rate: float | None, seed: int) -> tuple[d
     return compute_metrics(list(records.values()), duration), duration
 
 
+def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:
+    """Where the host spends a decode step (64 running requests): cProfile's top functions."""
+    import cProfile
+    import pstats
+
+    for i, row in enumerate(trace[:64]):
+        llm.add_request(f"prof{i}", row["prompt_token_ids"], SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(6):
+        llm.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    print(f"host profile: {(time.perf_counter() - t0) / steps * 1e3:.1f} ms/step over {steps} decode steps", flush=True)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    while llm.has_unfinished_requests():
+        llm.step()
+
+
 def step_floor(frame: pd.DataFrame, llm: LLM) -> pd.DataFrame:
     """Per decode-only step: bytes the step must read from HBM and load over PCIe, and its floor."""
     spec = llm.spec
@@ -119,6 +140,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile-budget", default="100GiB")
+    ap.add_argument("--calibration-prompts", type=int, default=256)
+    ap.add_argument("--cprofile-steps", type=int, default=0, help="host-profile this many steps of the first run")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -136,7 +159,11 @@ def main() -> None:
     # hotset: route calibration prompts (the first 64 of the trace, truncated) with every expert resident
     prof = LLM(ckpt, gpu_memory_budget=args.profile_budget, policy="static", record_routing=True, seed=args.seed,
                device=args.device, dtype=dtype)
-    prof.generate([r["prompt_token_ids"][:256] for r in trace[:64]], SamplingParams(max_tokens=16, ignore_eos=True),
+    # staggered output lengths sweep decode batches from n down to 1 and prefill chunk sizes, so every kernel
+    # configuration is compiled here, not inside a measured run
+    n_cal = min(len(trace), args.calibration_prompts)
+    prof.generate([r["prompt_token_ids"][:256] for r in trace[:n_cal]],
+                  [SamplingParams(max_tokens=1 + (i * 97) % 128, ignore_eos=True) for i in range(n_cal)],
                   use_tqdm=False)
     hotset = prof.routing_hotset()
     hotset_path = out / "hotset.json"
@@ -160,6 +187,10 @@ def main() -> None:
         llm.timeline.records.clear()
         base = llm.stats()
         rate = args.rate if workload == "poisson" else None
+        if args.cprofile_steps and not rows:
+            host_profile(llm, trace, args.cprofile_steps)
+            llm.timeline.records.clear()
+            base = llm.stats()
         metrics, duration = serve(llm, trace, rate, args.seed)
         stats = llm.stats()
         frame = llm.timeline.frame()
