@@ -150,16 +150,52 @@ def _cfg(bm, bn, bk, gm, w, s) -> MoeKernelConfig:
     return MoeKernelConfig(bm, bn, bk, gm, w, s)
 
 
-# Hand-picked for H100/H200 from a sweep (docs/kernel.md), keyed by the largest tokens*top_k/E
-# (average rows per expert) they serve. Small batches are weight-bandwidth bound: thin row
-# blocks, many column programs, deep K tiles. Large batches are compute bound: 128-row blocks.
-# GATE_UP keeps two accumulators, so its BLOCK_N is half of a single-GEMM tile's.
-H200_CONFIGS: tuple[tuple[float, MoeConfigs], ...] = (
-    (1.0, MoeConfigs(_cfg(16, 32, 256, 1, 4, 4), _cfg(16, 64, 256, 1, 4, 4))),
-    (4.0, MoeConfigs(_cfg(16, 64, 128, 1, 4, 4), _cfg(16, 64, 128, 1, 4, 4))),
-    (16.0, MoeConfigs(_cfg(32, 64, 128, 8, 4, 3), _cfg(32, 128, 128, 8, 4, 3))),
-    (64.0, MoeConfigs(_cfg(64, 64, 64, 8, 4, 4), _cfg(64, 128, 64, 8, 4, 4))),
-    (float("inf"), MoeConfigs(_cfg(128, 128, 64, 8, 8, 3), _cfg(128, 256, 64, 8, 8, 3))),
+# Tuned on one H200 (workflow/scripts/bench_kernel.py, docs/kernel.md): per (E, f, d), tokens ->
+# (gate_up, down) tiles as (block_m, block_n, block_k, group_m, warps, stages). Each entry serves
+# batches up to the next key. Small batches are weight-bandwidth bound: 16-row blocks, many
+# column programs; large ones are compute bound: 128-row blocks. GATE_UP keeps two accumulators,
+# so its block_n is half of a single-GEMM tile's.
+TUNED: dict[tuple[int, int, int], dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = {
+    (128, 768, 2048): {  # qwen3-30b-a3b
+        1: ((16, 64, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4)),
+        2: ((16, 64, 128, 1, 4, 3), (16, 64, 64, 1, 4, 4)),
+        4: ((16, 64, 128, 1, 4, 3), (16, 128, 64, 1, 4, 4)),
+        8: ((16, 64, 128, 1, 4, 3), (16, 64, 128, 1, 4, 3)),
+        16: ((16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3)),
+        32: ((16, 32, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3)),
+        64: ((16, 32, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3)),
+        128: ((16, 128, 128, 1, 4, 3), (16, 128, 64, 1, 4, 4)),
+        256: ((32, 64, 128, 1, 4, 3), (32, 128, 64, 1, 4, 4)),
+        512: ((64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4)),
+        1024: ((64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4)),
+        2048: ((128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)),
+        4096: ((128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)),
+        8192: ((128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)),
+    },
+    (256, 512, 2048): {  # qwen3.5-35b-a3b
+        1: ((16, 64, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4)),
+        2: ((16, 64, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4)),
+        4: ((16, 64, 128, 1, 4, 4), (16, 128, 64, 1, 4, 4)),
+        8: ((16, 128, 128, 1, 4, 3), (16, 128, 64, 1, 4, 4)),
+        16: ((16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3)),
+        32: ((16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3)),
+        64: ((16, 32, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3)),
+        128: ((16, 64, 128, 1, 4, 3), (16, 128, 128, 1, 4, 3)),
+        256: ((16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3)),
+        512: ((32, 128, 128, 1, 4, 3), (32, 128, 64, 1, 4, 4)),
+        1024: ((64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4)),
+        2048: ((64, 256, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4)),
+        4096: ((128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)),
+        8192: ((128, 128, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)),
+    },
+}
+# Other shapes: by average rows per expert (tokens * top_k / E), from the same sweep.
+BY_ROWS_PER_EXPERT: tuple[tuple[float, MoeConfigs], ...] = (
+    (0.25, MoeConfigs(_cfg(16, 64, 128, 1, 4, 4), _cfg(16, 64, 64, 1, 4, 4))),
+    (1.0, MoeConfigs(_cfg(16, 64, 128, 1, 4, 3), _cfg(16, 128, 64, 1, 4, 4))),
+    (8.0, MoeConfigs(_cfg(16, 64, 128, 1, 4, 4), _cfg(16, 128, 128, 1, 4, 3))),
+    (32.0, MoeConfigs(_cfg(64, 64, 64, 8, 4, 4), _cfg(64, 128, 64, 8, 4, 4))),
+    (float("inf"), MoeConfigs(_cfg(128, 128, 64, 8, 8, 4), _cfg(128, 256, 64, 8, 8, 3))),
 )
 # TRITON_INTERPRET / tiny shapes: dot needs >= 16 per dim; keep programs few.
 SMALL_CONFIGS = MoeConfigs(_cfg(16, 16, 32, 1, 4, 1), _cfg(16, 32, 32, 1, 4, 1))
@@ -168,11 +204,16 @@ SMALL_CONFIGS = MoeConfigs(_cfg(16, 16, 32, 1, 4, 1), _cfg(16, 32, 32, 1, 4, 1))
 def pick_configs(num_tokens: int, top_k: int, num_experts: int, f: int, d: int) -> MoeConfigs:
     if f < 128 or d < 128:
         return SMALL_CONFIGS
+    table = TUNED.get((num_experts, f, d))
+    if table:
+        key = max((m for m in table if m <= num_tokens), default=min(table))
+        gate_up, down = table[key]
+        return MoeConfigs(_cfg(*gate_up), _cfg(*down))
     rows_per_expert = num_tokens * top_k / num_experts
-    for bound, cfgs in H200_CONFIGS:
+    for bound, cfgs in BY_ROWS_PER_EXPERT:
         if rows_per_expert <= bound:
             return cfgs
-    return H200_CONFIGS[-1][1]
+    return BY_ROWS_PER_EXPERT[-1][1]
 
 
 # ---------------------------------------------------------------------------------------------- launch

@@ -5,10 +5,11 @@ multiple of BLOCK_M, so every block of rows belongs to one expert and a program 
 expert's weights once per block. No host synchronisation (CUDA-graph safe): sizes are the static
 upper bound ``n + min(n, E) * (BLOCK_M - 1)`` and blocks past the real end carry expert -1.
 
-Two implementations with the same contract: one Triton program (``moe_align_kernel``, the GPU
-path: a dozen torch launches cost ~0.4 ms of host time on the H200 machine, more than the MoE
-itself at decode) and plain torch ops (CPU). Within an expert the Triton order is arbitrary
-(atomics); every row is computed independently, so results do not depend on it.
+Two implementations with the same contract: two Triton launches (``moe_align_kernel`` counts in
+one program, ``moe_scatter_kernel`` places pairs in parallel) on the GPU, where a dozen torch
+launches cost ~0.4 ms of host time on the H200 machine, more than the MoE itself at decode; and
+plain torch ops on the CPU. Within an expert the Triton order is arbitrary (atomics); every row
+is computed independently, so results do not depend on it.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def moe_align_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
 ):
-    """One program. topk_ids [n] int32 -> sorted_ids [max_padded], expert_ids [max_blocks], num_post [1].
+    """Counting pass, one program. topk_ids [n] int32 -> expert_ids [max_blocks], num_post [1],
+    sorted_ids [max_padded] filled with the padding id, cursor [E] = each expert's first row.
 
-    cursor [E] int32 scratch. E_BINS: a power of two > num_experts (bin E takes masked lanes).
+    E_BINS: a power of two > num_experts (bin E takes masked lanes).
     """
     offs_e = tl.arange(0, E_BINS)
     valid_e = offs_e < num_experts
@@ -74,13 +76,16 @@ def moe_align_kernel(
         e = tl.sum(before.to(tl.int32), 1)
         e = tl.where(b * BLOCK_M < total, e, -1)
         tl.store(expert_ids_ptr + b, e, mask=b < max_blocks)
-    tl.debug_barrier()  # padding and cursors are written before any pair lands
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        m = offs < num_pairs
-        ids = tl.load(topk_ids_ptr + offs, mask=m, other=0)
-        pos = tl.atomic_add(cursor_ptr + ids, 1, mask=m)
-        tl.store(sorted_ids_ptr + pos, offs, mask=m)
+
+
+@triton.jit
+def moe_scatter_kernel(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, CHUNK: tl.constexpr):
+    """Scatter pass, grid ``(cdiv(n, CHUNK),)``: each pair takes the next free row of its expert."""
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    m = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=m, other=0)
+    pos = tl.atomic_add(cursor_ptr + ids, 1, mask=m)
+    tl.store(sorted_ids_ptr + pos, offs, mask=m)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -104,6 +109,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
         BLOCK_M=block_m, E_BINS=triton.next_power_of_2(num_experts + 1), CHUNK=1024, BLOCKS_CHUNK=64,
         num_warps=8,
     )
+    moe_scatter_kernel[(triton.cdiv(n, 256),)](flat, sorted_ids, cursor, n, CHUNK=256, num_warps=4)
     return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, n)
 
 

@@ -274,6 +274,8 @@ def bench_tokens(model, layer: Layer, M, k, args, prov, gen, rows) -> MoeConfigs
     for name, ts in times.items():
         provider, _, r = name.partition("@")
         rec(provider, sorted(ts)[len(ts) // 2], r or "")
+    spread = {n: (max(ts) / min(ts) - 1) * 100 for n, ts in times.items()}
+    ratios = [p / c for p, c in zip(times["paged@1.0"], times["contiguous"])]
     if hasattr(torch, "_grouped_mm") and DEVICE == "cuda":
         preps = [grouped_mm_prep(ids, E) for _, _, ids in sets]
         gfn = lambda i: grouped_mm_moe(*sets[i], layer, preps[i])  # noqa: E731
@@ -292,6 +294,8 @@ def bench_tokens(model, layer: Layer, M, k, args, prov, gen, rows) -> MoeConfigs
           f"({(p['median_us'] / c['median_us'] - 1) * 100:+.2f}%)  {p['gbps']:7.0f} GB/s "
           f"({p['gbps'] / HBM_TBS / 10:.0f}% HBM)  {p['tflops']:6.1f} TF/s"
           + (f"  grouped_mm {g['median_us']:9.1f} us" if g else "")
+          + f"  spread cont {spread['contiguous']:.1f}% paged {spread['paged@1.0']:.1f}%"
+          f" per-round overhead {min(ratios) * 100 - 100:+.2f}..{max(ratios) * 100 - 100:+.2f}%"
           + f"  [{cfgs.gate_up.block_m}/{cfgs.gate_up.block_n}/{cfgs.gate_up.block_k}"
           f" {cfgs.down.block_n}/{cfgs.down.block_k}] {time.time() - t0:.0f}s")
     rows.extend(new)
