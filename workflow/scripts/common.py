@@ -1,0 +1,130 @@
+"""Helpers shared by the pipeline scripts: thread settings, scaled budgets, engines, tables.
+
+Scripts run as ``python workflow/scripts/X.py`` so this module is importable as ``common``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+GIB = 2**30
+NOT_MEASURED = "not measured yet"
+
+
+def single_thread() -> None:
+    """One intra-op thread per job: snakemake runs jobs side by side, and torch's OpenMP pool
+    spin-waits badly when cores are oversubscribed (a 0.3 s step became 40 s on a loaded 2-core box)."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------------------------------------- budgets
+def scaled_budget(model_dir: str | Path, real_config: str, card_gib: float, fraction: float, policy: str,
+                  real_activation_gib: float, activation_bytes: int) -> dict:
+    """Device budget for a scaled model that keeps the real card's memory ratios.
+
+    The real pool is ``fraction * card - dense weights - activations`` (bf16). Everything in it is
+    scaled by ``s = scaled expert bytes / real expert bytes`` (the KV bytes per token scale by the
+    same factor for the bundled mini configs: checked here), except the two loading buffers, which
+    hold one layer's experts each in both models and are added at their own size. The scaled model
+    keeps its own dense weights and a fixed activation reserve outside the pool.
+    """
+    import torch
+
+    from rimuru.models.spec import ModelSpec
+
+    real, mini = ModelSpec.from_pretrained(real_config), ModelSpec.from_pretrained(model_dir)
+    dtype = torch.float32
+    s = mini.total_expert_bytes(dtype) / real.total_expert_bytes(torch.bfloat16)
+    s_kv = mini.kv_bytes_per_token(dtype) / real.kv_bytes_per_token(torch.bfloat16)
+    buffers = policy in ("fixed", "elastic")
+    real_buffers = 2 * real.num_experts * real.expert_bytes(torch.bfloat16) if buffers else 0
+    mini_buffers = 2 * mini.num_experts * mini.expert_bytes(dtype) if buffers else 0
+    real_budget = fraction * card_gib * GIB
+    real_pool = real_budget - real.dense_bytes(torch.bfloat16) - real_activation_gib * GIB
+    pool = (real_pool - real_buffers) * s + mini_buffers
+    budget = int(mini.dense_bytes(dtype) + activation_bytes + pool)
+    return {"budget": budget, "scale": s, "kv_scale": s_kv, "real_budget_gib": real_budget / GIB,
+            "real_pool_gib": real_pool / GIB, "real_experts_gib": real.total_expert_bytes(torch.bfloat16) / GIB,
+            "real_kv_tokens_if_static": (real_pool - real.total_expert_bytes(torch.bfloat16))
+            / real.kv_bytes_per_token(torch.bfloat16)}
+
+
+# ---------------------------------------------------------------------------------------------- engines
+class ModVocabTokenizer:
+    """Prompt text -> Qwen BPE ids folded into a small vocabulary (the mini models carry 4096 ids).
+
+    Token counts are exactly Qwen's, which is all the memory behaviour depends on."""
+
+    def __init__(self, vocab_size: int) -> None:
+        from rimuru.workloads.tokens import get_token_counter
+
+        self.vocab_size = vocab_size
+        self._encode = get_token_counter("qwen").encode
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [t % self.vocab_size for t in self._encode(text)]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))  # folded ids have no text
+
+
+def make_engine(model_dir: str | Path, budget: int, activation_bytes: int, engine_kwargs: dict, **extra):
+    """The real engine on the CPU in fp32; a model without tokenizer gets the folded Qwen tokenizer."""
+    import torch
+
+    from rimuru.engine.llm import LLM
+
+    options = dict(engine_kwargs) | extra
+    llm = LLM(model_dir, gpu_memory_budget=budget, device="cpu", dtype=torch.float32,
+              activation_reserve=activation_bytes, **options)
+    if llm.tokenizer is None:
+        llm.tokenizer = ModVocabTokenizer(llm.spec.vocab_size)
+    return llm
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def write_table(frame, csv_path: str | Path, md_path: str | Path, title: str, notes: list[str] | None = None) -> None:
+    """CSV plus a Markdown rendering (title, table, notes)."""
+    csv_path, md_path = Path(csv_path), Path(md_path)
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(csv_path, index=False)
+    lines = [f"# {title}", "", markdown(frame), ""]
+    lines += [f"* {n}" for n in notes or []]
+    md_path.write_text("\n".join(lines).rstrip() + "\n")
+
+
+def markdown(frame) -> str:
+    def cell(v) -> str:
+        if isinstance(v, float):
+            if math.isnan(v):
+                return ""
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v).replace("|", "\\|")
+
+    head = "| " + " | ".join(map(str, frame.columns)) + " |"
+    sep = "|" + "|".join("---" for _ in frame.columns) + "|"
+    rows = ["| " + " | ".join(cell(v) for v in row) + " |" for row in frame.itertuples(index=False)]
+    return "\n".join([head, sep, *rows])
+
+
+def reference_source(frame_row: dict, path: str | Path) -> str:
+    """'H200 measured (reference file X, commit C, date D)' for a row read from results/reference/."""
+    device = frame_row.get("device", "GPU")
+    commit = frame_row.get("commit", "unknown")
+    return f"{device} measured (reference {Path(path).name}, commit {commit})"
+
+
+def read_json(path: str | Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def figure_note(ax, text: str) -> None:
+    """A placeholder panel that says why it is empty."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, transform=ax.transAxes, fontsize=11)
+    ax.set_axis_off()
