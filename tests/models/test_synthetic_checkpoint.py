@@ -69,3 +69,15 @@ def test_transformers_loads_the_checkpoint_and_runs_a_finite_non_degenerate_forw
     # the skew dim carries the constant through every layer: no layer writes into it
     for h in out.hidden_states[:-1]:
         torch.testing.assert_close(h[0, :, SKEW_DIM], torch.ones_like(h[0, :, SKEW_DIM]))
+
+
+def test_routing_skew_concentrates_routing_inside_transformers_model(tmp_path):
+    from rimuru.models.routing_skew import measure
+
+    flat = write_synthetic_checkpoint("tiny-qwen3-moe", tmp_path / "flat", dtype=torch.float32, tokenizer=False)
+    skewed = write_synthetic_checkpoint("tiny-qwen3-moe", tmp_path / "skew", dtype=torch.float32, routing_skew=1.5,
+                                        tokenizer=False)
+    flat_share = measure(flat, num_tokens=512, top=2)  # 8 experts top-2: uniform gives ~0.25
+    skew_share = measure(skewed, num_tokens=512, top=2)
+    assert max(flat_share) < 0.4
+    assert min(skew_share) > 0.55  # every layer, not just the first

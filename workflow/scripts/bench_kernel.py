@@ -302,7 +302,39 @@ def bench_tokens(model, layer: Layer, M, k, args, prov, gen, rows) -> MoeConfigs
     return cfgs
 
 
+def summarize(paths: list[str]) -> str:
+    """Markdown tables (docs/kernel.md) from the CSVs this script writes."""
+    out = []
+    for path in paths:
+        rows = list(csv.DictReader(open(path)))
+        by = {(int(r["tokens"]), r["provider"], r["resident_fraction"]): r for r in rows}
+        model = rows[0]["model"]
+        out += [f"\n### {model} ({rows[0]['device']}, commit {rows[0]['commit']}, {rows[0]['date']})\n",
+                "| M | contiguous us | paged us | paged overhead | paged GB/s (% of 4.26 TB/s) | paged TFLOP/s "
+                "| torch_grouped_mm us | contiguous / grouped_mm | r=0.75 | r=0.5 | align us | reference us |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        overheads = []
+        for M in sorted({k[0] for k in by}):
+            c, p = by[M, "contiguous", ""], by[M, "paged", "1.0"]
+            g, ref, al = by.get((M, "torch_grouped_mm", "")), by.get((M, "reference", "")), by.get((M, "align", ""))
+            cu, pu = float(c["median_us"]), float(p["median_us"])
+            overheads.append(pu / cu - 1)
+            r75 = float(by[M, "paged", "0.75"]["median_us"]) / pu - 1
+            r5 = float(by[M, "paged", "0.5"]["median_us"]) / pu - 1
+            gu = float(g["median_us"]) if g else float("nan")
+            out.append(f"| {M} | {cu:.1f} | {pu:.1f} | {(pu / cu - 1) * 100:+.2f}% | {float(p['gbps']):.0f} "
+                       f"({float(p['gbps']) / HBM_TBS / 10:.0f}%) | {float(p['tflops']):.1f} | {gu:.1f} | "
+                       f"{cu / gu:.2f} | {r75 * 100:+.2f}% | {r5 * 100:+.2f}% | "
+                       f"{float(al['median_us']) if al else float('nan'):.1f} | "
+                       f"{float(ref['median_us']) if ref else float('nan'):.0f} |")
+        out.append(f"\nmean paged overhead over M: {sum(overheads) / len(overheads) * 100:+.2f}%")
+    return "\n".join(out)
+
+
 def main() -> int:
+    if len(sys.argv) > 2 and sys.argv[1] == "--summarize":
+        print(summarize(sys.argv[2:]))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output directory for CSVs")
     ap.add_argument("--models", default=",".join(MODELS))
