@@ -264,6 +264,33 @@ class LLM:
         tokens = int(counts[0].sum()) // self.spec.top_k
         return Hotset.from_counts(counts.numpy().astype(np.float64), tokens, self.model_name)
 
+    def warmup(self, max_seq_len: int = 4096) -> None:
+        """Compile every kernel variant a run can hit (decode split counts, MoE tile configs) before serving,
+        so that no request pays a JIT compile. Reads pool pages as dummy inputs and discards the results."""
+        if self.device.type != "cuda":
+            return
+        from rimuru.kernels.fused_moe import H200_CONFIGS, fused_moe
+        from rimuru.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_attention
+
+        spec, dev, dtype = self.spec, self.device, self.config.torch_dtype
+        longest = min(self.max_model_len, max_seq_len)
+        block = self.config.block_tokens
+        for splits in range(1, min(64, -(-longest // MIN_TOKENS_PER_SPLIT)) + 1):
+            seq = splits * MIN_TOKENS_PER_SPLIT
+            q = torch.randn(1, spec.num_heads, spec.head_dim, device=dev, dtype=dtype)
+            table = torch.zeros(1, -(-seq // block), dtype=torch.int32, device=dev)
+            decode_attention(q, self.pool.view(KV), table, torch.tensor([seq], dtype=torch.int32, device=dev),
+                             spec.head_dim**-0.5, max_seq_len=seq, num_splits=splits)
+        experts, k = spec.num_experts, spec.top_k
+        table = torch.zeros(experts, 3, dtype=torch.int32, device=dev)
+        for bound, _ in H200_CONFIGS:
+            m = 4096 if bound == float("inf") else max(1, int(bound * experts / k))
+            ids = torch.randint(0, experts, (m, k), device=dev, dtype=torch.int32)
+            weights = torch.full((m, k), 1.0 / k, device=dev)
+            fused_moe(torch.randn(m, spec.hidden_size, device=dev, dtype=dtype), weights, ids,
+                      self.pool.view(EXPERT).tensor, table)
+        torch.cuda.synchronize(dev)
+
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
         self.cache.check()
