@@ -197,6 +197,7 @@ BY_ROWS_PER_EXPERT: tuple[tuple[float, MoeConfigs], ...] = (
     (32.0, MoeConfigs(_cfg(64, 64, 64, 8, 4, 4), _cfg(64, 128, 64, 8, 4, 4))),
     (float("inf"), MoeConfigs(_cfg(128, 128, 64, 8, 8, 4), _cfg(128, 256, 64, 8, 8, 3))),
 )
+H200_CONFIGS = BY_ROWS_PER_EXPERT  # earlier name, kept for callers that iterate it
 # TRITON_INTERPRET / tiny shapes: dot needs >= 16 per dim; keep programs few.
 SMALL_CONFIGS = MoeConfigs(_cfg(16, 16, 32, 1, 4, 1), _cfg(16, 32, 32, 1, 4, 1))
 
@@ -214,6 +215,18 @@ def pick_configs(num_tokens: int, top_k: int, num_experts: int, f: int, d: int) 
         if rows_per_expert <= bound:
             return cfgs
     return BY_ROWS_PER_EXPERT[-1][1]
+
+
+def warmup_token_counts(num_experts: int, top_k: int, f: int, d: int) -> list[int]:
+    """One batch size per distinct tile choice for this shape: running ``fused_moe`` once at each
+    compiles every kernel variant serving can hit (so no request pays a JIT compile)."""
+    seen: dict[MoeConfigs, int] = {}
+    table = TUNED.get((num_experts, f, d))
+    counts = sorted(table) if table else [max(1, int(min(b, 64.0) * num_experts / top_k)) for b, _ in
+                                          BY_ROWS_PER_EXPERT]
+    for m in counts:
+        seen.setdefault(pick_configs(m, top_k, num_experts, f, d), m)
+    return sorted(seen.values())
 
 
 # ---------------------------------------------------------------------------------------------- launch
