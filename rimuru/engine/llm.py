@@ -269,7 +269,7 @@ class LLM:
         so that no request pays a JIT compile. Reads pool pages as dummy inputs and discards the results."""
         if self.device.type != "cuda":
             return
-        from rimuru.kernels.fused_moe import H200_CONFIGS, fused_moe
+        from rimuru.kernels.fused_moe import fused_moe, warmup_token_counts
         from rimuru.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_attention
 
         spec, dev, dtype = self.spec, self.device, self.config.torch_dtype
@@ -283,8 +283,7 @@ class LLM:
                              spec.head_dim**-0.5, max_seq_len=seq, num_splits=splits)
         experts, k = spec.num_experts, spec.top_k
         table = torch.zeros(experts, 3, dtype=torch.int32, device=dev)
-        for bound, _ in H200_CONFIGS:
-            m = 4096 if bound == float("inf") else max(1, int(bound * experts / k))
+        for m in warmup_token_counts(experts, k, spec.moe_intermediate_size, spec.hidden_size):
             ids = torch.randint(0, experts, (m, k), device=dev, dtype=torch.int32)
             weights = torch.full((m, k), 1.0 / k, device=dev)
             fused_moe(torch.randn(m, spec.hidden_size, device=dev, dtype=dtype), weights, ids,
