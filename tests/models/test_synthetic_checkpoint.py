@@ -81,3 +81,16 @@ def test_routing_skew_concentrates_routing_inside_transformers_model(tmp_path):
     skew_share = measure(skewed, num_tokens=512, top=2)
     assert max(flat_share) < 0.4
     assert min(skew_share) > 0.55  # every layer, not just the first
+
+
+def test_checkpoint_cli_writes_a_loadable_checkpoint(tmp_path, capsys):
+    from rimuru.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["checkpoint", "tiny-qwen2-moe", str(out), "--dtype", "float32", "--routing-skew", "0.7",
+                 "--max-shard-size", "8MiB", "--no-tokenizer"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    meta = json.loads((out / "rimuru_synthetic.json").read_text())
+    assert meta["routing_skew"] == 0.7 and meta["dtype"] == "float32"
+    assert load_checkpoint(out).spec.shared_expert_intermediate_size == 64
+    assert main(["checkpoint", "no-such-model", str(tmp_path / "x")]) == 2
