@@ -7,6 +7,7 @@ E2E_MEASURED = [h for h, c in E2E["hardware"].items() if c.get("measure")]
 
 
 rule e2e_run:
+    threads: TIMED_THREADS
     input:
         model=lambda w: model_dir(E2E["model"]),
         hotset=lambda w: hotset(E2E["model"]),

@@ -7,6 +7,7 @@ EOL_OPTIONS = " ".join(f"--engine-option {k}={v}" for k, v in EOL.get("engine_op
 
 
 rule eol_run:
+    threads: TIMED_THREADS
     input:
         model=lambda w: model_dir(EOL["model"]),
         hotset=lambda w: hotset(EOL["model"]),

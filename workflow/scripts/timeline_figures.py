@@ -25,11 +25,18 @@ def memory_figure(run: dict, timeline: pd.DataFrame, path: str) -> None:
     x = t["virtual_time_s"] if "virtual_time_s" in t else t["time_s"]
     fig, axes = plt.subplots(2, 1, figsize=(11, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     ax = axes[0]
-    ax.stackplot(x, t["cached_experts"] * PAGES_PER_EXPERT, t["kv_l2_pages"], t["free_l2_pages"],
-                 labels=["expert cache", "KV cache", "free"], alpha=0.85)
+    experts = t["cached_experts"] * PAGES_PER_EXPERT
+    total = int((experts + t["kv_l2_pages"] + t["free_l2_pages"]).max())  # pool L2 pages outside the buffers
+    held = total - experts - t["free_l2_pages"]  # L2 pages KV holds, partly used ones included
+    ax.stackplot(x, experts, held, t["free_l2_pages"], labels=["expert cache", "KV (L2 pages held)", "free"],
+                 alpha=0.85)
+    ax.plot(x, experts + t["kv_l2_pages"], color="black", lw=0.7, ls=":",
+            label="expert cache + KV if packed (gap: partly used KV L2 pages)")
+    low = float(experts.min())
+    ax.set_ylim(max(0.0, low - 0.35 * (total - low) - 1), total * 1.01)
     ax.set(ylabel="L2 pages (one expert projection each)",
            title=f"Elastic pool under bursts ({run['workload']}, {run['num_requests']} requests)")
-    ax.legend(loc="upper right")
+    ax.legend(loc="lower right", fontsize=8)
     axes[1].plot(x, t["running"], label="running")
     axes[1].plot(x, t["waiting"], label="waiting")
     axes[1].set(xlabel="time (s, virtual clock)", ylabel="requests")
