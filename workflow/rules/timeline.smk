@@ -1,5 +1,5 @@
 # Timeline: the elastic expert cache vs KV pages over time under two bursts (CPU, scaled model), and
-# decode step time vs its HBM/PCIe floor where GPU timelines exist (results/reference/e2e/timeline_*.csv).
+# decode step time vs its HBM/PCIe floor where GPU timelines exist (results/reference/e2e/run_*/).
 
 TIMELINE = config["timeline"]
 
@@ -22,7 +22,7 @@ rule timeline_figures:
     input:
         run="results/timeline/run.json",
         timeline="results/timeline/run.timeline.csv",
-        reference=lambda w: sorted(glob.glob(TIMELINE["reference_glob"])),
+        reference=lambda w: sorted(glob.glob(f"{TIMELINE['reference_dir']}/run_*/*.csv")),
     output:
         memory="figures/timeline_memory.png",
         step="figures/timeline_step.png",
@@ -30,7 +30,7 @@ rule timeline_figures:
         md="results/timeline/step_floor.md",
     shell:
         "{PY} {SCRIPTS}/timeline_figures.py --run {input.run} --timeline {input.timeline} "
-        "--reference {input.reference} --memory-figure {output.memory} --step-figure {output.step} "
+        "--reference-dir {TIMELINE[reference_dir]} --memory-figure {output.memory} --step-figure {output.step} "
         "--csv {output.csv} --md {output.md}"
 
 

@@ -117,7 +117,9 @@ def reference_source(frame_row: dict, path: str | Path) -> str:
     """'H200 measured (reference file X, commit C, date D)' for a row read from results/reference/."""
     device = frame_row.get("device", "GPU")
     commit = frame_row.get("commit", "unknown")
-    return f"{device} measured (reference {Path(path).name}, commit {commit})"
+    run = frame_row.get("run")
+    where = f"{Path(path).name} {run}" if isinstance(run, str) and run else Path(path).name
+    return f"{device} measured (reference {where}, commit {commit})"
 
 
 def read_json(path: str | Path) -> dict:

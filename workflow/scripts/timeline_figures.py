@@ -1,5 +1,6 @@
 """Timeline figures: the elastic expert cache vs KV pages over time (CPU run of two bursts), and decode
-step time vs its HBM/PCIe floor from GPU timelines (results/reference/e2e/timeline_*.csv) when present.
+step time vs its HBM/PCIe floor from GPU timelines (results/reference/e2e/run_*/timeline_*_burst.csv and
+step_floor.csv) when present.
 
 Outputs: figures/timeline_memory.png, figures/timeline_step.png, results/timeline/step_floor.{csv,md}.
 """
@@ -46,26 +47,80 @@ def memory_figure(run: dict, timeline: pd.DataFrame, path: str) -> None:
     plt.close(fig)
 
 
-def step_floor(paths: list[str]) -> pd.DataFrame:
-    rows = []
-    for p in paths:
-        t = pd.read_csv(p)
-        if not {"step_ms", "floor_overlap_ms"} <= set(t.columns):
+HBM_BPS, PCIE_BPS = 4.26e12, 55e9  # DESIGN.md §6, measured on the H200
+
+
+def floor_ms(t: pd.DataFrame, model: str) -> pd.Series:
+    """Per decode step: max(HBM bytes / 4.26 TB/s, loaded expert bytes / 55 GB/s), as e2e_gpu.py:step_floor.
+
+    ``model`` is the reference's model label, e.g. "qwen3-30b-a3b (4/48 layers, skew 0.7)": dense weights read
+    per step = lm_head + the run's layers' share of the other dense weights; bf16."""
+    import re
+
+    import torch
+
+    from rimuru.models.spec import ModelSpec
+
+    name = model.split()[0]
+    layers = re.search(r"\((\d+)/(\d+) layers", model)
+    spec = ModelSpec.from_pretrained(name)
+    used = int(layers.group(1)) if layers else spec.num_layers
+    embed = spec.vocab_size * spec.hidden_size * 2
+    per_layer = (spec.dense_bytes(torch.bfloat16) - 2 * embed) / spec.num_layers
+    dense_read = embed + used * per_layer
+    kv_token = spec.kv_bytes_per_token(torch.bfloat16) * used / spec.num_layers
+    hbm = dense_read + t["experts_touched"] * spec.expert_bytes(torch.bfloat16) + t["context_tokens"] * kv_token
+    return pd.concat([hbm / HBM_BPS, t["expert_bytes_loaded"] / PCIE_BPS], axis=1).max(axis=1) * 1e3
+
+
+def reference_runs(ref_dir: Path) -> list[Path]:
+    return sorted(p for p in ref_dir.glob("run_*") if (p / "e2e.csv").exists())
+
+
+def floor_table(runs: list[Path]) -> pd.DataFrame:
+    frames = []
+    for run in runs:
+        if not (run / "step_floor.csv").exists():
             continue
-        name = Path(p).stem.removeprefix("timeline_")
-        decode = t[(t.get("prefill_tokens", 0) == 0)] if "prefill_tokens" in t else t
-        rows.append({"run": name, "decode_steps": len(decode), "median_step_ms": decode["step_ms"].median(),
-                     "median_floor_ms": decode["floor_overlap_ms"].median(),
-                     "median_ratio_to_floor": (decode["step_ms"] / decode["floor_overlap_ms"]).median(),
-                     "source": f"reference {Path(p).name}"})
-    return pd.DataFrame(rows)
+        meta = pd.read_csv(run / "e2e.csv").iloc[0]
+        f = pd.read_csv(run / "step_floor.csv")
+        f.insert(0, "run", run.name)
+        f["source"] = f"{meta['device']} measured (reference {run.name}/step_floor.csv, commit {meta['commit']})"
+        frames.append(f)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def step_figure(runs: list[Path], path: str) -> bool:
+    panels = [(run, sorted(run.glob("timeline_*_burst.csv"))) for run in runs]
+    panels = [(r, ts) for r, ts in panels if ts]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    for ax, (run, timelines) in zip(axes[:, 0], panels):
+        model = pd.read_csv(run / "e2e.csv")["model"].iloc[0]
+        for tpath in timelines:
+            t = pd.read_csv(tpath)
+            d = t[t["prefill_tokens"] == 0]
+            label = tpath.stem.removeprefix("timeline_")
+            step = d["step_ms"].rolling(15, min_periods=1).median()
+            line = ax.plot(d["step"], step, lw=1.1, label=f"{label} step")[0]
+            ax.plot(d["step"], floor_ms(d, model).rolling(15, min_periods=1).median(), lw=1.0, ls="--",
+                    color=line.get_color(), label=f"{label} floor")
+        ax.set(xlabel="forward step", ylabel="decode step (ms)", yscale="log",
+               title=f"{run.name}: {model} on the H200 (rolling median of 15 decode steps)")
+        ax.legend(fontsize=7, ncol=3)
+    fig.suptitle("Decode step time vs its floor max(HBM bytes / 4.26 TB/s, PCIe bytes / 55 GB/s)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--run", required=True)
     ap.add_argument("--timeline", required=True)
-    ap.add_argument("--reference", nargs="*", default=[])
+    ap.add_argument("--reference-dir", required=True, help="results/reference/e2e (run_*/timeline_*.csv)")
     ap.add_argument("--memory-figure", required=True)
     ap.add_argument("--step-figure", required=True)
     ap.add_argument("--csv", required=True)
@@ -76,27 +131,18 @@ def main() -> None:
         Path(p).parent.mkdir(parents=True, exist_ok=True)
     memory_figure(read_json(args.run), pd.read_csv(args.timeline), args.memory_figure)
 
-    floors = step_floor(args.reference)
-    fig, ax = plt.subplots(figsize=(11, 4))
-    if len(floors):
-        for p in args.reference:
-            t = pd.read_csv(p)
-            if "floor_overlap_ms" not in t:
-                continue
-            d = t[t["prefill_tokens"] == 0] if "prefill_tokens" in t else t
-            line = ax.plot(d["step"], d["step_ms"], lw=0.8, label=f"{Path(p).stem} step")[0]
-            ax.plot(d["step"], d["floor_overlap_ms"], lw=0.8, ls="--", color=line.get_color(), label="floor")
-        ax.set(xlabel="forward step", ylabel="decode step (ms)", yscale="log",
-               title="GPU decode step time vs its floor max(HBM bytes / 4.26 TB/s, PCIe bytes / 55 GB/s)")
-        ax.legend(fontsize=7, ncol=2)
-    else:
-        figure_note(ax, f"Decode step time vs floor: {NOT_MEASURED}\n(no GPU timelines in results/reference/e2e/)")
-        floors = pd.DataFrame([{"run": "gpu timelines", "source": NOT_MEASURED}])
-    fig.tight_layout()
-    fig.savefig(args.step_figure, dpi=120)
-    plt.close(fig)
+    runs = reference_runs(Path(args.reference_dir))
+    floors = floor_table(runs)
+    if not step_figure(runs, args.step_figure):
+        fig, ax = plt.subplots(figsize=(11, 4))
+        figure_note(ax, f"Decode step time vs floor: {NOT_MEASURED}\n(no GPU timelines in {args.reference_dir})")
+        fig.savefig(args.step_figure, dpi=120)
+        plt.close(fig)
+    if not len(floors):
+        floors = pd.DataFrame([{"run": "gpu timelines", "source": f"{NOT_MEASURED} ({args.reference_dir})"}])
     write_table(floors, args.csv, args.md, "Decode step time vs its floor (GPU)",
-                ["floor = max(HBM bytes touched / 4.26 TB/s, expert bytes loaded / 55 GB/s) per step (DESIGN.md §6)."])
+                ["floor = max(HBM bytes touched / 4.26 TB/s, expert bytes loaded / 55 GB/s) per decode step "
+                 "(DESIGN.md §6); overlap: copies hidden behind compute, serial: not hidden. Medians per run."])
     print(floors.to_string(index=False))
 
 
