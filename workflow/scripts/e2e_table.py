@@ -103,18 +103,22 @@ def main() -> None:
     write_table(frame, args.csv, args.md, "End-to-end: throughput, TTFT, TPOT", notes)
 
     sns.set_theme(style="whitegrid")
-    data = frame.dropna(subset=["output_throughput"])
+    data = frame.dropna(subset=["output_throughput"]).copy()
+    data["workload"] = data["workload"].astype(str) + " (" + data["num_requests"].astype("Int64").astype(str) + " req)"
     panels = [("output_throughput", "output tokens/s"), ("mean_ttft_ms", "mean TTFT (ms)"),
               ("mean_tpot_ms", "mean TPOT (ms)")]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (metric, label) in zip(axes, panels):
-        if not len(data):
-            figure_note(ax, "no end-to-end results yet")
-            continue
-        sns.barplot(data, x="system", y=metric, hue="hardware", ax=ax)
-        ax.set(xlabel="", ylabel=label)
-        ax.tick_params(axis="x", labelrotation=25)
-        ax.legend(fontsize=7)
+    rows = list(dict.fromkeys(data["hardware"])) or ["none"]
+    fig, axes = plt.subplots(len(rows), 3, figsize=(15, 3.8 * len(rows)), squeeze=False)
+    for r, hw in enumerate(rows):
+        part = data[data["hardware"] == hw]
+        for ax, (metric, label) in zip(axes[r], panels):
+            if not len(part):
+                figure_note(ax, "no end-to-end results yet")
+                continue
+            sns.barplot(part, x="system", y=metric, hue="workload", ax=ax)
+            ax.set(xlabel="", ylabel=label, title=hw if metric == "output_throughput" else "")
+            ax.tick_params(axis="x", labelrotation=25)
+            ax.legend(fontsize=7)
     missing = sorted(set(frame.loc[frame["output_throughput"].isna(), "hardware"]))
     if missing:
         fig.suptitle("not measured yet: " + "; ".join(missing), fontsize=9, y=0.99)
