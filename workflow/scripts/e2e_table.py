@@ -20,9 +20,9 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from common import NOT_MEASURED, figure_note, read_json, reference_source, write_table  # noqa: E402
 
-COLUMNS = ["hardware", "system", "policy", "workload", "request_rate", "num_requests", "request_throughput",
-           "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "peak_concurrency", "forward_steps",
-           "source"]
+COLUMNS = ["hardware", "system", "policy", "budget_gib", "workload", "request_rate", "num_requests",
+           "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "peak_concurrency",
+           "forward_steps", "source"]
 REF_METRICS = ["request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms",
                "peak_concurrency", "forward_steps"]
 
@@ -33,7 +33,8 @@ def measured_rows(paths: list[str], hardware: str) -> list[dict]:
         r = read_json(path)
         st, eng, prov = r["settings"], r.get("engine", {}), r["provenance"]
         rows.append({
-            "hardware": hardware, "system": st["system"], "policy": st["policy"], "workload": st["label"],
+            "hardware": hardware, "system": st["system"], "policy": st["policy"],
+            "budget_gib": round(st["scaling"]["real_budget_gib"], 2), "workload": st["label"],
             "request_rate": st["request_rate"], "num_requests": r["num_prompts"] if "num_prompts" in r
             else len(r["input_lens"]), "request_throughput": r["request_throughput"],
             "output_throughput": r["output_throughput"], "mean_ttft_ms": r["mean_ttft_ms"],
@@ -64,6 +65,7 @@ def reference_rows(path: Path, hardware: dict, systems: list[str]) -> list[dict]
             names = by_policy.get(rec["policy"], [rec["policy"]])
             system = "rimuru" if rec["policy"] == "elastic" else "/".join(n for n in names if n != "rimuru")
             row = {"hardware": hw, "system": system or rec["policy"], "policy": rec["policy"],
+                   "budget_gib": rec.get("budget_gib"),
                    "workload": rec.get("workload"), "request_rate": rec.get("request_rate"),
                    "num_requests": rec.get("num_requests"), "source": reference_source(rec, path)}
             row.update({m: rec.get(m) for m in REF_METRICS})
@@ -96,6 +98,8 @@ def main() -> None:
     notes = [f"{c.get('label', h)}: " + ("measured by this pipeline (real engine, in-process bench, wall clock)"
                                           if c.get("measure") else f"read from {args.reference}")
              for h, c in hardware.items()]
+    notes.append("budget_gib: the device budget of the real card (CPU rows: the scaled run's real-card equivalent, "
+                 "memory fraction x 31.8 GiB).")
     notes.append("Systems are engine policies (baselines/*.yaml): vLLM, SGLang = static; llama.cpp, KTransformers "
                  "= CPU-computed experts; Fate = fixed cache + cross-layer prefetch; Rimuru = elastic.")
     notes.append("Paper (RTX 5090 / 4090D GPUs): Rimuru up to 19.03x the offloading systems' throughput, TTFT "
