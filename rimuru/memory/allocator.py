@@ -164,17 +164,47 @@ class MultiLevelAllocator:
         return c.slots_to_ids(self._allocate(c, n, ALLOC))
 
     def _allocate(self, c: _ClassState, n: int, mark: int) -> np.ndarray:
-        short = n - len(c.free)
-        if short > 0:
-            parents = self._allocate(self._classes[c.parent], -(-short // c.per_parent), SPLIT_BASE + c.index)
-            children = (parents[:, None] * c.per_parent + np.arange(c.per_parent)).ravel()
-            c.state[children] = FREE
-            c.free.push(children[::-1])
-        slots = c.free.pop(n)
+        if self._is_l3(c):  # best fit among carved parents, then fresh parents
+            slots = self._take_fullest(c, min(n, len(c.free)))
+            if len(slots) < n:
+                self._carve(c, n - len(slots))
+                slots = np.concatenate([slots, c.free.pop(n - len(slots))])
+        else:
+            if n > len(c.free):
+                self._carve(c, n - len(c.free))
+            slots = c.free.pop(n)
         c.state[slots] = mark
         if c.parent is not None and n:
             pids, counts = _runs(np.sort(slots) // c.per_parent)
             self._classes[c.parent].live[pids] += counts
+        return slots
+
+    def _carve(self, c: _ClassState, units: int) -> None:
+        """Split enough fresh parent pages into free ``c`` slots for ``units`` more units."""
+        parents = self._allocate(self._classes[c.parent], -(-units // c.per_parent), SPLIT_BASE + c.index)
+        children = (parents[:, None] * c.per_parent + np.arange(c.per_parent)).ravel()
+        c.state[children] = FREE
+        c.free.push(children[::-1])
+
+    def _is_l3(self, c: _ClassState) -> bool:
+        return c.parent is not None and self._classes[c.parent].parent is not None
+
+    def _take_fullest(self, c: _ClassState, k: int) -> np.ndarray:
+        """``k`` free L3 slots from the parents with the most live children (best fit).
+
+        Packing new KV/conv pages into the fullest parents lets the emptier ones drain and merge
+        back into L2 pages that experts can use; LIFO reuse would spread long-lived pages over many
+        partly used parents.
+        """
+        if k == 0:
+            return np.empty(0, dtype=np.int64)
+        parent = self._classes[c.parent]
+        candidates = np.flatnonzero((parent.state == SPLIT_BASE + c.index) & (parent.live < c.per_parent))
+        order = candidates[np.argsort(-parent.live[candidates], kind="stable")]
+        enough = int(np.searchsorted(np.cumsum(c.per_parent - parent.live[order]), k)) + 1
+        children = (order[:enough, None] * c.per_parent + np.arange(c.per_parent)).ravel()
+        slots = children[c.state[children] == FREE][:k]
+        c.free.remove(slots)
         return slots
 
     # ------------------------------------------------------------------ free
@@ -246,5 +276,11 @@ class MultiLevelAllocator:
 
 def _runs(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct values of a sorted array and how often each occurs (np.unique without the sort)."""
-    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-    return sorted_ids[starts], np.diff(np.r_[starts, len(sorted_ids)])
+    change = np.empty(len(sorted_ids), dtype=bool)
+    change[:1] = True
+    np.not_equal(sorted_ids[1:], sorted_ids[:-1], out=change[1:])
+    starts = np.flatnonzero(change)
+    counts = np.empty(len(starts), dtype=np.int64)
+    counts[:-1] = starts[1:] - starts[:-1]
+    counts[-1:] = len(sorted_ids) - starts[-1:]
+    return sorted_ids[starts], counts

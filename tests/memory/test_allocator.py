@@ -148,3 +148,17 @@ def test_allocation_beyond_capacity_raises_and_changes_nothing():
     with pytest.raises(OutOfPages):
         alloc.allocate(KV, alloc.num_free(KV) + 1)
     assert alloc.stats() == before
+
+
+def test_new_kv_pages_go_to_the_fullest_parent_so_emptier_ones_drain():
+    alloc = MultiLevelAllocator(QWEN3_30B_A3B, 4)
+    per = QWEN3_30B_A3B.page_bytes(EXPERT) // QWEN3_30B_A3B.page_bytes(KV)
+    a = alloc.allocate(KV, per)  # fills expert page A
+    b = alloc.allocate(KV, per)  # fills expert page B
+    alloc.free(KV, a[: per - 2])  # A keeps 2 live pages
+    alloc.free(KV, b[:1])  # B keeps per - 1
+    new = alloc.allocate(KV, 1)
+    assert new[0] // per == b[0] // per, "best fit picks the fuller parent"
+    alloc.free(KV, a[per - 2 :])  # A drains completely and merges back
+    assert alloc.free_l2_pages(EXPERT) == 3
+    alloc.check_integrity()
