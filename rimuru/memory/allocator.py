@@ -6,7 +6,9 @@ When every child of a parent is free again the parent is reclaimed, recursively,
 everything returns every huge page to L1.
 
 All state is numpy arrays per class — no Python object per page — and every public call is
-a batch. Public ids are page ids in the class's own view (for a run class, the id of the
+a batch. L2 pages are reused LIFO; L3 pages go best-fit into the fullest carved parent (one
+vectorised scan of the parents per call), so that after a burst the emptier parents drain and
+merge back for experts. Public ids are page ids in the class's own view (for a run class, the id of the
 run's first page). This class is the only writer of its arrays.
 """
 
