@@ -17,8 +17,10 @@ def git_commit() -> str:
         out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=os.path.dirname(os.path.abspath(__file__)))
         commit = out.stdout.strip() or "unknown"
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=5, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+        # pipeline outputs being rewritten do not make the code dirty
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                                ":(top,exclude)results", ":(top,exclude)figures"], capture_output=True, text=True, timeout=5,
+                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return os.environ.get("RIMURU_COMMIT", "unknown")
