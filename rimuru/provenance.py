@@ -18,8 +18,9 @@ def git_commit() -> str:
                              cwd=os.path.dirname(os.path.abspath(__file__)))
         commit = out.stdout.strip() or "unknown"
         # pipeline outputs being rewritten do not make the code dirty
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
-                                ":(top,exclude)results", ":(top,exclude)figures"], capture_output=True, text=True, timeout=5,
+        status = ["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                  ":(top,exclude)results", ":(top,exclude)figures"]
+        dirty = subprocess.run(status, capture_output=True, text=True, timeout=5,
                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
