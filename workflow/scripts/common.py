@@ -74,6 +74,18 @@ class ModVocabTokenizer:
         return " ".join(map(str, ids))  # folded ids have no text
 
 
+def engine_options(engine_kwargs: dict, overrides: list[str], hotset: str | None) -> dict:
+    """A system's LLM(...) options with ``--engine-option KEY=VALUE`` overrides (JSON values; none/null
+    -> None) and an optional hotset profile."""
+    options = dict(engine_kwargs)
+    for kv in overrides:
+        key, _, value = kv.partition("=")
+        options[key] = None if value in ("none", "null") else json.loads(value)
+    if hotset:
+        options["hotset"] = hotset
+    return options
+
+
 def make_engine(model_dir: str | Path, budget: int, activation_bytes: int, engine_kwargs: dict, **extra):
     """The real engine on the CPU in fp32; a model without tokenizer gets the folded Qwen tokenizer."""
     import torch
@@ -124,6 +136,17 @@ def reference_source(frame_row: dict, path: str | Path) -> str:
 
 def read_json(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def save_figure(fig, path: str | Path, tight: bool = True) -> None:
+    """Write a PNG (creating its folder) and close the figure."""
+    import matplotlib.pyplot as plt
+
+    if tight:
+        fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def figure_note(ax, text: str) -> None:

@@ -28,12 +28,11 @@ from rimuru.bench.metrics import RequestRecord, compute_metrics
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.llm import LLM, _activation_estimate
 from rimuru.engine.sampling_params import SamplingParams
+from rimuru.engine.step_floor import decode_floor, floor_summary
 from rimuru.models.spec import ModelSpec
 from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
-
-HBM_BPS, PCIE_BPS = 4.26e12, 55.4e9  # measured on the H200 (DESIGN.md §6)
 
 
 def load_trace(path: str, n: int) -> list[dict]:
@@ -105,23 +104,6 @@ def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
     while llm.has_unfinished_requests():
         llm.step()
-
-
-def step_floor(frame: pd.DataFrame, llm: LLM) -> pd.DataFrame:
-    """Per decode-only step: bytes the step must read from HBM and load over PCIe, and its floor."""
-    spec = llm.spec
-    dense = sum(t.numel() * t.element_size() for t in llm.model.w.values())
-    embed = llm.model.w["model.embed_tokens.weight"]
-    dense_read = dense - embed.numel() * embed.element_size() * (0 if "lm_head.weight" in llm.model.w else 1)
-    expert_bytes = 3 * spec.expert_projection_bytes(torch.bfloat16)
-    kv_token = spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
-    d = frame[frame.prefill_tokens == 0].copy()
-    d["hbm_bytes"] = dense_read + d.experts_touched * expert_bytes + d.context_tokens * kv_token
-    d["hbm_ms"] = d.hbm_bytes / HBM_BPS * 1e3
-    d["pcie_ms"] = d.expert_bytes_loaded / PCIE_BPS * 1e3
-    d["floor_overlap_ms"] = np.maximum(d.hbm_ms, d.pcie_ms)  # copies hidden behind HBM-bound compute
-    d["floor_serial_ms"] = d.hbm_ms + d.pcie_ms  # no copy hidden
-    return d
 
 
 def main() -> None:
@@ -199,12 +181,7 @@ def main() -> None:
         stats = llm.stats()
         frame = llm.timeline.frame()
         frame.to_csv(out / f"timeline_{policy}_{workload}.csv", index=False)
-        fl = step_floor(frame, llm)
-        floors.append({"policy": policy, "workload": workload, "decode_steps": len(fl),
-                       "median_step_ms": fl.step_ms.median(), "median_floor_overlap_ms": fl.floor_overlap_ms.median(),
-                       "median_floor_serial_ms": fl.floor_serial_ms.median(),
-                       "median_ratio_to_overlap_floor": (fl.step_ms / fl.floor_overlap_ms).median(),
-                       "median_ratio_to_serial_floor": (fl.step_ms / fl.floor_serial_ms).median()})
+        floors.append({"policy": policy, "workload": workload, **floor_summary(decode_floor(frame, llm.spec))})
         rows.append({
             "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew})", "policy": policy,
             "budget_gib": budget_full / 2**30, "scaled_budget_gib": round(budget / 2**30, 3), "workload": workload,

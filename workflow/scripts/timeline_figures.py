@@ -1,6 +1,6 @@
 """Timeline figures: the elastic expert cache vs KV pages over time (CPU run of two bursts), and decode
 step time vs its HBM/PCIe floor from GPU timelines (results/reference/e2e/run_*/timeline_*_burst.csv and
-step_floor.csv) when present.
+their e2e.csv) when present.
 
 Outputs: figures/timeline_memory.png, figures/timeline_step.png, results/timeline/step_floor.{csv,md}.
 """
@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
-from common import NOT_MEASURED, figure_note, read_json, write_table  # noqa: E402
+from common import NOT_MEASURED, figure_note, read_json, save_figure, write_table  # noqa: E402
 
 PAGES_PER_EXPERT = 3  # W1, W3, W2: one L2 page each
 
@@ -42,35 +42,23 @@ def memory_figure(run: dict, timeline: pd.DataFrame, path: str) -> None:
     axes[1].plot(x, t["waiting"], label="waiting")
     axes[1].set(xlabel="time (s, virtual clock)", ylabel="requests")
     axes[1].legend(loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-HBM_BPS, PCIE_BPS = 4.26e12, 55e9  # DESIGN.md §6, measured on the H200
+def run_floors(run: Path, timeline: Path) -> pd.DataFrame:
+    """Decode steps of one reference timeline with their floors (rimuru.engine.step_floor).
 
-
-def floor_ms(t: pd.DataFrame, model: str) -> pd.Series:
-    """Per decode step: max(HBM bytes / 4.26 TB/s, loaded expert bytes / 55 GB/s), as e2e_gpu.py:step_floor.
-
-    ``model`` is the reference's model label, e.g. "qwen3-30b-a3b (4/48 layers, skew 0.7)": dense weights read
-    per step = lm_head + the run's layers' share of the other dense weights; bf16."""
+    The run's model label names the real model and its layer count, e.g.
+    "qwen3-30b-a3b (4/48 layers, skew 0.7)": the floor is that of the layers the run had."""
     import re
 
-    import torch
-
+    from rimuru.engine.step_floor import decode_floor
     from rimuru.models.spec import ModelSpec
 
-    name = model.split()[0]
+    model = pd.read_csv(run / "e2e.csv")["model"].iloc[0]
     layers = re.search(r"\((\d+)/(\d+) layers", model)
-    spec = ModelSpec.from_pretrained(name)
-    used = int(layers.group(1)) if layers else spec.num_layers
-    embed = spec.vocab_size * spec.hidden_size * 2
-    per_layer = (spec.dense_bytes(torch.bfloat16) - 2 * embed) / spec.num_layers
-    dense_read = embed + used * per_layer
-    kv_token = spec.kv_bytes_per_token(torch.bfloat16) * used / spec.num_layers
-    hbm = dense_read + t["experts_touched"] * spec.expert_bytes(torch.bfloat16) + t["context_tokens"] * kv_token
-    return pd.concat([hbm / HBM_BPS, t["expert_bytes_loaded"] / PCIE_BPS], axis=1).max(axis=1) * 1e3
+    return decode_floor(pd.read_csv(timeline), ModelSpec.from_pretrained(model.split()[0]),
+                        int(layers.group(1)) if layers else None)
 
 
 def reference_runs(ref_dir: Path) -> list[Path]:
@@ -78,16 +66,18 @@ def reference_runs(ref_dir: Path) -> list[Path]:
 
 
 def floor_table(runs: list[Path]) -> pd.DataFrame:
-    frames = []
+    from rimuru.engine.step_floor import floor_summary
+
+    rows = []
     for run in runs:
-        if not (run / "step_floor.csv").exists():
-            continue
         meta = pd.read_csv(run / "e2e.csv").iloc[0]
-        f = pd.read_csv(run / "step_floor.csv")
-        f.insert(0, "run", run.name)
-        f["source"] = f"{meta['device']} measured (reference {run.name}/step_floor.csv, commit {meta['commit']})"
-        frames.append(f)
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        for tpath in sorted(run.glob("timeline_*.csv")):
+            policy, workload = tpath.stem.removeprefix("timeline_").split("_", 1)
+            rows.append({"run": run.name, "policy": policy, "workload": workload,
+                         **floor_summary(run_floors(run, tpath)),
+                         "source": f"{meta['device']} measured (reference {run.name}/{tpath.name}, "
+                                   f"commit {meta['commit']})"})
+    return pd.DataFrame(rows)
 
 
 def step_figure(runs: list[Path], path: str) -> bool:
@@ -99,20 +89,17 @@ def step_figure(runs: list[Path], path: str) -> bool:
     for ax, (run, timelines) in zip(axes[:, 0], panels):
         model = pd.read_csv(run / "e2e.csv")["model"].iloc[0]
         for tpath in timelines:
-            t = pd.read_csv(tpath)
-            d = t[t["prefill_tokens"] == 0]
+            d = run_floors(run, tpath)
             label = tpath.stem.removeprefix("timeline_")
             step = d["step_ms"].rolling(15, min_periods=1).median()
             line = ax.plot(d["step"], step, lw=1.1, label=f"{label} step")[0]
-            ax.plot(d["step"], floor_ms(d, model).rolling(15, min_periods=1).median(), lw=1.0, ls="--",
+            ax.plot(d["step"], d["floor_overlap_ms"].rolling(15, min_periods=1).median(), lw=1.0, ls="--",
                     color=line.get_color(), label=f"{label} floor")
         ax.set(xlabel="forward step", ylabel="decode step (ms)", yscale="log",
                title=f"{run.name}: {model} on the H200 (rolling median of 15 decode steps)")
         ax.legend(fontsize=7, ncol=3)
-    fig.suptitle("Decode step time vs its floor max(HBM bytes / 4.26 TB/s, PCIe bytes / 55 GB/s)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.suptitle("Decode step time vs its floor max(HBM bytes / 4.26 TB/s, PCIe bytes / 55.4 GB/s)", fontsize=10)
+    save_figure(fig, path)
     return True
 
 
@@ -127,8 +114,6 @@ def main() -> None:
     ap.add_argument("--md", required=True)
     args = ap.parse_args()
     sns.set_theme(style="whitegrid")
-    for p in (args.memory_figure, args.step_figure):
-        Path(p).parent.mkdir(parents=True, exist_ok=True)
     memory_figure(read_json(args.run), pd.read_csv(args.timeline), args.memory_figure)
 
     runs = reference_runs(Path(args.reference_dir))
@@ -136,13 +121,14 @@ def main() -> None:
     if not step_figure(runs, args.step_figure):
         fig, ax = plt.subplots(figsize=(11, 4))
         figure_note(ax, f"Decode step time vs floor: {NOT_MEASURED}\n(no GPU timelines in {args.reference_dir})")
-        fig.savefig(args.step_figure, dpi=120)
-        plt.close(fig)
+        save_figure(fig, args.step_figure, tight=False)
     if not len(floors):
         floors = pd.DataFrame([{"run": "gpu timelines", "source": f"{NOT_MEASURED} ({args.reference_dir})"}])
     write_table(floors, args.csv, args.md, "Decode step time vs its floor (GPU)",
-                ["floor = max(HBM bytes touched / 4.26 TB/s, expert bytes loaded / 55 GB/s) per decode step "
-                 "(DESIGN.md §6); overlap: copies hidden behind compute, serial: not hidden. Medians per run."])
+                ["floor = max(HBM bytes touched / 4.26 TB/s, expert bytes loaded / 55.4 GB/s) per decode step "
+                 "(DESIGN.md §6, rimuru/engine/step_floor.py); overlap: copies hidden behind compute, serial: not "
+                 "hidden. Medians per run; ratio_running_*: median step / overlap floor for decode steps with that "
+                 "many running requests (small batches are host-bound, large ones PCIe-bound)."])
     print(floors.to_string(index=False))
 
 
