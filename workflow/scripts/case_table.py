@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
-from common import read_json, write_table  # noqa: E402
+from common import read_json, save_figure, write_table  # noqa: E402
 
 POLICY_LABEL = {"static": "static (vLLM)", "fixed": "fixed + prefetch (Fate)", "elastic": "elastic (Rimuru)",
                 "cpu": "CPU experts"}
@@ -104,10 +104,7 @@ def main() -> None:
     for ax in axes[1:]:
         ax.tick_params(axis="x", labelrotation=20)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.figure, dpi=120)
-    plt.close(fig)
+    save_figure(fig, args.figure)
     print(frame.drop(columns=["label"]).to_string(index=False))
 
 

@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
-from common import NOT_MEASURED, figure_note, read_json, reference_source, write_table  # noqa: E402
+from common import NOT_MEASURED, figure_note, read_json, reference_source, save_figure, write_table  # noqa: E402
 
 COLUMNS = ["hardware", "system", "policy", "budget_gib", "workload", "request_rate", "num_requests",
            "request_throughput", "output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "peak_concurrency",
@@ -126,10 +126,7 @@ def main() -> None:
     missing = sorted(set(frame.loc[frame["output_throughput"].isna(), "hardware"]))
     if missing:
         fig.suptitle("not measured yet: " + "; ".join(missing), fontsize=9, y=0.99)
-    fig.tight_layout()
-    Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.figure, dpi=120)
-    plt.close(fig)
+    save_figure(fig, args.figure)
     print(frame.to_string(index=False))
 
 

@@ -7,7 +7,6 @@ Outputs: results/eol/eol.{csv,md}, figures/eol.png.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import matplotlib
 
@@ -15,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
-from common import read_json, write_table  # noqa: E402
+from common import read_json, save_figure, write_table  # noqa: E402
 
 
 def main() -> None:
@@ -67,10 +66,7 @@ def main() -> None:
         ax.set(xlabel="expert_offload_limit", ylabel=label)
         ax.set_ylim(bottom=0)
     fig.suptitle("Rimuru vs expert_offload_limit (min = fixed offloading)")
-    fig.tight_layout()
-    Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.figure, dpi=120)
-    plt.close(fig)
+    save_figure(fig, args.figure)
     print(frame.to_string(index=False))
 
 

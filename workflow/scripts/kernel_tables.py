@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
-from common import NOT_MEASURED, figure_note, reference_source, write_table  # noqa: E402
+from common import NOT_MEASURED, figure_note, reference_source, save_figure, write_table  # noqa: E402
 
 
 def overhead(raw: pd.DataFrame, path: Path) -> pd.DataFrame:
@@ -131,10 +131,7 @@ def main() -> None:
                     title=f"Expert placement ablation (M = {int(measured['tokens'].iloc[0])})")
     else:
         figure_note(axes[1], f"placement ablation: {NOT_MEASURED}")
-    fig.tight_layout()
-    Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.figure, dpi=120)
-    plt.close(fig)
+    save_figure(fig, args.figure)
     print(over_df.to_string(index=False))
 
 

@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import make_engine, scaled_budget, single_thread
+from common import engine_options, make_engine, scaled_budget, single_thread
 
 
 def eol_for(args, budget: int, act: int, options: dict) -> int | None:
@@ -53,12 +53,7 @@ def main() -> None:
     from rimuru.bench.runner import load_requests, make_result
 
     system = load_baseline(args.system)
-    options = dict(system.engine_kwargs)
-    for kv in args.engine_option:
-        key, _, value = kv.partition("=")
-        options[key] = None if value in ("none", "null") else json.loads(value)
-    if args.hotset:
-        options["hotset"] = args.hotset
+    options = engine_options(system.engine_kwargs, args.engine_option, args.hotset)
     act = int(args.activation_mib * 2**20)
     scaling = scaled_budget(args.model_dir, args.real_config, args.card_gib, system.memory_fraction,
                             options["policy"], args.real_activation_gib, act)

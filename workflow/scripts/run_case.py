@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from common import make_engine, scaled_budget, single_thread
+from common import engine_options, make_engine, scaled_budget, single_thread
 
 
 class MemoryOnlyExecutor:
@@ -62,12 +62,7 @@ def main() -> None:
     from rimuru.workloads.trace import build_trace
 
     system = load_baseline(args.system)
-    options = dict(system.engine_kwargs)
-    for kv in args.engine_option:
-        key, _, value = kv.partition("=")
-        options[key] = None if value in ("none", "null") else json.loads(value)
-    if args.hotset:
-        options["hotset"] = args.hotset
+    options = engine_options(system.engine_kwargs, args.engine_option, args.hotset)
     act = int(args.activation_mib * 2**20)
     scaling = scaled_budget(args.model_dir, args.real_config, args.card_gib, system.memory_fraction,
                             options["policy"], args.real_activation_gib, act)
