@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from rimuru.units import format_bytes, parse_bytes
 
@@ -18,15 +17,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_config(ref: str) -> dict:
-    path = Path(ref)
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        bundled = Path(__file__).resolve().parent.parent / "models" / "configs" / f"{ref}.json"
-        if not bundled.exists():
-            raise FileNotFoundError(f"no config at {ref!r} and no bundled model of that name")
-        path = bundled
-    config = json.loads(path.read_text())
+    from rimuru.models.spec import resolve_config_path
+
+    config = json.loads(resolve_config_path(ref).read_text())
     return config.get("text_config", config)
 
 

@@ -309,6 +309,6 @@ def _activation_estimate(spec, config: EngineConfig, dtype: torch.dtype, device:
 def _load_tokenizer(model_dir: Path):
     if not (model_dir / "tokenizer.json").exists():
         return None
-    from transformers import AutoTokenizer
+    from rimuru.models.tokenizer import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return load_tokenizer(model_dir)
