@@ -7,6 +7,8 @@ reclaim shrunk experts -> record the step.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from rimuru.engine.outputs import EngineStats, RequestOutput
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import sample
 from rimuru.engine.sampling_params import SamplingParams
-from rimuru.engine.scheduler import Scheduler, SchedulerConfig
+from rimuru.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from rimuru.engine.timeline import StepRecord, Timeline
 from rimuru.experts.adjuster import AdjusterConfig, decide
 from rimuru.experts.cache import ExpertCache
@@ -32,6 +34,8 @@ from rimuru.memory import EXPERT, KV, PagePool, PoolLayout
 from rimuru.models.loader import LoadedCheckpoint, load_checkpoint
 from rimuru.models.qwen_moe import QwenMoeModel
 from rimuru.units import format_bytes, parse_bytes
+
+log = logging.getLogger("rimuru.engine")
 
 
 class MemoryBudgetError(ValueError):
@@ -133,6 +137,7 @@ class LLM:
         self._requests: dict[str, Request] = {}
         self._start = time.perf_counter()
         self._generated = 0
+        self._failed = 0
         self.memory_report = {
             "budget": config.budget_bytes, "dense": dense_bytes, "activations": act_bytes, "pool": self.pool.num_bytes,
             "buffer_pages": self.loader.buffer_pages, "initial_cache_experts": initial, "total_experts": total_experts,
@@ -142,15 +147,24 @@ class LLM:
     # ------------------------------------------------------------------ streaming API
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        params = params or SamplingParams()
-        if any(not 0 <= t < self.spec.vocab_size for t in prompt_token_ids):
+        """Queue a request. Atomic: everything is validated first, so a ValueError/TypeError leaves no trace."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        ids = list(prompt_token_ids)
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) for t in ids):
+            raise ValueError("prompt token ids must be integers")
+        if any(not 0 <= t < self.spec.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
-        request = Request(request_id, list(prompt_token_ids), params,
+        request = Request(request_id, [int(t) for t in ids], params,
                           time.perf_counter() if arrival_time is None else arrival_time)
-        self.scheduler.add(request)
+        generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None
+                     else None if params.greedy else self._generator)
+        self.scheduler.add(request)  # validates (duplicate id, empty or too long prompt) before it changes anything
         self._requests[request_id] = request
-        self._generators[request_id] = (torch.Generator().manual_seed(params.seed) if params.seed is not None
-                                        else None if params.greedy else self._generator)
+        self._generators[request_id] = generator
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
@@ -161,38 +175,81 @@ class LLM:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. A forward pass that raises fails only the requests in this step (their pages are
+        freed); a request whose sampling raises fails alone. Either way the engine keeps serving."""
         t0 = time.perf_counter()
         self.cache.poll()
         loaded_before = (self.loader.bytes_loaded, self.loader.experts_loaded, self.provider.experts_touched)
         out = self.scheduler.schedule()
         change = 0
-        if self.config.memory_policy.adjust:
-            f_b = self.allocator.free_l2_pages(EXPERT)
-            change = decide(self.adjuster, out.kv_short_l2, f_b, self.cache.num_cached, self.cache.total)
-            change = self.cache.expand(change) if change > 0 else -self.cache.shrink(-change) if change < 0 else 0
         outputs: list[RequestOutput] = []
         decode_tokens = sum(1 for c in out.chunks if c.num_tokens == 1 and c.samples)  # before update() appends
-        if not out.is_empty:
-            logits = self.executor.execute(out)
-            samplers = [c for c in out.chunks if c.samples]
-            tokens = sample(logits, [c.request.params for c in samplers],
-                            [self._generators[c.request.request_id] for c in samplers])
-            now = time.perf_counter()
-            sampled = {c.request.request_id: t for c, t in zip(samplers, tokens)}
-            finished = {r.request_id for r in self.scheduler.update(out, sampled, now, self.eos_token_ids)}
-            self._generated += len(tokens)
-            for chunk in samplers:
-                req = chunk.request
-                outputs.append(self._output(req, [sampled[req.request_id]], req.request_id in finished))
-                if req.request_id in finished:
-                    self._requests.pop(req.request_id, None)
-                    self._generators.pop(req.request_id, None)
-        self.cache.reclaim()
+        try:
+            if self.config.memory_policy.adjust:
+                f_b = self.allocator.free_l2_pages(EXPERT)
+                change = decide(self.adjuster, out.kv_short_l2, f_b, self.cache.num_cached, self.cache.total)
+                change = self.cache.expand(change) if change > 0 else -self.cache.shrink(-change) if change < 0 else 0
+            if not out.is_empty:
+                outputs = self._run_step(out)
+        finally:
+            self.cache.reclaim()  # shrunk experts go back to the pool even when the step failed
         if not out.is_empty:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self._record(out, t0, change, loaded_before, decode_tokens)
         return outputs
+
+    def _run_step(self, out: SchedulerOutput) -> list[RequestOutput]:
+        try:
+            logits = self.executor.execute(out)
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, not the engine
+            log.exception("forward pass failed; failing the %d requests of this step", len(out.chunks))
+            self.loader.abandon_step()
+            return [self._fail(c.request, exc) for c in out.chunks]
+        samplers = [c for c in out.chunks if c.samples]
+        tokens = self._sample(logits, samplers)
+        failed = [self._fail(c.request, t) for c, t in zip(samplers, tokens) if isinstance(t, Exception)]
+        if failed:
+            out = dataclasses.replace(out, chunks=tuple(c for c in out.chunks if not c.request.is_finished))
+        sampled = {c.request.request_id: t for c, t in zip(samplers, tokens) if not isinstance(t, Exception)}
+        samplers = [c for c in samplers if c.request.request_id in sampled]
+        now = time.perf_counter()
+        finished = {r.request_id for r in self.scheduler.update(out, sampled, now, self.eos_token_ids)}
+        self._generated += len(sampled)
+        outputs = failed
+        for chunk in samplers:
+            req = chunk.request
+            outputs.append(self._output(req, [sampled[req.request_id]], req.request_id in finished))
+            if req.request_id in finished:
+                self._requests.pop(req.request_id, None)
+                self._generators.pop(req.request_id, None)
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, samplers: list) -> list[int | Exception]:
+        """One token per sampling chunk; a row whose sampling raises gets the exception instead."""
+        params = [c.request.params for c in samplers]
+        generators = [self._generators[c.request.request_id] for c in samplers]
+        try:
+            return sample(logits, params, generators)
+        except Exception:  # noqa: BLE001 - find the request(s) at fault, row by row
+            tokens: list[int | Exception] = []
+            for i in range(len(samplers)):
+                try:
+                    tokens.append(sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1])[0])
+                except Exception as exc:  # noqa: BLE001
+                    log.exception("sampling failed for request %s", samplers[i].request.request_id)
+                    tokens.append(exc)
+            return tokens
+
+    def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
+        """Finish ``req`` with an error and free its pages."""
+        self.scheduler.abort(req.request_id, reason="error")
+        self._requests.pop(req.request_id, None)
+        self._generators.pop(req.request_id, None)
+        self._failed += 1
+        output = self._output(req, [], True)
+        output.error = f"{type(exc).__name__}: {exc}"
+        return output
 
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, finished,
@@ -221,7 +278,7 @@ class LLM:
             cached_experts=self.cache.num_cached, free_l2_pages=self.allocator.free_l2_pages(EXPERT),
             peak_concurrency=self.scheduler.peak_concurrency, forward_steps=self.scheduler.forward_steps,
             preemptions=self.scheduler.num_preemptions, generated_tokens=self._generated,
-            expert_bytes_loaded=self.loader.bytes_loaded)
+            expert_bytes_loaded=self.loader.bytes_loaded, failed_requests=self._failed)
 
     # ------------------------------------------------------------------ offline API
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,

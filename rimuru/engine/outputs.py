@@ -12,11 +12,12 @@ class RequestOutput:
     output_token_ids: list[int]  # everything generated so far
     new_token_ids: list[int]  # generated in this step
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     text: str | None = None  # filled by LLM.generate when a tokenizer is present
     arrival_time: float = 0.0
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # wall time of each output token
+    error: str | None = None  # set when the engine failed this request (finish_reason "error")
 
 
 @dataclass(frozen=True)
@@ -31,3 +32,4 @@ class EngineStats:
     preemptions: int
     generated_tokens: int
     expert_bytes_loaded: int
+    failed_requests: int = 0  # finished with an error (a failed step or a failed sample)

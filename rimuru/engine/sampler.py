@@ -21,7 +21,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
             sorted_probs, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, 0) - sorted_probs < p.top_p  # always keeps the top token
+            keep = torch.cumsum(sorted_probs, 0) - sorted_probs < p.top_p
+            keep[0] = True  # the top token always stays (a denormal top_p rounds to 0 in fp32)
             probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_probs[keep])
         gen = generators[i]
         device_probs = probs if gen is None or gen.device == probs.device else probs.to(gen.device)

@@ -5,7 +5,8 @@ requests, under a per-step token budget. KV pages come from the shared allocator
 KVCacheManager. When a running request is short of pages the scheduler first asks memory
 policy how many L2 pages it can release after this step (the adjuster shrinking the expert
 cache); if that covers the shortfall the request waits one step holding its pages, otherwise
-the newest running request is preempted (its KV freed, recomputed later). The total shortfall
+the newest running request is preempted (its KV freed, recomputed later; a chunk it already has in this step
+is taken back out). The total shortfall
 goes out as ``kv_short_l2`` — the adjuster's R_b.
 """
 
@@ -85,7 +86,8 @@ class Scheduler:
         self._by_id[request.request_id] = request
         self.waiting.append(request)
 
-    def abort(self, request_id: str) -> Request | None:
+    def abort(self, request_id: str, reason: str = "abort") -> Request | None:
+        """Remove a request wherever it is and free its KV; ``reason`` becomes its finish reason."""
         request = self._by_id.pop(request_id, None)
         if request is None:
             return None
@@ -94,7 +96,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
         self.kv.free(request_id)
-        request.status, request.finish_reason = Status.FINISHED, "abort"
+        request.status, request.finish_reason = Status.FINISHED, reason
         return request
 
     def has_unfinished(self) -> bool:
@@ -105,6 +107,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
+        scheduled: dict[str, ScheduledChunk] = {}  # running requests already given a chunk in this step
         short_kv_pages = 0
         deferred_l2 = 0
 
@@ -131,9 +134,15 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 if victim is request:
                     break
+                dropped = scheduled.pop(victim.request_id, None)
+                if dropped is not None:  # already in this step (a newer decode): take its chunk back out
+                    chunks.remove(dropped)
+                    budget += dropped.num_tokens
             if request.status is Status.RUNNING and fit(request, n):
                 self.kv.allocate(request.request_id, request.num_computed_tokens + n)
-                chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
+                chunk = ScheduledChunk(request, request.num_computed_tokens, n)
+                chunks.append(chunk)
+                scheduled[request.request_id] = chunk
                 budget -= n
 
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

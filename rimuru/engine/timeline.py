@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,10 +33,18 @@ class StepRecord:
 
 
 class Timeline:
-    def __init__(self) -> None:
-        self.records: list[StepRecord] = []
+    """The most recent ``max_records`` steps (a long-running server must not grow without bound);
+    ``dropped`` counts the older steps that fell off the front."""
+
+    def __init__(self, max_records: int | None = 100_000) -> None:
+        if max_records is not None and max_records < 1:
+            raise ValueError(f"max_records must be positive or None, got {max_records}")
+        self.records: deque[StepRecord] = deque(maxlen=max_records)
+        self.dropped = 0
 
     def add(self, record: StepRecord) -> None:
+        if len(self.records) == self.records.maxlen:
+            self.dropped += 1
         self.records.append(record)
 
     def frame(self) -> pd.DataFrame:

@@ -109,6 +109,12 @@ class ExpertLoader:
             torch.cuda.current_stream(self.device).wait_event(done)
         return table
 
+    def abandon_step(self) -> None:
+        """A forward pass failed part-way: forget prefetch assignments that no layer_table consumed, so the
+        next step cannot read a buffer slot as holding another layer's expert."""
+        for assigned in self._prefetched:
+            assigned.clear()
+
     def layer_done(self, layer: int) -> None:
         """Record that the compute reading ``layer``'s buffer has been issued."""
         if self.cuda:

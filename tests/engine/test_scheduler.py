@@ -107,3 +107,26 @@ def test_abort_frees_pages():
     sched.schedule()
     sched.abort("r0")
     assert alloc.free_huge_pages() == 8 and not sched.has_unfinished()
+
+
+def test_preempting_a_request_already_scheduled_in_this_step_takes_its_chunk_back():
+    """Issue 10.1: an older request mid-prefill preempts a newer one whose decode is already in the step."""
+    releasable = [1]
+    alloc, kv, sched = make(huge_pages=3, releasable=lambda: releasable[0], max_num_batched_tokens=8)
+    a, b = request(0, prompt_len=24, max_tokens=4), request(1, prompt_len=1, max_tokens=4)
+    sched.add(a)
+    out = sched.schedule()  # a: 8 of 24 prompt tokens (2 blocks x 2 layers)
+    sched.update(out, {}, 0.0)
+    alloc.allocate(KV, kv.free_pages() - 2)  # others hold the rest but one block
+    sched.add(b)
+    out = sched.schedule()  # a short of 2 blocks, policy can release: a waits; b (1 block) is admitted
+    assert [c.request.request_id for c in out.chunks] == ["r1"]
+    sched.update(out, {"r1": 7}, 0.0)
+    releasable[0] = 0
+    out = sched.schedule()  # b's decode goes in first; a is still short and nothing can be released
+    assert out.preempted[0] == "r1"  # the newest goes first (then a itself: b's block is not enough)
+    for chunk in out.chunks:
+        assert chunk.request.status is Status.RUNNING
+        assert kv.num_blocks(chunk.request.request_id) * BLOCK >= chunk.start + chunk.num_tokens
+    assert b.status is Status.WAITING and b.num_computed_tokens == 0
+    alloc.check_integrity()
