@@ -21,6 +21,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
     parser.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                         help="extra LLM(...) keyword option (value parsed as JSON when it parses)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads on the CPU (default: OMP_NUM_THREADS, else the cores this process may use)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
 
 
@@ -33,7 +35,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         raise UserError("--max-num-seqs and --max-num-batched-tokens must be positive")
+    if args.threads is not None and args.threads < 1:
+        raise UserError(f"--threads must be at least 1, got {args.threads}")
+    from rimuru.engine.cpu import configure_threads
     from rimuru.serve.server import serve
+
+    if args.device in (None, "cpu"):
+        configure_threads(args.threads)
 
     serve(args.model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
           log_level=args.log_level, gpu_memory_budget=args.gpu_memory_budget, policy=args.policy,

@@ -41,7 +41,7 @@ class EngineConfig:
     gpu_memory_budget: int | str = "2GiB"  # everything the engine puts on the device
     policy: str = "elastic"
     device: str | None = None  # default: cuda if available else cpu
-    dtype: torch.dtype | None = None  # default: bf16 on cuda, fp32 on cpu
+    dtype: torch.dtype | None = None  # default: bf16 on cuda; on cpu bf16 where native (AVX512-BF16/AMX), else fp32
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: model limit, capped by what KV can hold
@@ -52,7 +52,7 @@ class EngineConfig:
     prefetch: str = "predict"  # "predict" (next layer's router on this hidden) | "none"
     activation_reserve: int | str | None = None  # default: estimated from max_num_batched_tokens
     hotset: str | None = None  # profile JSON; default: <model_dir>/hotset.json if present
-    moe_impl: str = "auto"  # auto | triton | reference
+    moe_impl: str = "auto"  # auto (triton on cuda, cpu elsewhere) | triton | cpu | reference (the oracle)
     attention_impl: str = "auto"
     seed: int = 0
     record_routing: bool = False  # count router selections (for `rimuru profile`)
@@ -82,4 +82,8 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype is not None:
             return self.dtype
-        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        if self.torch_device.type == "cuda":
+            return torch.bfloat16
+        from rimuru.engine.cpu import default_cpu_dtype
+
+        return default_cpu_dtype()

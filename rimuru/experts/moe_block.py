@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rimuru.experts.moe_cpu import moe_cpu
 from rimuru.experts.moe_reference import moe_reference
 from rimuru.experts.router import route
 
-IMPLS = ("auto", "triton", "reference")
+IMPLS = ("auto", "triton", "cpu", "reference")
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,11 @@ def routed_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = "triton" if hidden.is_cuda else "reference"
+        impl = "triton" if hidden.is_cuda else "cpu"
     if impl == "reference":
         return moe_reference(hidden, topk_weights, topk_ids, expert_view, page_table)
+    if impl == "cpu":
+        return moe_cpu(hidden, topk_weights, topk_ids, expert_view, page_table)
     from rimuru.kernels.fused_moe import fused_moe
 
     return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table)

@@ -5,8 +5,9 @@ and V at index 1 of dim 1; a page holds one block of ``B`` tokens of ONE layer. 
 sits in page ``block_tables[r, n // B]`` at offset ``n % B``; a slot is ``page_id * B + offset``.
 
 Kernels (``*_kernel``) read pages straight from the view through the block table; the wrappers
-(plain names) pick block sizes and grids; :func:`paged_attention` dispatches between Triton (CUDA) and
-the torch reference in :mod:`rimuru.kernels.attention_reference` (CPU). Softmax is online, in fp32,
+(plain names) pick block sizes and grids; :func:`paged_attention` dispatches between Triton (CUDA), the CPU backend
+(:mod:`rimuru.kernels.attention_cpu`, batched SDPA) and the torch reference in
+:mod:`rimuru.kernels.attention_reference` (the per-request oracle). Softmax is online, in fp32,
 in the log2 domain (``exp2`` with ``scale * log2(e)``). GQA: the ``G = H / Hkv`` query heads that share a
 KV head are processed by one program, so each K/V tile is read once per KV head.
 """
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rimuru.kernels.attention_cpu import paged_attention_cpu
 from rimuru.kernels.attention_reference import (
     decode_attention_reference,
     kv_tensor,
@@ -314,10 +316,10 @@ def _check_kv(q: torch.Tensor, kv: torch.Tensor) -> tuple[int, int]:
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_view, slot_mapping: torch.Tensor, impl: str = "auto") -> None:
     """Write ``k, v [T, Hkv, D]`` into the KV pages at ``slot_mapping [T]`` (int64, ``page * B + offset``; <0 skips).
 
-    ``impl``: "auto" (Triton on CUDA, index_put elsewhere), "triton" or "reference".
+    ``impl``: "auto" (Triton on CUDA, index_put elsewhere), "triton", or "cpu" / "reference" (index_put).
     """
     kv = kv_tensor(kv_view)
-    if impl == "reference" or (impl == "auto" and not kv.is_cuda):
+    if impl in ("reference", "cpu") or (impl == "auto" and not kv.is_cuda):
         write_kv_reference(k, v, kv, slot_mapping)
         return
     num_tokens, kv_heads, head_dim = k.shape
@@ -453,6 +455,9 @@ def decode_attention(
     return out
 
 
+ATTENTION_IMPLS = ("auto", "triton", "cpu", "reference")
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_view,
@@ -467,15 +472,21 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of packed queries ``q [T, H, D]`` over paged KV; returns ``[T, H, D]`` in ``q.dtype``.
 
-    ``impl``: "auto" (Triton on CUDA, torch reference elsewhere), "triton" or "reference". A pure decode
+    ``impl``: "auto" (Triton on CUDA, the CPU backend elsewhere), "triton", "cpu" (batched SDPA,
+    :mod:`rimuru.kernels.attention_cpu`) or "reference" (the per-request oracle). A pure decode
     batch (``T == R``; requests have at least one query each) goes to the split-KV decode kernel, anything else to
     the varlen prefill kernel. ``max_query_len`` / ``max_seq_len`` (host ints) avoid device syncs.
     """
-    if impl not in ("auto", "triton", "reference"):
-        raise ValueError(f"unknown attention impl {impl!r}")
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}: choose one of {', '.join(ATTENTION_IMPLS)}")
     kv = kv_tensor(kv_view)
-    if impl == "reference" or (impl == "auto" and not q.is_cuda):
+    if impl == "auto":
+        impl = "triton" if q.is_cuda else "cpu"
+    if impl == "reference":
         return prefill_attention_reference(q, kv, block_tables, cu_query_lens, seq_lens, scale, out=out)
+    if impl == "cpu":
+        return paged_attention_cpu(q, kv, block_tables, cu_query_lens, seq_lens, scale,
+                                   max_query_len=max_query_len, max_seq_len=max_seq_len, out=out)
     if q.shape[0] == seq_lens.shape[0] and (max_query_len is None or max_query_len == 1):
         return decode_attention(q, kv, block_tables, seq_lens, scale, max_seq_len=max_seq_len, out=out)
     return prefill_attention(q, kv, block_tables, cu_query_lens, seq_lens, scale, max_query_len=max_query_len,
