@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rimuru.engine.sampling_params import SamplingParams
-from rimuru.serve.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from rimuru.serve.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
 from rimuru.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 from rimuru.serve.text import TextStream
 
@@ -55,27 +55,26 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _ErrorResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(str(exc.detail), status=exc.status_code, type=kind).body(),
+        return _ErrorResponse(APIError(str(exc.detail), status=exc.status_code, type=kind).body(),
                             status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(APIError(str(exc.errors()[0].get("msg", exc))).body(), status_code=400)
+        return _ErrorResponse(APIError(str(exc.errors()[0].get("msg", exc))).body(), status_code=400)
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return JSONResponse(APIError(str(exc), status=503, type="server_error").body(), status_code=503)
+        return _ErrorResponse(APIError(str(exc), status=503, type="server_error").body(), status_code=503)
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return JSONResponse(APIError(f"internal error: {exc!r}", status=500, type="server_error").body(),
-                            status_code=500)
+    @app.exception_handler(RequestFailedError)
+    async def request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return _ErrorResponse(APIError(f"the engine failed this request: {exc}", status=500,
+                                     type="server_error").body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -99,6 +98,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
         _check_common(req, model_name)
         if req.echo:
             raise APIError("echo is not supported", param="echo")
+        if req.logprobs is not None:
+            raise APIError("logprobs are not supported", param="logprobs")
         prompts = _completion_prompts(req.prompt, engine)
         if req.stream and len(prompts) > 1:
             raise APIError("streaming supports one prompt per request", param="prompt")
@@ -131,6 +132,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request))
         _check_common(req, model_name)
+        if req.logprobs or req.top_logprobs is not None:
+            raise APIError("logprobs are not supported", param="logprobs")
         prompt = _chat_prompt(req, engine)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -156,34 +159,94 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
     return app
 
 
+class _ErrorResponse(JSONResponse):
+    """Error bodies as ASCII JSON: a message that quotes the client's input stays encodable even when that
+    input held a lone surrogate."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
+
+
 class _CountResponses:
     """Pure ASGI middleware counting POST /v1/* answers by status class (no body buffering, unlike
-    BaseHTTPMiddleware, so streams and disconnect detection pass through untouched)."""
+    BaseHTTPMiddleware, so streams and disconnect detection pass through untouched). It is also the
+    catch-all for unexpected exceptions: it answers them with an OpenAI 500 body and counts them, which
+    an ``exception_handler(Exception)`` (run by Starlette outside every user middleware) could not."""
 
     def __init__(self, app, counts: dict[str, int]) -> None:
         self.app, self.counts = app, counts
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        counted = scope["method"] == "POST" and scope["path"].startswith("/v1/")
+        started = False
 
         async def counting_send(message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
-                key = f"{message['status'] // 100}xx"
-                self.counts[key] = self.counts.get(key, 0) + 1
+                started = True
+                if counted:
+                    key = f"{message['status'] // 100}xx"
+                    self.counts[key] = self.counts.get(key, 0) + 1
             await send(message)
 
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as exc:  # noqa: BLE001 - a bug, not a user mistake: log it, answer 500
+            log.exception("unhandled error")
+            if started:  # mid-stream: the connection is closed by the server
+                raise
+            body = json.dumps(APIError(f"internal error: {type(exc).__name__}", status=500,
+                                       type="server_error").body()).encode()
+            await counting_send({"type": "http.response.start", "status": 500,
+                                 "headers": [(b"content-type", b"application/json"),
+                                             (b"content-length", str(len(body)).encode())]})
+            await counting_send({"type": "http.response.body", "body": body})
 
 
 # -- request parsing --------------------------------------------------------------------------------
 
+MAX_JSON_DEPTH = 32  # deeper bodies are refused before any schema code recurses into them
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
 async def _json_body(request: Request):
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         raise APIError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    _check_json(body)
+    return body
+
+
+def _check_json(body) -> None:
+    """Depth limit and valid Unicode (JSON's \\ud800 escapes can produce lone surrogates that no tokenizer
+    or UTF-8 encoder accepts); errors name the top-level parameter."""
+    stack = [(body, 1, None)]
+    while stack:
+        value, depth, param = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise APIError(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", param=param,
+                           code="invalid_json")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(f"{param or 'body'}: the text contains a lone UTF-16 surrogate, which is not valid "
+                               "Unicode", param=param, code="invalid_unicode") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                stack.append((key, depth + 1, param or key))
+                stack.append((item, depth + 1, param or key))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, param) for item in value)
 
 
 def _check_common(req, model_name: str) -> None:
@@ -192,8 +255,6 @@ def _check_common(req, model_name: str) -> None:
                        status=404, param="model", code="model_not_found")
     if req.n != 1:
         raise APIError("only n=1 is supported", param="n")
-    if req.logprobs not in (None, False, 0):
-        raise APIError("logprobs are not supported", param="logprobs")
 
 
 def _vocab_size(engine: AsyncEngine) -> int | None:
@@ -287,8 +348,9 @@ def _sampling_params(req, max_tokens: int) -> SamplingParams:
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0), seed=req.seed,
             ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()))
-    except ValueError as exc:
-        raise APIError(str(exc)) from None
+    except ValueError as exc:  # SamplingParams' messages start with the parameter's name
+        name = str(exc).split(" ", 1)[0]
+        raise APIError(str(exc), param=name if name in type(req).model_fields else None) from None
 
 
 async def _add(engine: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams) -> RequestStream:
@@ -375,8 +437,13 @@ def _sse(request: Request, chunks: AsyncIterator[dict], stream: RequestStream) -
         watcher = asyncio.ensure_future(_until_disconnected(request))
         watcher.add_done_callback(lambda _: stream.close())
         try:
-            async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            try:
+                async for chunk in chunks:
+                    yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+            except (RequestFailedError, EngineDeadError) as exc:  # headers are sent: the error goes in the stream
+                kind = "the engine failed this request" if isinstance(exc, RequestFailedError) else "engine stopped"
+                error = APIError(f"{kind}: {exc}", status=500, type="server_error").body()
+                yield f"data: {json.dumps(error, ensure_ascii=False)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()

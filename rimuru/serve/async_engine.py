@@ -26,6 +26,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed this one request (its step's forward pass or its sampling raised); others go on."""
+
+
 class RequestStream:
     """One request's outputs, in order; ``close()`` aborts it in the engine if it has not finished."""
 
@@ -154,7 +158,8 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            stream._put(out)
+            stream._put(RequestFailedError(out.error or "the engine failed this request")
+                        if out.finish_reason == "error" else out)
             if out.finished:
                 del self._streams[out.request_id]
 
@@ -163,6 +168,9 @@ class AsyncEngine:
             stream = self._streams.pop(rid, None)
             if stream is not None:
                 stream._put(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._fail(list(self._streams), exc)
 
     def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
         if future.done():
@@ -187,7 +195,12 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - report and mark unhealthy
             log.exception("engine thread died")
             self.error = exc
-            self._loop.call_soon_threadsafe(self._fail, list(self._streams), EngineDeadError(repr(exc)))
+            dead = EngineDeadError(f"the engine stopped: {exc!r}")
+            self._loop.call_soon_threadsafe(self._fail_all, dead)
+            while self._commands:  # adds queued behind the failure must not wait forever
+                cmd = self._commands.popleft()
+                if cmd[0] == "add":
+                    self._loop.call_soon_threadsafe(self._resolve, cmd[4], dead)
         finally:
             for rid in list(self._live):
                 try:
@@ -218,19 +231,10 @@ class AsyncEngine:
                         log.exception("abort of %s failed", rid)
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
-            log.exception("engine step failed; failing %d requests", len(self._live))
-            failed = list(self._live)
-            for rid in failed:
-                try:
-                    self.engine.abort_request(rid)
-                except Exception:  # noqa: BLE001
-                    pass
-            self._live.clear()
-            self._loop.call_soon_threadsafe(self._fail, failed, RuntimeError(f"engine step failed: {exc!r}"))
-            return
+        # The engine isolates failures of single requests (they come back as outputs with finish_reason
+        # "error"). An exception out of step() is the engine's own: _run marks it dead (/health 503) and
+        # fails every request instead of spinning on a broken engine.
+        outputs = self.engine.step()
         finished = False
         for out in outputs:
             if out.finished:
