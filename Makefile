@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 CORES ?= all
 
-.PHONY: install run test lint clean
+.PHONY: install run test lint clean bench-regress bench-rebaseline
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,15 @@ lint: install
 # pytest exits 5 when it collects nothing: not a failure for a selection like -m "not gpu".
 test: lint
 	TRITON_INTERPRET=1 $(BIN)/pytest -q -m "not gpu" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# Regression benchmarks (docs/bench.md): measure, compare with results/baselines/regress.json, fail with a
+# table. Re-baseline on purpose: make bench-rebaseline REASON="why" [GROUPS="pipeline greedy"].
+bench-regress: install
+	$(BIN)/python -m rimuru.bench.regress check
+
+bench-rebaseline: install
+	@test -n "$(REASON)" || { echo 'usage: make bench-rebaseline REASON="why the baselines change" [GROUPS="pipeline ..."]' >&2; exit 2; }
+	$(BIN)/python -m rimuru.bench.regress $(foreach g,$(GROUPS),--group $(g)) rebaseline --reason "$(REASON)"
 
 clean:
 	rm -rf $(VENV) .snakemake
