@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from rimuru.engine.config import POLICIES
+from rimuru.engine.memory_policy import POLICIES
 
 BASELINE_DIR = Path(__file__).resolve().parents[1] / "baselines"
 KINDS = ("serving", "offloading", "rimuru")

@@ -1,4 +1,4 @@
-"""Engine configuration (frozen) and the memory policies that run over the same engine."""
+"""Engine configuration (frozen). The memory policies it names live in ``rimuru.engine.memory_policy``."""
 
 from __future__ import annotations
 
@@ -7,33 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from rimuru.units import parse_bytes
-
-
-@dataclass(frozen=True)
-class MemoryPolicy:
-    name: str
-    adjust: bool  # the workload-aware adjuster resizes the expert cache
-    all_experts_resident: bool
-    stands_for: str
-
-
-POLICIES = {
-    "elastic": MemoryPolicy("elastic", True, False,
-                            "Rimuru: experts and KV share the pool; the adjuster moves pages with the load"),
-    "fixed": MemoryPolicy("fixed", False, False,
-                          "fixed-ratio expert cache + separate KV region (Fate, MoE-Infinity, SGLang paged experts)"),
-    "static": MemoryPolicy("static", False, True,
-                           "every expert resident, KV gets the rest (vLLM, SGLang default serving)"),
-    "cpu": MemoryPolicy("cpu", False, False,
-                        "fixed expert cache on the device, other experts computed on the CPU "
-                        "(KTransformers, llama.cpp --n-cpu-moe)"),
-}
-
-
-def get_policy(name: str) -> MemoryPolicy:
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
-    return POLICIES[name]
 
 
 @dataclass(frozen=True)
@@ -58,7 +31,9 @@ class EngineConfig:
     record_routing: bool = False  # count router selections (for `rimuru profile`)
 
     def __post_init__(self) -> None:
-        get_policy(self.policy)
+        from rimuru.engine.memory_policy import policy_class
+
+        policy_class(self.policy)
         if self.prefetch not in ("predict", "none"):
             raise ValueError(f"prefetch must be 'predict' or 'none', got {self.prefetch!r}")
         if not 0 <= self.kv_reserve < 1:
@@ -67,10 +42,6 @@ class EngineConfig:
     @property
     def budget_bytes(self) -> int:
         return parse_bytes(self.gpu_memory_budget)
-
-    @property
-    def memory_policy(self) -> MemoryPolicy:
-        return get_policy(self.policy)
 
     @property
     def torch_device(self) -> torch.device:

@@ -1,8 +1,9 @@
 """`rimuru.LLM`: the engine's public face — offline `generate` and the streaming step API.
 
-Owns the pool, the scheduler, the expert cache and the executor, and runs one loop:
-poll finished expert loads -> schedule -> adjust the cache -> forward -> sample -> update ->
-reclaim shrunk experts -> record the step.
+``__init__`` is wiring: the memory policy plans the budget (``MemoryPlan``), the pool is carved from
+it, the policy builds its expert side (loading buffers, cache, provider), then the scheduler, model
+and executor. ``step`` is schedule -> execute -> postprocess with the policy's hooks around them
+(docs/architecture.md, "A step").
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tqdm.auto import tqdm
 
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.kv_manager import KVCacheManager
+from rimuru.engine.memory_policy import MemoryBudgetError, activation_estimate, make_policy
 from rimuru.engine.model_runner import TorchExecutor
 from rimuru.engine.outputs import EngineStats, RequestOutput
 from rimuru.engine.request import Request
@@ -25,21 +27,15 @@ from rimuru.engine.sampler import sample
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from rimuru.engine.timeline import StepRecord, Timeline
-from rimuru.experts.adjuster import AdjusterConfig, decide
-from rimuru.experts.cache import ExpertCache
 from rimuru.experts.hotset import Hotset
-from rimuru.experts.loader import ExpertLoader
-from rimuru.experts.provider import CpuComputedExperts, PagedExperts, ResidentExperts
-from rimuru.memory import EXPERT, KV, PagePool, PoolLayout
+from rimuru.memory import EXPERT, KV, PAGES_PER_EXPERT, PagePool, PoolLayout
 from rimuru.models.loader import LoadedCheckpoint, load_checkpoint
 from rimuru.models.qwen_moe import QwenMoeModel
-from rimuru.units import format_bytes, parse_bytes
+from rimuru.models.tokenizer import load_tokenizer
 
 log = logging.getLogger("rimuru.engine")
 
-
-class MemoryBudgetError(ValueError):
-    """The budget cannot hold what the chosen policy needs."""
+__all__ = ["LLM", "MemoryBudgetError", "activation_estimate"]
 
 
 class LLM:
@@ -60,89 +56,38 @@ class LLM:
         spec = self.spec = ckpt.spec
         self.tokenizer = None if isinstance(model, LoadedCheckpoint) else _load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
-        policy = config.memory_policy
 
-        # ---- memory: the budget holds dense weights, activations and the pool
-        layout = PoolLayout.from_hf_config(spec.hf_config, block_tokens=config.block_tokens, weight_dtype=dtype)
+        # ---- memory: the policy splits the budget, the pool holds what is left after dense weights and activations
+        self.policy = policy = make_policy(config)
+        layout = PoolLayout.from_spec(spec, block_tokens=config.block_tokens, weight_dtype=dtype)
         dense_bytes = sum(t.numel() * t.element_size() for t in ckpt.dense.values())
-        act_bytes = (parse_bytes(config.activation_reserve) if config.activation_reserve is not None
-                     else _activation_estimate(spec, config, dtype, device))
-        pool_bytes = config.budget_bytes - dense_bytes - act_bytes
-        moe_layers, experts = ckpt.experts.num_layers, ckpt.experts.num_experts
-        total_experts = moe_layers * experts
-        buffer_experts = 0 if policy.all_experts_resident or policy.name == "cpu" else experts
-        needed_l2 = (3 * total_experts if policy.all_experts_resident else 6 * buffer_experts) + 1
-        what = ("every expert" if policy.all_experts_resident
-                else "two loading buffers" if buffer_experts else "no expert pages")
-        if pool_bytes < needed_l2 * layout.page_bytes(EXPERT):
-            raise MemoryBudgetError(
-                f"budget {format_bytes(config.budget_bytes)} is too small for policy {policy.name!r}: dense weights "
-                f"{format_bytes(dense_bytes)} + activations {format_bytes(act_bytes)} + {what} and one KV block "
-                f"({format_bytes(needed_l2 * layout.page_bytes(EXPERT))}) do not fit")
-        self.pool = PagePool(layout, pool_bytes, device)
-        alloc = self.allocator = self.pool.allocator
+        self.plan = plan = policy.plan(spec, layout, dense_bytes, device)
+        self.pool = PagePool(layout, plan.pool, device)
+        self.allocator = self.pool.allocator
 
-        # ---- experts: hotset order, cache, loader
+        # ---- experts: hotset order, then the policy's loading buffers, cache and provider
         hotset_path = Path(config.hotset) if config.hotset else self.model_dir / "hotset.json"
-        self.hotset = Hotset.load(hotset_path) if hotset_path.exists() else Hotset.uniform(moe_layers, experts)
-        self.loader = ExpertLoader(ckpt.experts.weights, self.pool.view(EXPERT).tensor, alloc, buffer_experts)
-        self.cache = ExpertCache(alloc, self.hotset.global_order(), moe_layers, experts, self.loader.copy_expert)
-        free_l2 = alloc.free_l2_pages(EXPERT)
-        if policy.all_experts_resident:
-            initial = total_experts
-        elif config.initial_cache_experts is not None:
-            initial = min(total_experts, config.initial_cache_experts)
-        else:
-            initial = min(total_experts, int(free_l2 * (1 - config.kv_reserve)) // 3)
-        if 3 * initial >= free_l2:
-            raise MemoryBudgetError(f"{initial} cached experts leave no page for KV in a pool of {free_l2} L2 pages")
-        self.cache.expand(initial)
-        self.cache.poll(wait=True)
-        self.loader.bytes_loaded = self.loader.experts_loaded = 0  # count serving-time I/O only
-        self.adjuster = AdjusterConfig(expert_offload_limit=config.expert_offload_limit)
-        eol = config.expert_offload_limit
-        # the smallest cache this engine can ever hold: what KV capacity (and max_model_len) is sized from
-        min_cache = initial if not policy.adjust else max(0, total_experts - eol) if eol is not None else 0
-        self._cache_floor = min_cache
+        self.hotset = (Hotset.load(hotset_path) if hotset_path.exists()
+                       else Hotset.uniform(ckpt.experts.num_layers, ckpt.experts.num_experts))
+        self.loader, self.cache, self.provider = policy.build(plan, ckpt, self.pool, self.hotset, device)
 
-        # ---- scheduler and executor
-        attn_layers = spec.num_layers
-        kv_per_l2 = layout.page_bytes(EXPERT) // layout.page_bytes(KV)
-        kv_capacity_tokens = (free_l2 - 3 * min_cache) * kv_per_l2 // attn_layers * config.block_tokens
-        limit = min(spec.max_position_embeddings, kv_capacity_tokens)
-        self.max_model_len = min(limit, config.max_model_len) if config.max_model_len else limit
-        if self.max_model_len < 2:
-            raise MemoryBudgetError(f"KV capacity of {kv_capacity_tokens} tokens is below one request's minimum")
-        self.kv = KVCacheManager(alloc, attn_layers, config.block_tokens)
-        releasable = (lambda: self.cache.releasable_l2_pages(self._cache_floor)) if policy.adjust else (lambda: 0)
+        # ---- scheduler, model and executor
+        self.max_model_len = plan.max_model_len
+        self.kv = KVCacheManager(self.allocator, spec.num_layers, config.block_tokens)
         sched_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
-        self.scheduler = Scheduler(sched_config, self.kv, releasable)
+        self.scheduler = Scheduler(sched_config, self.kv, policy.releasable_l2_pages)
         self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl)
         if config.record_routing:
             self.model.record_routing()
-        if policy.all_experts_resident:
-            provider = ResidentExperts(self.cache.page_table, device, experts)
-        elif policy.name == "cpu":
-            provider = CpuComputedExperts(self.cache, ckpt.experts.weights, device)
-        else:
-            gates = [ckpt.dense[f"model.layers.{layer}.mlp.gate.weight"] for layer in spec.moe_layers]
-            provider = PagedExperts(self.cache, self.loader, gates, spec.top_k, spec.norm_topk_prob,
-                                    prefetch=config.prefetch == "predict")
-        self.provider = provider
         self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor,
-                                      provider, device)
+                                      self.provider, device)
         self.timeline = Timeline()
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[str, torch.Generator | None] = {}
-        self._requests: dict[str, Request] = {}
         self._start = time.perf_counter()
         self._generated = 0
         self._failed = 0
-        self.memory_report = {
-            "budget": config.budget_bytes, "dense": dense_bytes, "activations": act_bytes, "pool": self.pool.num_bytes,
-            "buffer_pages": self.loader.buffer_pages, "initial_cache_experts": initial, "total_experts": total_experts,
-            "max_model_len": self.max_model_len,
-        }
+        self.memory_report = plan.report()
 
     # ------------------------------------------------------------------ streaming API
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -163,43 +108,42 @@ class LLM:
         generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None
                      else None if params.greedy else self._generator)
         self.scheduler.add(request)  # validates (duplicate id, empty or too long prompt) before it changes anything
-        self._requests[request_id] = request
         self._generators[request_id] = generator
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
-        self._requests.pop(request_id, None)
         self._generators.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. A forward pass that raises fails only the requests in this step (their pages are
-        freed); a request whose sampling raises fails alone. Either way the engine keeps serving."""
+        """One engine step: schedule -> execute -> postprocess, with the memory policy's hooks around them.
+
+        A forward pass that raises fails only the requests in this step (their pages are freed); a request
+        whose sampling raises fails alone. Either way the engine keeps serving."""
         t0 = time.perf_counter()
-        self.cache.poll()
-        loaded_before = (self.loader.bytes_loaded, self.loader.experts_loaded, self.provider.experts_touched)
-        out = self.scheduler.schedule()
+        self.policy.begin_step()
+        before = self._io_counters()
+        out = self.scheduler.schedule()  # asks policy.releasable_l2_pages() when KV runs short
         change = 0
         outputs: list[RequestOutput] = []
         decode_tokens = sum(1 for c in out.chunks if c.num_tokens == 1 and c.samples)  # before update() appends
         try:
-            if self.config.memory_policy.adjust:
-                f_b = self.allocator.free_l2_pages(EXPERT)
-                change = decide(self.adjuster, out.kv_short_l2, f_b, self.cache.num_cached, self.cache.total)
-                change = self.cache.expand(change) if change > 0 else -self.cache.shrink(-change) if change < 0 else 0
+            change = self.policy.after_schedule(out, self.allocator.free_l2_pages(EXPERT))
             if not out.is_empty:
-                outputs = self._run_step(out)
+                outputs = self._execute_and_postprocess(out)
         finally:
-            self.cache.reclaim()  # shrunk experts go back to the pool even when the step failed
+            self.policy.after_forward()  # shrunk experts go back to the pool even when the step failed
         if not out.is_empty:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._record(out, t0, change, loaded_before, decode_tokens)
+            self._record(out, t0, change, before, decode_tokens)
         return outputs
 
-    def _run_step(self, out: SchedulerOutput) -> list[RequestOutput]:
+    def _execute_and_postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
+        """Execute, then sample, advance the requests (the scheduler finishes them and frees their KV), and
+        build the outputs."""
         try:
             logits = self.executor.execute(out)
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, not the engine
@@ -221,7 +165,6 @@ class LLM:
             req = chunk.request
             outputs.append(self._output(req, [sampled[req.request_id]], req.request_id in finished))
             if req.request_id in finished:
-                self._requests.pop(req.request_id, None)
                 self._generators.pop(req.request_id, None)
         return outputs
 
@@ -244,12 +187,14 @@ class LLM:
     def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
         """Finish ``req`` with an error and free its pages."""
         self.scheduler.abort(req.request_id, reason="error")
-        self._requests.pop(req.request_id, None)
         self._generators.pop(req.request_id, None)
         self._failed += 1
         output = self._output(req, [], True)
         output.error = f"{type(exc).__name__}: {exc}"
         return output
+
+    def _io_counters(self) -> tuple[int, int, int]:
+        return self.loader.bytes_loaded, self.loader.experts_loaded, self.provider.experts_touched
 
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, finished,
@@ -339,7 +284,7 @@ class LLM:
             decode_attention(q, self.pool.view(KV), table, torch.tensor([seq], dtype=torch.int32, device=dev),
                              spec.head_dim**-0.5, max_seq_len=seq, num_splits=splits)
         experts, k = spec.num_experts, spec.top_k
-        table = torch.zeros(experts, 3, dtype=torch.int32, device=dev)
+        table = torch.zeros(experts, PAGES_PER_EXPERT, dtype=torch.int32, device=dev)
         for m in warmup_token_counts(experts, k, spec.moe_intermediate_size, spec.hidden_size):
             ids = torch.randint(0, experts, (m, k), device=dev, dtype=torch.int32)
             weights = torch.full((m, k), 1.0 / k, device=dev)
@@ -352,20 +297,6 @@ class LLM:
         self.cache.check()
 
 
-def _activation_estimate(spec, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """Working memory outside the pool: per-token hidden/attention/MoE temporaries and sampled logits."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    t = config.max_num_batched_tokens
-    per_token = (24 * spec.hidden_size + 6 * spec.top_k * spec.moe_intermediate_size
-                 + 4 * spec.num_heads * spec.head_dim) * elem
-    logits = 2 * config.max_num_seqs * spec.vocab_size * 4
-    slack = 512 * 2**20 if device.type == "cuda" else 0  # CUDA context, cuBLAS workspaces, Triton
-    return t * per_token + logits + slack
-
 
 def _load_tokenizer(model_dir: Path):
-    if not (model_dir / "tokenizer.json").exists():
-        return None
-    from rimuru.models.tokenizer import load_tokenizer
-
-    return load_tokenizer(model_dir)
+    return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None

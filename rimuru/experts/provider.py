@@ -1,11 +1,17 @@
-"""Per-layer expert access for the model: page tables over cache + loading buffers.
+"""Per-layer expert access for the model: the ``ExpertProvider`` protocol and one provider per policy.
 
-Bridges the model (which only knows routed ids) and the cache/loader. With ``prefetch`` on,
-after routing layer ``m`` it applies layer ``m+1``'s router to the same hidden state (the
-Fate-style predictor) and starts loading the predicted misses into the other buffer.
+The model only knows routed ids; for each MoE layer it asks its provider for the layer's page
+table ``[E, PAGES_PER_EXPERT]`` (cache pages or loading-buffer pages: the kernel cannot tell them
+apart). ``PagedExperts`` (fixed, elastic) loads misses into the two loading buffers; with
+``prefetch`` on, after routing layer ``m`` it applies layer ``m+1``'s router to the same hidden
+state (the Fate-style predictor) and starts loading the predicted misses into the other buffer.
+``ResidentExperts`` (static) has every expert cached. ``CpuComputedExperts`` (cpu) computes misses
+on the host: the one provider whose ``computes_on_host`` capability is set.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -13,9 +19,32 @@ import torch
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.loader import ExpertLoader
 from rimuru.experts.router import experts_touched, route
+from rimuru.memory import W1, W2, W3
+
+
+class ExpertProvider(Protocol):
+    num_experts: int
+    experts_touched: int  # (layer, expert) pairs computed, summed over steps
+    computes_on_host: bool  # True: the model must call ``split`` and add the host-computed part
+
+    def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Page table [E, PAGES_PER_EXPERT] for this layer's routed tokens (may start the next layer's prefetch)."""
+
+    def split(self, moe_layer: int, hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(weights for the device kernel, host-computed output [T, d] or None). Called only when
+        ``computes_on_host``."""
+
+    def layer_done(self, moe_layer: int) -> None: ...
+
+
+def _device_only_split(topk_weights: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return topk_weights, None
 
 
 class PagedExperts:
+    computes_on_host = False
+
     def __init__(self, cache: ExpertCache, loader: ExpertLoader, gate_weights: list[torch.Tensor], top_k: int,
                  norm_topk_prob: bool, prefetch: bool) -> None:
         self.cache = cache
@@ -42,12 +71,17 @@ class PagedExperts:
             self.loader.prefetch(nxt, np.flatnonzero(used[1]), self.cache.page_table[nxt])
         return table
 
+    def split(self, moe_layer, hidden, topk_weights, topk_ids):
+        return _device_only_split(topk_weights)
+
     def layer_done(self, moe_layer: int) -> None:
         self.loader.layer_done(moe_layer)
 
 
 class ResidentExperts:
     """Every expert resident (static policy): one device page table, no loading."""
+
+    computes_on_host = False
 
     def __init__(self, page_table: np.ndarray, device: torch.device, num_experts: int) -> None:
         self.tables = torch.from_numpy(page_table).to(device)
@@ -62,6 +96,9 @@ class ResidentExperts:
         self._touched += (torch.bincount(topk_ids.reshape(-1).long(), minlength=self.num_experts) > 0).sum()
         return self.tables[moe_layer]
 
+    def split(self, moe_layer, hidden, topk_weights, topk_ids):
+        return _device_only_split(topk_weights)
+
     def layer_done(self, moe_layer: int) -> None:
         pass
 
@@ -69,6 +106,8 @@ class ResidentExperts:
 class CpuComputedExperts:
     """Cached experts run on the device; the rest run on the CPU from the host copies
     (KTransformers; llama.cpp ``--n-cpu-moe``). Nothing is loaded over PCIe but activations."""
+
+    computes_on_host = True
 
     def __init__(self, cache: ExpertCache, host_weights: torch.Tensor, device: torch.device) -> None:
         self.cache = cache
@@ -101,7 +140,7 @@ class CpuComputedExperts:
         out = torch.zeros_like(x)  # [T, d]
         for e in torch.unique(ids[miss]).tolist():
             tok, slot = torch.where((ids == e) & miss)
-            w1, w3, w2t = (self.host[moe_layer, e, p].float() for p in range(3))  # [f, d] each
+            w1, w3, w2t = (self.host[moe_layer, e, p].float() for p in (W1, W3, W2))  # [f, d] each
             h = torch.nn.functional.silu(x[tok] @ w1.T) * (x[tok] @ w3.T)  # [n, f]
             out.index_add_(0, tok, (h @ w2t) * weights[tok, slot, None])
             self.experts_on_cpu += 1

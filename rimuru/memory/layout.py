@@ -16,6 +16,11 @@ import torch
 
 EXPERT, SSM, KV, CONV = "expert", "ssm", "kv", "conv"
 
+# One routed expert = three expert pages, in this order: W1 (gate_proj, [f, d]), W3 (up_proj, [f, d]),
+# W2 transposed (down_proj^T, [f, d]). Page tables are [..., PAGES_PER_EXPERT] rows in this order.
+W1, W3, W2 = 0, 1, 2
+PAGES_PER_EXPERT = 3
+
 
 def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
@@ -149,6 +154,40 @@ class PoolLayout:
             parent = SSM if ssm_state is not None else EXPERT
             classes.append(PageClass(CONV, 3, (conv_dim // tp,), conv_dtype, parent=parent, run=rows))
         return cls(tuple(classes), meta={"tp": tp})
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: Any,
+        *,
+        tp: int = 1,
+        block_tokens: int = 16,
+        weight_dtype: torch.dtype = torch.bfloat16,
+        kv_dtype: torch.dtype | None = None,
+        ssm_dtype: torch.dtype = torch.float32,
+    ) -> PoolLayout:
+        """Layout of a model (a ``ModelSpec``: qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe).
+
+        Expert page = one projection ``f_local × d``; KV page = one block of ``block_tokens``
+        tokens of one layer (K and V); SSM page = one request's recurrent state of one layer;
+        conv page = one row of that request's conv state.
+        """
+        ssm_state = conv = None
+        if spec.linear_num_value_heads:  # Gated DeltaNet layers (qwen3_next / qwen3_5_moe)
+            ssm_state = spec.ssm_state_shape()
+            conv = spec.conv_state_shape()
+        return cls.build(
+            hidden_size=spec.hidden_size,
+            expert_intermediate=spec.moe_intermediate_size,
+            weight_dtype=weight_dtype,
+            kv=(block_tokens, spec.num_kv_heads, spec.head_dim),
+            kv_dtype=kv_dtype or weight_dtype,
+            ssm_state=ssm_state,
+            ssm_dtype=ssm_dtype,
+            conv=conv,
+            conv_dtype=weight_dtype,
+            tp=tp,
+        )
 
     @classmethod
     def from_hf_config(

@@ -7,12 +7,11 @@ to (cache pages or loading-buffer pages) and computes them from the pool's exper
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 
 from rimuru.experts.moe_block import routed_experts
+from rimuru.experts.provider import ExpertProvider
 from rimuru.experts.router import route
 from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
 from rimuru.models.rms_norm import rms_norm
@@ -20,13 +19,6 @@ from rimuru.models.rope import RotaryEmbedding
 from rimuru.models.spec import ModelSpec
 
 SUPPORTED = ("qwen2_moe", "qwen3_moe")
-
-
-class ExpertProvider(Protocol):
-    def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Page table [E, 3] for this layer's routed tokens (may start the next layer's prefetch)."""
-
-    def layer_done(self, moe_layer: int) -> None: ...
 
 
 class QwenMoeModel:
@@ -63,7 +55,7 @@ class QwenMoeModel:
             self.routing_counts[m] += torch.bincount(topk_ids.reshape(-1).long().cpu(), minlength=spec.num_experts)
         table = experts.layer_table(m, topk_ids, x)
         cpu_out = None
-        if hasattr(experts, "split"):  # CPU-computed misses (KTransformers-style policy)
+        if experts.computes_on_host:  # CPU-computed misses (KTransformers-style policy)
             topk_weights, cpu_out = experts.split(m, x, topk_weights, topk_ids)
         out = routed_experts(x, topk_weights, topk_ids, expert_view, table, self.moe_impl)
         if cpu_out is not None:

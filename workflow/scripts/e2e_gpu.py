@@ -26,7 +26,8 @@ import torch
 
 from rimuru.bench.metrics import RequestRecord, compute_metrics
 from rimuru.engine.config import EngineConfig
-from rimuru.engine.llm import LLM, _activation_estimate
+from rimuru.engine.llm import LLM
+from rimuru.engine.memory_policy import activation_estimate
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.step_floor import decode_floor, floor_summary
 from rimuru.models.spec import ModelSpec
@@ -47,7 +48,7 @@ def scaled_budget(full: ModelSpec, ckpt, budget: int, layers: int, config: Engin
                           if k.startswith("model.layers.0."))
     dense_small = sum(t.numel() * t.element_size() for t in ckpt.dense.values())
     dense_full = dense_small + (full.num_layers - layers) * per_layer_dense
-    act = _activation_estimate(full, config, config.torch_dtype, device)
+    act = activation_estimate(full, config, config.torch_dtype, device)
     buffers = 0 if policy_static else 6 * full.num_experts * page
     elastic_full = budget - dense_full - act - buffers
     return int(dense_small + act + buffers + elastic_full * layers / full.num_layers)

@@ -1,0 +1,286 @@
+"""Memory policies: where a policy decides how the budget is split and how the expert cache moves.
+
+One ``MemoryPolicy`` subclass per policy (static, fixed, elastic, cpu). Each one
+
+* computes a ``MemoryPlan`` from the model, the engine options and the budget (``plan``: a pure
+  function of its inputs; nothing is allocated),
+* builds its expert side over the pool (``build``: loading buffers, the expert cache filled to the
+  plan's initial size, the ``ExpertProvider`` the model asks for page tables), and
+* exposes the hooks ``LLM.step`` calls in a fixed order (see docs/architecture.md, "A step"):
+  ``begin_step`` (publish finished expert loads) -> ``releasable_l2_pages`` (asked by the scheduler
+  while it schedules) -> ``after_schedule`` (resize the cache from R_b and F_b) -> the forward pass ->
+  ``after_forward`` (free the pages of experts shrunk this step, now that no kernel reads them).
+
+The policy object is the only caller of ``ExpertCache.expand``/``shrink``/``reclaim``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from rimuru.experts.adjuster import AdjusterConfig, decide
+from rimuru.experts.cache import ExpertCache
+from rimuru.experts.hotset import Hotset
+from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.provider import CpuComputedExperts, ExpertProvider, PagedExperts, ResidentExperts
+from rimuru.memory import EXPERT, KV, PAGES_PER_EXPERT, PagePool, PoolLayout
+from rimuru.units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from rimuru.engine.config import EngineConfig
+    from rimuru.engine.scheduler import SchedulerOutput
+    from rimuru.models.loader import LoadedCheckpoint
+    from rimuru.models.spec import ModelSpec
+
+
+class MemoryBudgetError(ValueError):
+    """The budget cannot hold what the chosen policy needs."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How one engine splits its device budget. Bytes unless named otherwise; pages are expert (L2) pages."""
+
+    policy: str
+    budget: int  # everything the engine puts on the device
+    dense: int  # always-resident weights (attention, norms, routers, shared experts, embeddings)
+    activations: int  # working memory outside the pool
+    pool: int  # the page pool's bytes: budget - dense - activations, rounded down to whole huge pages
+    pool_l2_pages: int  # expert-sized pages the pool holds
+    buffer_experts: int  # experts per loading buffer (two buffers); 0 when nothing is loaded per layer
+    total_experts: int  # routed experts of the model (MoE layers x experts)
+    initial_cache_experts: int  # cached before the first request
+    min_cache_experts: int  # the smallest the cache can ever get: KV capacity is sized against it
+    kv_capacity_tokens: int  # tokens of KV (all layers) that fit beside the minimum cache
+    max_model_len: int  # the engine's context limit: model limit, KV capacity, the user's cap
+
+    @property
+    def buffer_pages(self) -> int:
+        return 2 * PAGES_PER_EXPERT * self.buffer_experts
+
+    @property
+    def free_l2_pages(self) -> int:
+        """Expert pages free once the loading buffers are taken: shared by the cache and KV."""
+        return self.pool_l2_pages - self.buffer_pages
+
+    def report(self) -> dict[str, int]:
+        """The engine's ``memory_report``: what run records and tables read."""
+        return {"budget": self.budget, "dense": self.dense, "activations": self.activations,
+                "pool": self.pool, "buffer_pages": self.buffer_pages,
+                "initial_cache_experts": self.initial_cache_experts, "total_experts": self.total_experts,
+                "max_model_len": self.max_model_len}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def activation_estimate(spec: ModelSpec, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """Working memory outside the pool: per-token hidden/attention/MoE temporaries and sampled logits."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    t = config.max_num_batched_tokens
+    per_token = (24 * spec.hidden_size + 6 * spec.top_k * spec.moe_intermediate_size
+                 + 4 * spec.num_heads * spec.head_dim) * elem
+    logits = 2 * config.max_num_seqs * spec.vocab_size * 4
+    slack = 512 * 2**20 if device.type == "cuda" else 0  # CUDA context, cuBLAS workspaces, Triton
+    return t * per_token + logits + slack
+
+
+class MemoryPolicy:
+    """The base: a fixed expert cache beside KV, experts missing from it loaded per layer into two buffers."""
+
+    name: ClassVar[str]
+    stands_for: ClassVar[str]
+    adjusts: ClassVar[bool] = False  # the workload-aware adjuster resizes the expert cache
+    all_experts_resident: ClassVar[bool] = False
+    loads_experts: ClassVar[bool] = True  # misses are copied into two per-layer loading buffers
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.cache: ExpertCache | None = None  # set by build()
+        self.plan_: MemoryPlan | None = None
+
+    # ------------------------------------------------------------------ plan (pure)
+    def buffer_experts(self, spec: ModelSpec) -> int:
+        """Experts per loading buffer: one MoE layer's experts, or none."""
+        return spec.num_experts if self.loads_experts else 0
+
+    def initial_cache(self, total: int, free_l2: int) -> int:
+        c = self.config
+        if c.initial_cache_experts is not None:
+            return min(total, c.initial_cache_experts)
+        return min(total, int(free_l2 * (1 - c.kv_reserve)) // PAGES_PER_EXPERT)
+
+    def min_cache(self, initial: int, total: int) -> int:
+        """The smallest cache this engine can ever hold: what KV capacity (and max_model_len) is sized from."""
+        return initial
+
+    def _needs(self, total: int, buffer_experts: int) -> tuple[int, str]:
+        """L2 pages the pool must hold at least (one KV block included), and what they are for."""
+        what = "two loading buffers" if buffer_experts else "no expert pages"
+        return 2 * PAGES_PER_EXPERT * buffer_experts + 1, what
+
+    def plan(self, spec: ModelSpec, layout: PoolLayout, dense_bytes: int | None = None,
+             device: torch.device | None = None) -> MemoryPlan:
+        """Split the budget; raises ``MemoryBudgetError`` when the policy does not fit.
+
+        ``dense_bytes``: the loaded dense weights' size (default: ``spec.dense_bytes`` in the engine dtype).
+        """
+        c = self.config
+        device = device if device is not None else c.torch_device
+        dtype = c.torch_dtype
+        dense = spec.dense_bytes(dtype) if dense_bytes is None else dense_bytes
+        act = (parse_bytes(c.activation_reserve) if c.activation_reserve is not None
+               else activation_estimate(spec, c, dtype, device))
+        pool = c.budget_bytes - dense - act
+        total = spec.num_moe_layers * spec.num_experts
+        buffer_experts = self.buffer_experts(spec)
+        page = layout.page_bytes(EXPERT)
+        needed_l2, what = self._needs(total, buffer_experts)
+        if pool < needed_l2 * page:
+            raise MemoryBudgetError(
+                f"budget {format_bytes(c.budget_bytes)} is too small for policy {self.name!r}: dense weights "
+                f"{format_bytes(dense)} + activations {format_bytes(act)} + {what} and one KV block "
+                f"({format_bytes(needed_l2 * page)}) do not fit")
+        huge = layout.huge_page_bytes
+        pool_l2 = pool // huge * (huge // page)
+        pool = pool // huge * huge
+        free_l2 = pool_l2 - 2 * PAGES_PER_EXPERT * buffer_experts
+        initial = self.initial_cache(total, free_l2)
+        if PAGES_PER_EXPERT * initial >= free_l2:
+            raise MemoryBudgetError(f"{initial} cached experts leave no page for KV in a pool of {free_l2} L2 pages")
+        min_cache = self.min_cache(initial, total)
+        kv_per_l2 = page // layout.page_bytes(KV)
+        kv_tokens = (free_l2 - PAGES_PER_EXPERT * min_cache) * kv_per_l2 // spec.num_layers * c.block_tokens
+        limit = min(spec.max_position_embeddings, kv_tokens)
+        max_len = min(limit, c.max_model_len) if c.max_model_len else limit
+        if max_len < 2:
+            raise MemoryBudgetError(f"KV capacity of {kv_tokens} tokens is below one request's minimum")
+        return MemoryPlan(self.name, c.budget_bytes, dense, act, pool, pool_l2, buffer_experts, total, initial,
+                          min_cache, kv_tokens, max_len)
+
+    # ------------------------------------------------------------------ build
+    def build(self, plan: MemoryPlan, ckpt: LoadedCheckpoint, pool: PagePool, hotset: Hotset,
+              device: torch.device) -> tuple[ExpertLoader, ExpertCache, ExpertProvider]:
+        """Loading buffers, the cache filled to ``plan.initial_cache_experts``, and the provider."""
+        alloc = pool.allocator
+        loader = ExpertLoader(ckpt.experts.weights, pool.view(EXPERT).tensor, alloc, plan.buffer_experts)
+        if alloc.free_l2_pages(EXPERT) != plan.free_l2_pages:
+            raise RuntimeError(f"the pool has {alloc.free_l2_pages(EXPERT)} free expert pages, "
+                               f"the plan {plan.free_l2_pages}")
+        layers, experts = ckpt.experts.num_layers, ckpt.experts.num_experts
+        cache = ExpertCache(alloc, hotset.global_order(), layers, experts, loader.copy_expert)
+        cache.expand(plan.initial_cache_experts)
+        cache.poll(wait=True)
+        loader.bytes_loaded = loader.experts_loaded = 0  # count serving-time I/O only
+        self.cache, self.plan_ = cache, plan
+        return loader, cache, self._provider(ckpt, cache, loader, device)
+
+    def _provider(self, ckpt: LoadedCheckpoint, cache: ExpertCache, loader: ExpertLoader,
+                  device: torch.device) -> ExpertProvider:
+        spec = ckpt.spec
+        gates = [ckpt.dense[f"model.layers.{layer}.mlp.gate.weight"] for layer in spec.moe_layers]
+        return PagedExperts(cache, loader, gates, spec.top_k, spec.norm_topk_prob,
+                            prefetch=self.config.prefetch == "predict")
+
+    # ------------------------------------------------------------------ step hooks
+    def begin_step(self) -> None:
+        """Before scheduling: publish expert loads that finished into the page table."""
+        self.cache.poll()
+
+    def releasable_l2_pages(self) -> int:
+        """L2 pages this policy can hand to KV after the current step (the scheduler defers instead of
+        preempting when they cover a shortfall)."""
+        return 0
+
+    def after_schedule(self, out: SchedulerOutput, free_l2_pages: int) -> int:
+        """After scheduling, before the forward pass: resize the cache; returns experts added (< 0: removed)."""
+        return 0
+
+    def after_forward(self) -> None:
+        """After the forward pass: free the pages of experts shrunk this step."""
+        self.cache.reclaim()
+
+
+class FixedPolicy(MemoryPolicy):
+    name = "fixed"
+    stands_for = "fixed-ratio expert cache + separate KV region (Fate, MoE-Infinity, SGLang paged experts)"
+
+
+class StaticPolicy(MemoryPolicy):
+    name = "static"
+    stands_for = "every expert resident, KV gets the rest (vLLM, SGLang default serving)"
+    all_experts_resident = True
+    loads_experts = False
+
+    def initial_cache(self, total: int, free_l2: int) -> int:
+        return total
+
+    def _needs(self, total: int, buffer_experts: int) -> tuple[int, str]:
+        return PAGES_PER_EXPERT * total + 1, "every expert"
+
+    def _provider(self, ckpt, cache, loader, device) -> ExpertProvider:
+        return ResidentExperts(cache.page_table, device, ckpt.experts.num_experts)
+
+
+class CpuPolicy(MemoryPolicy):
+    name = "cpu"
+    stands_for = ("fixed expert cache on the device, other experts computed on the CPU "
+                  "(KTransformers, llama.cpp --n-cpu-moe)")
+    loads_experts = False
+
+    def _provider(self, ckpt, cache, loader, device) -> ExpertProvider:
+        return CpuComputedExperts(cache, ckpt.experts.weights, device)
+
+
+class ElasticPolicy(MemoryPolicy):
+    name = "elastic"
+    stands_for = "Rimuru: experts and KV share the pool; the adjuster moves pages with the load"
+    adjusts = True
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.adjuster = AdjusterConfig(pages_per_expert=PAGES_PER_EXPERT,
+                                       expert_offload_limit=config.expert_offload_limit)
+
+    def min_cache(self, initial: int, total: int) -> int:
+        eol = self.config.expert_offload_limit
+        return max(0, total - eol) if eol is not None else 0
+
+    def releasable_l2_pages(self) -> int:
+        return self.cache.releasable_l2_pages(self.plan_.min_cache_experts)
+
+    def after_schedule(self, out: SchedulerOutput, free_l2_pages: int) -> int:
+        cache = self.cache
+        change = decide(self.adjuster, out.kv_short_l2, free_l2_pages, cache.num_cached, cache.total)
+        if change > 0:
+            return cache.expand(change)
+        if change < 0:
+            return -cache.shrink(-change)
+        return 0
+
+
+POLICIES: dict[str, type[MemoryPolicy]] = {p.name: p for p in (ElasticPolicy, FixedPolicy, StaticPolicy, CpuPolicy)}
+
+
+def make_policy(config: EngineConfig) -> MemoryPolicy:
+    return policy_class(config.policy)(config)
+
+
+def policy_class(name: str) -> type[MemoryPolicy]:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}: choose one of {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
+def plan_memory(spec: ModelSpec, config: EngineConfig, dense_bytes: int | None = None,
+                device: torch.device | None = None) -> MemoryPlan:
+    """The plan an engine with these options would make for this model (nothing is allocated)."""
+    layout = PoolLayout.from_spec(spec, block_tokens=config.block_tokens, weight_dtype=config.torch_dtype)
+    return make_policy(config).plan(spec, layout, dense_bytes, device)
+
+
+__all__ = ["POLICIES", "CpuPolicy", "ElasticPolicy", "FixedPolicy", "MemoryBudgetError", "MemoryPlan",
+           "MemoryPolicy", "StaticPolicy", "activation_estimate", "make_policy", "plan_memory", "policy_class"]
