@@ -54,7 +54,8 @@ def test_plan_errors_are_clear(spec):
     page = PoolLayout.from_spec(spec, weight_dtype=torch.float32).page_bytes("expert")
     small = roomy.dense + roomy.activations + (roomy.buffer_pages + PAGES_PER_EXPERT * 4) * page
     with pytest.raises(MemoryBudgetError, match="leave no page for KV"):
-        plan_memory(spec, EngineConfig(policy="fixed", initial_cache_experts=4, **(OPTS | {"gpu_memory_budget": small})))
+        plan_memory(spec, EngineConfig(policy="fixed", initial_cache_experts=4,
+                                       **(OPTS | {"gpu_memory_budget": small})))
     assert plan_memory(spec, EngineConfig(policy="fixed", initial_cache_experts=3,
                                           **(OPTS | {"gpu_memory_budget": small}))).initial_cache_experts == 3
 
