@@ -106,10 +106,10 @@ def test_a_request_whose_sampling_raises_fails_alone(model_dir, monkeypatch):
 
 
 def test_a_step_that_raises_still_reclaims_the_experts_it_shrank(model_dir, monkeypatch):
-    import rimuru.engine.llm as llm_module
+    import rimuru.engine.memory_policy as policy_module
 
     llm = engine(model_dir, policy="elastic", initial_cache_experts=8)
-    monkeypatch.setattr(llm_module, "decide", lambda *a: -2)  # the adjuster shrinks by two experts
+    monkeypatch.setattr(policy_module, "decide", lambda *a: -2)  # the adjuster shrinks by two experts
     monkeypatch.setattr(llm.executor, "execute", lambda out: (_ for _ in ()).throw(RuntimeError("injected")))
     free_before = llm.allocator.free_l2_pages("expert")
     llm.add_request("a", [1, 2, 3], GREEDY)
