@@ -9,14 +9,16 @@ Groups, each a function returning ``Metric``s named ``<group>/...``:
   request before the first step, so neither depends on the machine's speed).
 * ``greedy``: greedy token ids (a digest) and step counts of each memory policy on the tiny
   synthetic models, the elastic one under a budget tight enough to shrink the cache and preempt.
-* ``kernels``: the Triton fused MoE and paged attention kernels against their torch references at
-  small shapes (interpreter on CPU), on pools whose unused pages are NaN: max error normalised by
-  the reference's max, bound 1e-5 (a kernel reading one page off gives NaN or O(1)).
+* ``kernels``: the Triton fused MoE and paged attention kernels (interpreter on CPU) and the CPU
+  backend's MoE and attention against their torch references at small shapes, on pools whose unused
+  pages are NaN: max error normalised by the reference's max, bound 1e-5 (a kernel reading one page
+  off gives NaN or O(1)).
 * ``speed``: time ratios measured in the same run, interleaved, medians (never absolute times):
   the allocator's decode step (allocate + free one KV page for each of 256 requests on a pool
   holding other requests' KV) over the same step on a plain numpy free list, best of 21 interleaved
-  samples each. Fails only beyond a 2x slowdown of the ratio: on the shared 2-core machine under the
-  load of eight sessions the best-of ratio moved by about 10% between runs (medians by 2x).
+  samples each; and the CPU backend (``moe_cpu``, ``paged_attention(impl="cpu")``) over the torch
+  reference on the same inputs. Fails only beyond a 2x slowdown of a ratio: on the shared 2-core machine
+  under the load of eight sessions the best-of ratios moved by about 10% between runs (medians by 2x).
 """
 
 from __future__ import annotations
@@ -191,20 +193,34 @@ def _moe_pool(E: int, f: int, d: int, gen, cache_pages: int = 64):
     return view, table
 
 
-def _moe_case(T: int, seed: int) -> float:
+def _moe_inputs(T: int, seed: int, E: int = 8, f: int = 32, d: int = 64, k: int = 2):
     import torch
 
-    from rimuru.experts.moe_reference import moe_reference
-    from rimuru.kernels.fused_moe import fused_moe
-
     gen = torch.Generator().manual_seed(seed)
-    E, f, d, k = 8, 32, 64, 2
     view, table = _moe_pool(E, f, d, gen)
     ids = torch.rand(T, E, generator=gen).topk(k, dim=-1).indices.to(torch.int32)
     w = torch.rand(T, k, generator=gen) + 0.1
     w = w / w.sum(-1, keepdim=True)
     x = torch.randn(T, d, generator=gen)
-    return _max_rel(fused_moe(x, w, ids, view, table), moe_reference(x, w, ids, view, table))
+    return x, w, ids, view, table
+
+
+def _moe_impl(impl: str) -> Callable:
+    """The routed-experts implementation under test: the Triton kernel or the CPU backend."""
+    if impl == "triton":
+        from rimuru.kernels.fused_moe import fused_moe
+
+        return fused_moe
+    from rimuru.experts.moe_cpu import moe_cpu
+
+    return moe_cpu
+
+
+def _moe_case(T: int, seed: int, impl: str = "triton") -> float:
+    from rimuru.experts.moe_reference import moe_reference
+
+    args = _moe_inputs(T, seed)
+    return _max_rel(_moe_impl(impl)(*args), moe_reference(*args))
 
 
 class _PagedKV:
@@ -233,7 +249,7 @@ class _PagedKV:
         self.max_query_len, self.max_seq_len = max(q_lens), max(seq_lens)
 
 
-def _attention_case(kind: str, seed: int) -> float:
+def _attention_case(kind: str, seed: int, impl: str = "triton") -> float:
     from rimuru.kernels.attention_reference import decode_attention_reference, prefill_attention_reference
     from rimuru.kernels.paged_attention import paged_attention
 
@@ -243,17 +259,22 @@ def _attention_case(kind: str, seed: int) -> float:
     else:
         b = _PagedKV([1] * 5, [1, 7, 33, 64, 50], seed, group=4)
         ref = decode_attention_reference(b.q, b.kv, b.block_tables, b.seq_lens, b.scale)
-    got = paged_attention(b.q, b.kv, b.block_tables, b.cu_query_lens, b.seq_lens, b.scale, impl="triton",
+    got = paged_attention(b.q, b.kv, b.block_tables, b.cu_query_lens, b.seq_lens, b.scale, impl=impl,
                           max_query_len=b.max_query_len, max_seq_len=b.max_seq_len)
     return _max_rel(got, ref)
 
 
 def measure_kernels() -> list[Metric]:
-    note = "max abs(kernel - reference) / max abs(reference)"
-    metrics = [Metric(f"kernels/fused_moe/T{T}/max_rel_err", _moe_case(T, seed), KERNEL_BOUND, note)
-               for T, seed in ((1, 1), (7, 7), (33, 33))]
-    metrics += [Metric(f"kernels/paged_attention/{kind}/max_rel_err", _attention_case(kind, seed), KERNEL_BOUND, note)
-                for kind, seed in (("prefill", 0), ("decode", 1))]
+    """Triton kernels (interpreted) and the CPU backend, each against the torch reference."""
+    metrics = []
+    for impl, name in (("triton", "fused_moe"), ("cpu", "moe_cpu")):
+        note = f"{impl}: max abs(out - reference) / max abs(reference)"
+        metrics += [Metric(f"kernels/{name}/T{T}/max_rel_err", _moe_case(T, seed, impl), KERNEL_BOUND, note)
+                    for T, seed in ((1, 1), (7, 7), (33, 33))]
+    for impl, name in (("triton", "paged_attention"), ("cpu", "attention_cpu")):
+        note = f"{impl}: max abs(out - reference) / max abs(reference)"
+        metrics += [Metric(f"kernels/{name}/{kind}/max_rel_err", _attention_case(kind, seed, impl), KERNEL_BOUND,
+                           note) for kind, seed in (("prefill", 0), ("decode", 1))]
     return metrics
 
 
@@ -328,7 +349,41 @@ def measure_speed() -> list[Metric]:
     alloc.check_integrity()
     note = (f"best of 21: allocator {spread['a_best_us']:.0f} us, free list {spread['b_best_us']:.2f} us "
             f"(median ratio {spread['median_ratio']:.0f})")
-    return [Metric("speed/allocator_decode_256_vs_numpy_freelist", round(ratio, 3), SLOWDOWN, note)]
+    metrics = [Metric("speed/allocator_decode_256_vs_numpy_freelist", round(ratio, 3), SLOWDOWN, note)]
+    return metrics + _cpu_backend_ratios()
+
+
+def _cpu_backend_ratios() -> list[Metric]:
+    """The CPU backend (grouped-matmul MoE, batched-SDPA attention) over the torch reference on the same
+    inputs, one thread: a step of 32 tokens over 16 experts, and a decode batch of 8 requests (calls of
+    about a millisecond, so that the best of many samples is one that no other process interrupted)."""
+    import torch
+
+    from rimuru.experts.moe_cpu import moe_cpu
+    from rimuru.experts.moe_reference import moe_reference
+    from rimuru.kernels.paged_attention import paged_attention
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        moe_args = _moe_inputs(32, 3, E=16, f=64, d=128, k=4)
+        moe_ratio, moe = interleaved_ratio(lambda: moe_cpu(*moe_args), lambda: moe_reference(*moe_args))
+        b = _PagedKV([1] * 8, [37 + 13 * i for i in range(8)], 4, block=16, kv_heads=2, group=4, head_dim=32)
+
+        def attention(impl: str) -> Callable[[], None]:
+            return lambda: paged_attention(b.q, b.kv, b.block_tables, b.cu_query_lens, b.seq_lens, b.scale,
+                                           impl=impl, max_query_len=1, max_seq_len=b.max_seq_len)
+
+        att_ratio, att = interleaved_ratio(attention("cpu"), attention("reference"))
+    finally:
+        torch.set_num_threads(threads)
+
+    def note(info: dict) -> str:
+        return (f"best of 21: cpu backend {info['a_best_us']:.0f} us, reference {info['b_best_us']:.0f} us "
+                f"(median ratio {info['median_ratio']:.2f})")
+
+    return [Metric("speed/moe_cpu_vs_reference_T32_E16", round(moe_ratio, 3), SLOWDOWN, note(moe)),
+            Metric("speed/attention_cpu_vs_reference_decode8", round(att_ratio, 3), SLOWDOWN, note(att))]
 
 
 # ----------------------------------------------------------------------------------------------- all
