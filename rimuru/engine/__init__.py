@@ -1,1 +1,1 @@
-"""Engine: Request -> Scheduler -> ModelRunner (Executor) -> outputs (DESIGN.md §4)."""
+"""Engine: Request -> Scheduler -> Executor -> outputs, with the memory policy around the step (docs/architecture.md)."""

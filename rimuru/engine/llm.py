@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.memory_policy import MemoryBudgetError, activation_estimate, make_policy
-from rimuru.engine.model_runner import TorchExecutor
+from rimuru.engine.executor import TorchExecutor
 from rimuru.engine.outputs import EngineStats, RequestOutput
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import sample
