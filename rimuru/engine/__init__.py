@@ -1,1 +1,1 @@
-"""Engine: Request -> Scheduler -> Executor -> outputs, with the memory policy around the step (docs/architecture.md)."""
+"""Engine: Request -> Scheduler -> Executor -> outputs, the memory policy around each step (docs/architecture.md)."""

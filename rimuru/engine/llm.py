@@ -18,9 +18,9 @@ import torch
 from tqdm.auto import tqdm
 
 from rimuru.engine.config import EngineConfig
+from rimuru.engine.executor import TorchExecutor
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.memory_policy import MemoryBudgetError, activation_estimate, make_policy
-from rimuru.engine.executor import TorchExecutor
 from rimuru.engine.outputs import EngineStats, RequestOutput
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import sample
