@@ -46,6 +46,7 @@ include: "workflow/rules/e2e.smk"
 include: "workflow/rules/case.smk"
 include: "workflow/rules/eol.smk"
 include: "workflow/rules/timeline.smk"
+include: "workflow/rules/modeled.smk"
 
 
 rule all:
@@ -57,3 +58,4 @@ rule all:
         rules.case_all.input,
         rules.eol_all.input,
         rules.timeline_all.input,
+        rules.modeled_all.input if config["modeled"].get("enabled", True) else [],

@@ -8,6 +8,8 @@ import torch
 
 from rimuru.units import parse_bytes
 
+EXECUTORS = ("torch", "modeled")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -29,6 +31,13 @@ class EngineConfig:
     attention_impl: str = "auto"
     seed: int = 0
     record_routing: bool = False  # count router selections (for `rimuru profile`)
+    # ---- which executor runs the forward pass
+    executor: str = "torch"  # torch: the model runs | modeled: a cost model and a routing model stand in for it
+    hardware: str = "h200"  # modeled: GPU profile (config/hardware/<name>.yaml or a path)
+    host: str = "host-xeon-amx"  # modeled, cpu policy: host CPU profile of the CPU-computed experts
+    cost_params: str | None = None  # modeled: fitted CostParams JSON (default: uncalibrated defaults)
+    modeled_step_ms: float | None = None  # modeled: a constant step time instead of the cost model
+    tensor_parallel_size: int = 1  # ranks a layer is sharded over (the budget is per rank)
 
     def __post_init__(self) -> None:
         from rimuru.engine.memory_policy import policy_class
@@ -38,6 +47,16 @@ class EngineConfig:
             raise ValueError(f"prefetch must be 'predict' or 'none', got {self.prefetch!r}")
         if not 0 <= self.kv_reserve < 1:
             raise ValueError("kv_reserve must be in [0, 1)")
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.modeled_step_ms is not None and (self.executor != "modeled" or self.modeled_step_ms <= 0):
+            raise ValueError("modeled_step_ms is a positive step time of the modeled executor (executor='modeled')")
+
+    @property
+    def modeled(self) -> bool:
+        return self.executor == "modeled"
 
     @property
     def budget_bytes(self) -> int:
@@ -45,6 +64,8 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        if self.modeled:  # nothing is allocated: the pool is bookkeeping over a meta tensor
+            return torch.device("meta")
         if self.device:
             return torch.device(self.device)
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,6 +74,8 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         if self.dtype is not None:
             return self.dtype
+        if self.modeled:
+            return torch.bfloat16  # the modeled hardware's weights
         if self.torch_device.type == "cuda":
             return torch.bfloat16
         from rimuru.engine.cpu import default_cpu_dtype

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.executor import TorchExecutor
 from rimuru.engine.kv_manager import KVCacheManager
@@ -31,6 +32,7 @@ from rimuru.experts.hotset import Hotset
 from rimuru.memory import EXPERT, KV, PAGES_PER_EXPERT, PagePool, PoolLayout
 from rimuru.models.loader import LoadedCheckpoint, load_checkpoint
 from rimuru.models.qwen_moe import QwenMoeModel
+from rimuru.models.spec import ModelSpec
 from rimuru.models.tokenizer import load_tokenizer
 
 log = logging.getLogger("rimuru.engine")
@@ -39,52 +41,86 @@ __all__ = ["LLM", "MemoryBudgetError", "activation_estimate"]
 
 
 class LLM:
-    def __init__(self, model: str | Path | LoadedCheckpoint, **options) -> None:
-        """``model``: a checkpoint directory, or a checkpoint already in memory (``LoadedCheckpoint``)."""
+    def __init__(self, model: str | Path | LoadedCheckpoint | ModelSpec, **options) -> None:
+        """``model``: a checkpoint directory, or a checkpoint already in memory (``LoadedCheckpoint``).
+
+        With ``executor="modeled"`` no weights are loaded: ``model`` may also be a bundled config name
+        (``qwen3-30b-a3b``), a config.json path or a ``ModelSpec`` (``rimuru.engine.modeled``)."""
         self.config = config = EngineConfig(**options)
         device, dtype = config.torch_device, config.torch_dtype
         self.device = device
-        if isinstance(model, LoadedCheckpoint):
-            ckpt, self.model_dir = model, Path(".")
+        tp = config.tensor_parallel_size
+        if tp > 1 and not config.modeled:
+            raise ValueError("tensor_parallel_size > 1 runs with executor='modeled' only "
+                             "(no sharded torch executor yet)")
+        if config.modeled and config.record_routing:
+            raise ValueError("record_routing needs the real forward pass (executor='torch')")
+        ckpt: LoadedCheckpoint | None = None
+        if isinstance(model, ModelSpec):
+            if not config.modeled:
+                raise ValueError("a ModelSpec has no weights: pass a checkpoint, or executor='modeled'")
+            spec, self.model_dir = model, Path(".")
+            self.model_name = Path(model.source).parent.name or "spec"
+        elif isinstance(model, LoadedCheckpoint):
+            ckpt, self.model_dir, spec = model, Path("."), model.spec
             self.model_name = Path(model.spec.source).parent.name or "in-memory"
+        elif config.modeled:  # the config only: a checkpoint dir, a config.json or a bundled name
+            spec = ModelSpec.from_pretrained(model)
+            path = Path(model)
+            self.model_dir = path if path.is_dir() else path.parent if path.is_file() else Path(".")
+            self.model_name = path.name if path.is_dir() else str(model)
         else:
             self.model_dir = Path(model)
             if not (self.model_dir / "config.json").exists():
                 raise FileNotFoundError(f"{self.model_dir} is not a checkpoint directory (no config.json)")
             self.model_name = self.model_dir.name
             ckpt = load_checkpoint(self.model_dir, device=device, dtype=dtype)
-        spec = self.spec = ckpt.spec
-        self.tokenizer = None if isinstance(model, LoadedCheckpoint) else _load_tokenizer(self.model_dir)
+            spec = ckpt.spec
+        self.spec = spec
+        self.tokenizer = None if self.model_dir == Path(".") else _load_tokenizer(self.model_dir)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
 
         # ---- memory: the policy splits the budget, the pool holds what is left after dense weights and activations
         self.policy = policy = make_policy(config)
-        layout = PoolLayout.from_spec(spec, block_tokens=config.block_tokens, weight_dtype=dtype)
-        dense_bytes = sum(t.numel() * t.element_size() for t in ckpt.dense.values())
-        self.plan = plan = policy.plan(spec, layout, dense_bytes, device)
+        layout = PoolLayout.from_spec(spec, block_tokens=config.block_tokens, weight_dtype=dtype, tp=tp)
+        if ckpt is not None:
+            dense_bytes = sum(t.numel() * t.element_size() for t in ckpt.dense.values())
+        else:  # modeled: per rank; the activation reserve is sized as on the GPU it models
+            dense_bytes = spec.dense_bytes(dtype) // tp
+        plan_device = torch.device("cuda") if config.modeled else device
+        self.plan = plan = policy.plan(spec, layout, dense_bytes, plan_device)
         self.pool = PagePool(layout, plan.pool, device)
         self.allocator = self.pool.allocator
 
         # ---- experts: hotset order, then the policy's loading buffers, cache and provider
         hotset_path = Path(config.hotset) if config.hotset else self.model_dir / "hotset.json"
         self.hotset = (Hotset.load(hotset_path) if hotset_path.exists()
-                       else Hotset.uniform(ckpt.experts.num_layers, ckpt.experts.num_experts))
-        self.loader, self.cache, self.provider = policy.build(plan, ckpt, self.pool, self.hotset, device)
+                       else Hotset.uniform(spec.num_moe_layers, spec.num_experts))
+        self.loader, self.cache, self.provider = policy.build(plan, ckpt, self.pool, self.hotset, device, spec=spec)
 
         # ---- scheduler, model and executor
         self.max_model_len = plan.max_model_len
-        self.kv = KVCacheManager(self.allocator, spec.num_layers, config.block_tokens)
+        self.kv = KVCacheManager(self.allocator, len(spec.full_attention_layers), config.block_tokens)
         sched_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(sched_config, self.kv, policy.releasable_l2_pages)
-        self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl)
-        if config.record_routing:
-            self.model.record_routing()
-        self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor,
-                                      self.provider, device)
+        if config.modeled:
+            from rimuru.engine.modeled import build_modeled_executor
+
+            self.model = None
+            self.clock = VirtualClock()
+            self.executor = build_modeled_executor(self, config)
+            self.provider = self.executor  # counts experts_touched as the torch providers do
+        else:
+            self.clock = WallClock()
+            self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl)
+            if config.record_routing:
+                self.model.record_routing()
+            self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor,
+                                          self.provider, device)
         self.timeline = Timeline()
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[str, torch.Generator | None] = {}
-        self._start = time.perf_counter()
+        self._start = self.clock.now()
         self._generated = 0
         self._failed = 0
         self.memory_report = plan.report()
@@ -104,7 +140,7 @@ class LLM:
         if any(not 0 <= t < self.spec.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {self.spec.vocab_size})")
         request = Request(request_id, [int(t) for t in ids], params,
-                          time.perf_counter() if arrival_time is None else arrival_time)
+                          self.clock.now() if arrival_time is None else arrival_time)
         generator = (torch.Generator().manual_seed(params.seed) if params.seed is not None
                      else None if params.greedy else self._generator)
         self.scheduler.add(request)  # validates (duplicate id, empty or too long prompt) before it changes anything
@@ -122,7 +158,7 @@ class LLM:
 
         A forward pass that raises fails only the requests in this step (their pages are freed); a request
         whose sampling raises fails alone. Either way the engine keeps serving."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         self.policy.begin_step()
         before = self._io_counters()
         out = self.scheduler.schedule()  # asks policy.releasable_l2_pages() when KV runs short
@@ -157,7 +193,7 @@ class LLM:
             out = dataclasses.replace(out, chunks=tuple(c for c in out.chunks if not c.request.is_finished))
         sampled = {c.request.request_id: t for c, t in zip(samplers, tokens) if not isinstance(t, Exception)}
         samplers = [c for c in samplers if c.request.request_id in sampled]
-        now = time.perf_counter()
+        now = self.clock.now()
         finished = {r.request_id for r in self.scheduler.update(out, sampled, now, self.eos_token_ids)}
         self._generated += len(sampled)
         outputs = failed
@@ -202,7 +238,7 @@ class LLM:
                              list(req.token_times))
 
     def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int], decode: int) -> None:
-        now = time.perf_counter()
+        now = self.clock.now()
         kv_pages = self.kv.num_allocated_pages
         self.timeline.add(StepRecord(
             step=self.scheduler.forward_steps, time_s=now - self._start, step_ms=(now - t0) * 1e3,
@@ -260,7 +296,7 @@ class LLM:
 
     def routing_hotset(self) -> Hotset:
         """The hotset measured from the routing recorded so far (``record_routing=True``)."""
-        counts = self.model.routing_counts
+        counts = self.model.routing_counts if self.model is not None else None
         if counts is None:
             raise RuntimeError("create the engine with record_routing=True to profile routing")
         tokens = int(counts[0].sum()) // self.spec.top_k

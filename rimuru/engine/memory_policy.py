@@ -153,7 +153,8 @@ class MemoryPolicy:
             raise MemoryBudgetError(f"{initial} cached experts leave no page for KV in a pool of {free_l2} L2 pages")
         min_cache = self.min_cache(initial, total)
         kv_per_l2 = page // layout.page_bytes(KV)
-        kv_tokens = (free_l2 - PAGES_PER_EXPERT * min_cache) * kv_per_l2 // spec.num_layers * c.block_tokens
+        kv_layers = len(spec.full_attention_layers)
+        kv_tokens = (free_l2 - PAGES_PER_EXPERT * min_cache) * kv_per_l2 // kv_layers * c.block_tokens
         limit = min(spec.max_position_embeddings, kv_tokens)
         max_len = min(limit, c.max_model_len) if c.max_model_len else limit
         if max_len < 2:
@@ -162,21 +163,28 @@ class MemoryPolicy:
                           min_cache, kv_tokens, max_len)
 
     # ------------------------------------------------------------------ build
-    def build(self, plan: MemoryPlan, ckpt: LoadedCheckpoint, pool: PagePool, hotset: Hotset,
-              device: torch.device) -> tuple[ExpertLoader, ExpertCache, ExpertProvider]:
-        """Loading buffers, the cache filled to ``plan.initial_cache_experts``, and the provider."""
+    def build(self, plan: MemoryPlan, ckpt: LoadedCheckpoint | None, pool: PagePool, hotset: Hotset,
+              device: torch.device, spec: ModelSpec | None = None,
+              ) -> tuple[ExpertLoader, ExpertCache, ExpertProvider | None]:
+        """Loading buffers, the cache filled to ``plan.initial_cache_experts``, and the provider.
+
+        ``ckpt`` None (a modeled engine, ``spec`` given): the loader books loads without copying and there is
+        no provider (the modeled executor stands in for the model and its provider)."""
         alloc = pool.allocator
-        loader = ExpertLoader(ckpt.experts.weights, pool.view(EXPERT).tensor, alloc, plan.buffer_experts)
+        spec = ckpt.spec if ckpt is not None else spec
+        virtual = (spec.num_moe_layers, spec.num_experts, PAGES_PER_EXPERT * pool.layout.page_bytes(EXPERT))
+        loader = ExpertLoader(ckpt.experts.weights if ckpt is not None else None, pool.view(EXPERT).tensor, alloc,
+                              plan.buffer_experts, virtual_shape=virtual)
         if alloc.free_l2_pages(EXPERT) != plan.free_l2_pages:
             raise RuntimeError(f"the pool has {alloc.free_l2_pages(EXPERT)} free expert pages, "
                                f"the plan {plan.free_l2_pages}")
-        layers, experts = ckpt.experts.num_layers, ckpt.experts.num_experts
+        layers, experts = spec.num_moe_layers, spec.num_experts
         cache = ExpertCache(alloc, hotset.global_order(), layers, experts, loader.copy_expert)
         cache.expand(plan.initial_cache_experts)
         cache.poll(wait=True)
         loader.bytes_loaded = loader.experts_loaded = 0  # count serving-time I/O only
         self.cache, self.plan_ = cache, plan
-        return loader, cache, self._provider(ckpt, cache, loader, device)
+        return loader, cache, self._provider(ckpt, cache, loader, device) if ckpt is not None else None
 
     def _provider(self, ckpt: LoadedCheckpoint, cache: ExpertCache, loader: ExpertLoader,
                   device: torch.device) -> ExpertProvider:

@@ -15,9 +15,14 @@ from rimuru.memory import EXPERT, MultiLevelAllocator
 
 
 class ExpertLoader:
-    def __init__(self, host_weights: torch.Tensor, expert_view: torch.Tensor, allocator: MultiLevelAllocator,
-                 buffer_experts: int) -> None:
-        """``host_weights`` [L, E, 3, f, d] (pinned on CUDA machines); ``expert_view`` [pages, f, d]."""
+    def __init__(self, host_weights: torch.Tensor | None, expert_view: torch.Tensor, allocator: MultiLevelAllocator,
+                 buffer_experts: int, *, virtual_shape: tuple[int, int, int] | None = None) -> None:
+        """``host_weights`` [L, E, 3, f, d] (pinned on CUDA machines); ``expert_view`` [pages, f, d].
+
+        ``host_weights`` None with ``virtual_shape`` = (layers, experts, expert bytes): a modeled engine's
+        loader, which keeps the buffers and the byte counts and copies nothing (the pool is not backed)."""
+        if host_weights is None and virtual_shape is None:
+            raise ValueError("a loader needs host weights or, for a modeled engine, a virtual shape")
         self.host = host_weights
         self.view = expert_view
         self.device = expert_view.device
@@ -26,14 +31,15 @@ class ExpertLoader:
         self.capacity = buffer_experts
         self.buffers = (allocator.allocate(EXPERT, 2 * 3 * buffer_experts).reshape(2, buffer_experts, 3)
                         if buffer_experts else np.zeros((2, 0, 3), dtype=np.int64))
-        self.expert_bytes = 3 * host_weights[0, 0, 0].numel() * host_weights.element_size()
+        self.expert_bytes = (3 * host_weights[0, 0, 0].numel() * host_weights.element_size() if host_weights is not None
+                             else virtual_shape[2])
         self.bytes_loaded = 0
         self.experts_loaded = 0
         self._buffer_free: list[torch.cuda.Event | None] = [None, None]  # last reader of each buffer done
         self._prefetched: list[dict[int, int]] = [{}, {}]  # buffer -> {expert: slot}
         # per-layer host staging for page-table uploads; a layer's row is rewritten only in the next step,
         # after the step's sampling synchronised with the device
-        layers, experts = host_weights.shape[:2]
+        layers, experts = host_weights.shape[:2] if host_weights is not None else virtual_shape[:2]
         self._staging = torch.empty(layers, experts, 3, dtype=torch.int32, pin_memory=self.cuda)
 
     @property
@@ -41,7 +47,15 @@ class ExpertLoader:
         return self.buffers.size
 
     # ------------------------------------------------------------------ copies
+    def account_loads(self, experts: int) -> None:
+        """Count loads a modeled executor decided (it copies nothing)."""
+        self.bytes_loaded += experts * self.expert_bytes
+        self.experts_loaded += experts
+
     def _copy(self, layer: int, expert: int, pages: np.ndarray) -> None:
+        if self.host is None:
+            self.account_loads(1)
+            return
         for proj in range(3):
             self.view[int(pages[proj])].copy_(self.host[layer, expert, proj], non_blocking=self.cuda)
         self.bytes_loaded += self.expert_bytes

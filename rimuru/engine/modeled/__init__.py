@@ -1,0 +1,40 @@
+"""The modeled executor: the engine loop runs for real, the forward pass is modeled.
+
+``LLM(model, executor="modeled", hardware="rtx5090", cost_params="results/modeled/calibration.json")``
+builds the same pool, scheduler, adjuster, expert cache and loader as a real engine, over a pool that
+is not backed by memory, and a ``ModeledExecutor`` whose step times advance a virtual clock
+(``LLM.clock``). Pieces: ``hardware`` (config/hardware profiles), ``routing`` (routing model from a
+hotset), ``cost`` (the step cost model), ``executor``, ``calibration`` (fits ``CostParams`` to the
+committed H200 measurements), ``replay`` (drives a request trace on the virtual clock).
+"""
+
+from __future__ import annotations
+
+from rimuru.engine.modeled.cost import CostModel, CostParams, StepTime, StepWork, layer_pipeline
+from rimuru.engine.modeled.executor import ModeledExecutor
+from rimuru.engine.modeled.hardware import GpuProfile, HostProfile, load_gpu, load_host
+from rimuru.engine.modeled.routing import RoutingModel
+from rimuru.memory import EXPERT
+
+__all__ = ["CostModel", "CostParams", "GpuProfile", "HostProfile", "ModeledExecutor", "RoutingModel", "StepTime",
+           "StepWork", "build_modeled_executor", "layer_pipeline", "load_gpu", "load_host"]
+
+
+def build_modeled_executor(llm, config) -> ModeledExecutor:
+    """The executor of ``LLM(..., executor="modeled")``: the engine's cache, loader and clock, the hotset's
+    routing model, and the cost model of ``config.hardware`` with ``config.cost_params``."""
+    policy = llm.policy
+    mode = "resident" if policy.all_experts_resident else "paged" if policy.loads_experts else "cpu"
+    routing = RoutingModel.from_hotset(llm.hotset, llm.spec.top_k, seed=config.seed)
+    if routing.shape != (llm.spec.num_moe_layers, llm.spec.num_experts):
+        raise ValueError(f"hotset has {routing.shape} (layers, experts), the model "
+                         f"{(llm.spec.num_moe_layers, llm.spec.num_experts)}")
+    cost = None
+    if config.modeled_step_ms is None:
+        params = CostParams.load(config.cost_params) if config.cost_params else CostParams()
+        host = load_host(config.host) if mode == "cpu" else None
+        cost = CostModel(llm.spec, load_gpu(config.hardware), params, tp=config.tensor_parallel_size, host=host,
+                         dtype_bytes=llm.pool.layout[EXPERT].dtype.itemsize)
+    return ModeledExecutor(cost, routing, llm.cache, llm.loader, llm.clock, experts_mode=mode,
+                           prefetch=config.prefetch == "predict", fixed_step_ms=config.modeled_step_ms)
+

@@ -1,0 +1,245 @@
+"""Cost model of one forward step: attention, dense layers, MoE, expert loads over PCIe overlapped as
+the dual-buffer loader schedules them, host time, tensor-parallel all-reduce, CPU-computed experts.
+
+Peak numbers come from a hardware profile (config/hardware/*.yaml); efficiencies and host times from
+``CostParams`` (fitted to H200 measurements by ``rimuru.engine.modeled.calibration``). Each device term
+is a roofline: ``max(bytes / (peak bandwidth x efficiency), FLOPs / (peak FLOPs x efficiency))``.
+
+Per step, layer by layer, two timelines (``layer_pipeline``): the compute stream and the copy stream.
+Expansions the adjuster started this step are queued on the copy stream first. In MoE layer ``l`` the
+host learns the routed experts (one sync with paged experts), queues the misses that were not
+prefetched (demand loads) and then the predicted misses of layer ``l + 1`` (prefetch into the other
+buffer); layer ``l``'s experts wait for every copy queued before (one CUDA event on one stream), so a
+late prefetch or an expansion stalls the layer, and prefetches overlap the layer's compute.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from rimuru.engine.modeled.hardware import GpuProfile, HostProfile
+from rimuru.models.spec import LINEAR_ATTENTION, ModelSpec
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Efficiencies (fractions of a profile's peaks) and host times; defaults are uncalibrated guesses."""
+
+    hbm_eff: float = 0.7  # streaming reads (weights, KV) of peak HBM bandwidth
+    mma_eff: float = 0.5  # GEMMs (dense layers, MoE at large M) of peak bf16 FLOPs
+    attn_eff: float = 0.3  # prefill attention of peak bf16 FLOPs
+    pcie_eff: float = 1.0  # expert copies of the profile's pinned H2D bandwidth
+    gpu_layer_us: float = 40.0  # device time per layer that no roofline term covers (small kernels)
+    host_step_ms: float = 3.0  # schedule, prepare inputs, sample, update: once per step
+    host_seq_us: float = 10.0  # per scheduled request
+    host_layer_sync_ms: float = 2.0  # per layer with a routing sync (paged experts): host and device serial
+    host_layer_async_ms: float = 1.0  # per layer without one (resident experts): overlaps the device
+    prefetch_recall: float = 0.8  # fraction of a layer's misses the predictor loads ahead (layers >= 1)
+    prefetch_waste: float = 0.05  # predicted experts loaded but not routed to, per miss
+    cpu_dram_eff: float = 0.6  # CPU-computed experts: of the host's DRAM bandwidth
+    cpu_flops_eff: float = 0.3  # of the host's peak bf16 FLOPs
+    cpu_layer_us: float = 60.0  # activations to the host and back, one sync per layer
+    fitted: dict = field(default_factory=dict, compare=False)  # how and on what the numbers were fitted
+
+    def replace(self, **changes) -> CostParams:
+        return CostParams(**(asdict(self) | changes))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostParams:
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"{path}: unknown cost parameters {sorted(unknown)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What one step computes, as the modeled executor sees it (per MoE layer arrays are [num_moe_layers])."""
+
+    q_lens: np.ndarray  # [R] tokens computed per scheduled request
+    starts: np.ndarray  # [R] first position computed
+    samples: int  # rows that reach the lm_head
+    touched: np.ndarray  # [M] experts computed on the device per MoE layer
+    demand: np.ndarray  # [M] experts loaded after the layer's routing sync
+    prefetched: np.ndarray  # [M] experts loaded for the layer during the previous layer
+    cpu_experts: np.ndarray | None = None  # [M] experts computed on the host (cpu policy)
+    cpu_share: np.ndarray | None = None  # [M] fraction of token->expert assignments computed on the host
+    expansion_experts: int = 0  # cache expansions queued on the copy stream at step start
+    sync_per_layer: bool = True  # paged experts: the host waits for routing in every MoE layer
+
+    @property
+    def tokens(self) -> int:
+        return int(self.q_lens.sum())
+
+
+@dataclass(frozen=True)
+class StepTime:
+    total_ms: float
+    host_ms: float
+    attention_ms: float
+    dense_ms: float
+    moe_ms: float
+    load_stall_ms: float
+    allreduce_ms: float
+    cpu_ms: float
+    loads_ms: float  # copy-stream busy time (expert bytes / PCIe)
+
+
+def layer_pipeline(pre_ms: np.ndarray, moe_ms: np.ndarray, demand_ms: np.ndarray, prefetch_ms: np.ndarray,
+                   expansion_ms: float) -> tuple[float, float]:
+    """Compute and copy streams over the MoE layers; returns (compute end, stall waiting for copies).
+
+    ``pre_ms[l]``: everything of layer ``l`` before its experts run (attention, dense, host); ``moe_ms[l]``:
+    its experts; ``demand_ms[l]`` copies queued after layer ``l``'s routing; ``prefetch_ms[l]`` copies for
+    layer ``l`` queued after layer ``l - 1``'s demand copies.
+    """
+    g, c, stall = 0.0, float(expansion_ms), 0.0
+    n = len(pre_ms)
+    for layer in range(n):
+        g += pre_ms[layer]
+        c = max(c, g) + demand_ms[layer]  # misses of this layer, issued once the host knows them
+        ready = c  # one event after everything queued so far on the copy stream
+        if layer + 1 < n and prefetch_ms[layer + 1] > 0:
+            c += prefetch_ms[layer + 1]  # the predictor's loads into the other buffer, after this layer's
+        if ready > g:
+            stall += ready - g
+            g = ready
+        g += moe_ms[layer]
+    return g, stall
+
+
+class CostModel:
+    """Shapes resolved once for one model, tensor-parallel degree and hardware."""
+
+    def __init__(self, spec: ModelSpec, gpu: GpuProfile, params: CostParams, *, tp: int = 1,
+                 host: HostProfile | None = None, dtype_bytes: int = 2, num_layers: int | None = None) -> None:
+        self.spec, self.gpu, self.params, self.tp, self.host = spec, gpu, params, tp, host
+        e = dtype_bytes
+        d = spec.hidden_size
+        layers = spec.num_layers
+        self.num_moe_layers = spec.num_moe_layers
+        tables = spec.vocab_size * d * e * (1 if spec.tie_word_embeddings else 2)
+        self.lm_head_bytes = spec.vocab_size * d * e / tp
+        self.lm_head_flops_per_row = 2 * spec.vocab_size * d / tp
+        # dense weights of the decoder layers (attention or GDN, router, shared expert, norms), per rank
+        self.layer_dense_bytes = (spec.dense_params() * e - tables - d * e) / layers / tp
+        self.layer_dense_flops_per_token = 2 * self.layer_dense_bytes / e
+        self.full_layers = len(spec.full_attention_layers)
+        self.linear_layers = len(spec.linear_attention_layers)
+        self.heads = max(1, spec.num_heads // tp)
+        self.kv_bytes_per_token_layer = 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim * e
+        self.attn_flops_factor = 4 * self.heads * spec.head_dim  # QK^T and PV, per (query, key) pair
+        vh, kd, vd = spec.ssm_state_shape(tp) if spec.is_hybrid else (0, 0, 0)
+        self.state_bytes = vh * kd * vd * 4  # fp32 recurrent state, read and written once per step
+        self.state_flops_per_token = 6 * vh * kd * vd  # delta-rule update and read-out per token
+        self.expert_bytes = spec.expert_bytes(tp=tp) * e // 2
+        self.expert_flops_per_assignment = 2 * 3 * spec.expert_page_shape(tp)[0] * d
+        self.top_k = spec.top_k
+        self.hidden = d
+        self.dtype_bytes = e
+        self.moe_layer_ids = set(spec.moe_layers)
+        self.layer_kinds = spec.layer_types
+
+    # ------------------------------------------------------------------ terms (ms)
+    def _roof(self, nbytes: float, flops: float, flops_eff: float) -> float:
+        p, g = self.params, self.gpu
+        return max(nbytes / (g.hbm_bytes_per_s * p.hbm_eff), flops / (g.bf16_flops * flops_eff)) * 1e3
+
+    def attention_ms(self, q_lens: np.ndarray, starts: np.ndarray) -> float:
+        """One full-attention layer: causal FLOPs over the chunk's keys, KV bytes read (and written)."""
+        seq = starts + q_lens
+        pairs = float(np.sum(q_lens * starts + q_lens * (q_lens + 1) / 2))
+        kv_bytes = float(seq.sum() + q_lens.sum()) * self.kv_bytes_per_token_layer
+        return self._roof(kv_bytes, self.attn_flops_factor * pairs, self.params.attn_eff)
+
+    def linear_attention_ms(self, q_lens: np.ndarray) -> float:
+        """One GDN layer: each request's recurrent state read and written, delta-rule FLOPs per token."""
+        return self._roof(2 * self.state_bytes * len(q_lens), self.state_flops_per_token * float(q_lens.sum()),
+                          self.params.mma_eff)
+
+    def dense_ms(self, tokens: int) -> float:
+        """One decoder layer's dense weights (projections, router, shared expert)."""
+        return self._roof(self.layer_dense_bytes, self.layer_dense_flops_per_token * tokens, self.params.mma_eff)
+
+    def moe_ms(self, touched: np.ndarray, assignments: np.ndarray) -> np.ndarray:
+        """[M] experts' weights read once each, FLOPs per token->expert assignment."""
+        p, g = self.params, self.gpu
+        read = touched * self.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff)
+        compute = assignments * self.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)
+        return np.maximum(read, compute) * 1e3
+
+    def load_ms(self, experts: np.ndarray | float) -> np.ndarray | float:
+        return experts * self.expert_bytes / (self.gpu.pcie_h2d_bytes_per_s * self.params.pcie_eff) * 1e3
+
+    def allreduce_ms(self, tokens: int) -> float:
+        """Ring all-reduce of one [tokens, d] bf16 activation over ``tp`` ranks (two per layer)."""
+        if self.tp == 1:
+            return 0.0
+        n, g = self.tp, self.gpu
+        nbytes = tokens * self.hidden * self.dtype_bytes
+        bandwidth = 2 * (n - 1) / n * nbytes / g.allreduce_bus_bytes_per_s
+        return (bandwidth + 2 * (n - 1) * g.allreduce_latency_us * 1e-6) * 1e3
+
+    def cpu_ms(self, experts: np.ndarray, assignments: np.ndarray) -> np.ndarray:
+        """[M] experts computed on the host: weights from DRAM, FLOPs on its cores (AMX or not)."""
+        if self.host is None:
+            raise ValueError("CPU-computed experts need a host profile (engine option host=...)")
+        p, h = self.params, self.host
+        read = experts * self.expert_bytes * self.tp / (h.dram_bytes_per_s * p.cpu_dram_eff)
+        compute = assignments * self.expert_flops_per_assignment * self.tp / (h.bf16_flops * p.cpu_flops_eff)
+        return np.where(experts > 0, np.maximum(read, compute) * 1e3 + p.cpu_layer_us * 1e-3, 0.0)
+
+    # ------------------------------------------------------------------ one step
+    def step(self, w: StepWork) -> StepTime:
+        p = self.params
+        tokens = w.tokens
+        attn_full = self.attention_ms(w.q_lens, w.starts) if len(w.q_lens) else 0.0
+        attn_lin = self.linear_attention_ms(w.q_lens) if self.linear_layers else 0.0
+        dense = self.dense_ms(tokens)
+        ar = 2 * self.allreduce_ms(tokens)
+        host_layer = p.host_layer_sync_ms if w.sync_per_layer else p.host_layer_async_ms
+        assignments = tokens * self.top_k * (1 - (w.cpu_share if w.cpu_share is not None else 0.0))
+        moe = self.moe_ms(w.touched, assignments * np.ones(self.num_moe_layers))
+        cpu = np.zeros(self.num_moe_layers)
+        if w.cpu_experts is not None and w.cpu_experts.any():
+            cpu = self.cpu_ms(w.cpu_experts, tokens * self.top_k * w.cpu_share)
+        moe_total = np.maximum(moe, cpu)  # host and device experts of a layer run side by side
+        layer_gpu_fixed = p.gpu_layer_us * 1e-3
+        pre = np.zeros(self.num_moe_layers)
+        carry, tail, m = 0.0, 0.0, 0  # dense-MLP layers add to the next MoE layer (or to the end)
+        for i, kind in enumerate(self.layer_kinds):
+            device = (attn_lin if kind == LINEAR_ATTENTION else attn_full) + dense + layer_gpu_fixed + ar
+            if i not in self.moe_layer_ids:
+                extra = device + host_layer if w.sync_per_layer else max(device, host_layer)
+                if m < self.num_moe_layers:
+                    carry += extra
+                else:
+                    tail += extra
+                continue
+            # with a routing sync host and device alternate; without, the host's launches overlap the device
+            pre[m] = carry + (device + host_layer if w.sync_per_layer
+                              else max(device + moe_total[m], host_layer) - moe_total[m])
+            carry, m = 0.0, m + 1
+        demand, prefetch = self.load_ms(w.demand), self.load_ms(w.prefetched)
+        expansion = float(self.load_ms(w.expansion_experts))
+        gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, expansion)
+        gpu_end += tail
+        head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
+        host = p.host_step_ms + p.host_seq_us * 1e-3 * len(w.q_lens)
+        total = host + gpu_end + head
+        n_layers = len(self.layer_kinds)
+        return StepTime(
+            total_ms=total, host_ms=host + host_layer * self.num_moe_layers, attention_ms=attn_full * self.full_layers
+            + attn_lin * self.linear_layers, dense_ms=(dense + layer_gpu_fixed) * n_layers + head,
+            moe_ms=float(moe.sum()), load_stall_ms=stall, allreduce_ms=ar * n_layers, cpu_ms=float(cpu.sum()),
+            loads_ms=float(np.sum(demand) + np.sum(prefetch) + expansion))

@@ -1,0 +1,103 @@
+"""ModeledExecutor: the executor that models the forward pass instead of running it.
+
+Same interface as ``TorchExecutor`` (a SchedulerOutput in, one row of logits per sampling chunk out),
+so the scheduler, allocator, adjuster, expert cache and loader bookkeeping of ``LLM.step`` run for
+real around it. Per step it draws the routed experts of every MoE layer from a ``RoutingModel``,
+finds the misses against the cache's page table, books their loads with the loader (demand loads
+and the predictor's prefetches, as ``PagedExperts`` does) and advances the engine's virtual clock by
+the ``CostModel``'s step time. Outputs carry no text: every sampled token is id 0 and lengths follow
+the requests' ``max_tokens`` (``ignore_eos``, as ``vllm bench serve`` runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import numpy as np
+import torch
+
+from rimuru.engine.clock import VirtualClock
+from rimuru.engine.modeled.cost import CostModel, StepTime, StepWork
+from rimuru.engine.modeled.routing import RoutingModel
+from rimuru.engine.scheduler import SchedulerOutput
+from rimuru.experts.cache import ExpertCache
+from rimuru.experts.loader import ExpertLoader
+
+
+class ModeledExecutor:
+    def __init__(self, cost: CostModel | None, routing: RoutingModel, cache: ExpertCache, loader: ExpertLoader,
+                 clock: VirtualClock, *, experts_mode: str, prefetch: bool, fixed_step_ms: float | None = None) -> None:
+        """``experts_mode``: ``paged`` (cache + loading buffers), ``resident`` (static) or ``cpu``."""
+        if experts_mode not in ("paged", "resident", "cpu"):
+            raise ValueError(f"experts_mode must be paged, resident or cpu, got {experts_mode!r}")
+        if cost is None and fixed_step_ms is None:
+            raise ValueError("a modeled executor needs a cost model or a fixed step time")
+        self.cost = cost
+        self.routing = routing
+        self.cache = cache
+        self.loader = loader
+        self.clock = clock
+        self.mode = experts_mode
+        self.prefetch = prefetch and experts_mode == "paged"
+        self.fixed_step_ms = fixed_step_ms
+        self.experts_touched = 0  # (layer, expert) pairs computed, as the torch providers count them
+        self.experts_on_cpu = 0
+        self.last: StepTime | None = None
+        self.totals: dict[str, float] = {}
+        self._loads_seen = loader.experts_loaded
+
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        chunks = out.chunks
+        q = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        samples = sum(1 for c in chunks if c.samples)
+        tokens = int(q.sum())
+        expansions = self.loader.experts_loaded - self._loads_seen  # started by the adjuster this step
+        touched = self.routing.sample_touched(tokens)  # [M, E]
+        layers = touched.shape[0]
+        zeros = np.zeros(layers, dtype=np.int64)
+        cpu_experts = cpu_share = None
+        demand, prefetched = zeros, zeros
+        if self.mode == "resident":
+            on_device = touched.sum(axis=1)
+        else:
+            resident = self.cache.page_table[:, :, 0] >= 0
+            miss = touched & ~resident
+            misses = miss.sum(axis=1)
+            if self.mode == "cpu":
+                on_device = (touched & resident).sum(axis=1)
+                cpu_experts = misses
+                cpu_share = self.routing.share(~resident)
+                self.experts_on_cpu += int(misses.sum())
+            else:
+                on_device = touched.sum(axis=1)
+                demand, prefetched = self._split_loads(misses, resident, touched)
+                self.loader.account_loads(int(demand.sum() + prefetched.sum()))
+        self.experts_touched += int(on_device.sum())
+        self._loads_seen = self.loader.experts_loaded
+        if self.fixed_step_ms is not None:
+            step_ms = self.fixed_step_ms
+        else:
+            self.last = self.cost.step(StepWork(q, starts, samples, on_device, demand, prefetched, cpu_experts,
+                                                cpu_share, expansions, sync_per_layer=self.mode != "resident"))
+            step_ms = self.last.total_ms
+            for k, v in asdict(self.last).items():
+                self.totals[k] = self.totals.get(k, 0.0) + v
+        self.clock.advance(step_ms / 1e3)
+        return torch.zeros(samples, 1)
+
+    def _split_loads(self, misses: np.ndarray, resident: np.ndarray, touched: np.ndarray):
+        """Demand loads and predicted loads per layer (predictions for layer l are made in layer l - 1)."""
+        if not self.prefetch or self.cost is None:
+            return misses, np.zeros_like(misses)
+        p = self.cost.params
+        rng = self.routing.rng
+        predicted = rng.binomial(misses, p.prefetch_recall)
+        predicted[0] = 0  # nothing predicts the first MoE layer
+        full = resident.all(axis=1)  # the predictor is off for a fully resident layer
+        predicted[full] = 0
+        spare = (~resident & ~touched).sum(axis=1)
+        waste = np.minimum(rng.poisson(p.prefetch_waste * misses), spare)
+        waste[0] = 0
+        waste[full] = 0
+        return misses - predicted, predicted + waste

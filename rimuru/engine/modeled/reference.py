@@ -1,0 +1,57 @@
+"""The committed H200 e2e runs (results/reference/e2e) as modeled runs: same model shape, budget, policy.
+
+``workflow/scripts/e2e_gpu.py`` ran a synthetic Qwen3-30B-A3B with real layer shapes and fewer layers,
+under a budget scaled from the full model's (its ``scaled_budget``); this module rebuilds that spec and
+budget from the config alone, so a modeled engine holds exactly the pool the measured one held (the
+fidelity script checks ``initial_cache_experts`` against the measured column).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rimuru.engine.config import EngineConfig
+from rimuru.models.spec import ModelSpec
+
+
+def spec_with_layers(name_or_path: str, num_layers: int | None) -> ModelSpec:
+    """The bundled config with its first ``num_layers`` layers (real per-layer shapes)."""
+    from rimuru.models.checkpoint import hub_config
+
+    config = hub_config(name_or_path)
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:num_layers]
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        return ModelSpec.from_pretrained(tmp)
+
+
+def e2e_scaled_budget(full: ModelSpec, small: ModelSpec, budget: int, policy: str,
+                      dtype: torch.dtype = torch.bfloat16) -> int:
+    """``e2e_gpu.scaled_budget`` from specs: the elastic part of the pool scaled by layers / full layers."""
+    from rimuru.engine.llm import _activation_estimate
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    tables = full.vocab_size * full.hidden_size * elem * (1 if full.tie_word_embeddings else 2)
+    dense_small = small.dense_bytes(dtype)
+    per_layer_dense = (dense_small - tables - small.hidden_size * elem) / small.num_layers
+    dense_full = dense_small + (full.num_layers - small.num_layers) * per_layer_dense
+    probe = EngineConfig(policy=policy, device="cpu", dtype=dtype)
+    act = _activation_estimate(full, probe, dtype, torch.device("cuda"))
+    page = full.expert_projection_bytes(dtype)
+    buffers = 0 if policy == "static" else 6 * full.num_experts * page
+    elastic_full = budget - dense_full - act - buffers
+    return int(dense_small + act + buffers + elastic_full * small.num_layers / full.num_layers)
+
+
+def parse_run_model(label: str) -> tuple[str, int]:
+    """'qwen3-30b-a3b (4/48 layers, skew 0.7)' -> ('qwen3-30b-a3b', 4)."""
+    name, _, rest = label.partition(" (")
+    layers = int(rest.split("/")[0]) if rest else None
+    return name.strip(), layers

@@ -1,0 +1,95 @@
+"""Drive a request trace through a modeled engine on its virtual clock and report serving metrics.
+
+Arrivals enter the engine when the virtual clock reaches them; an idle engine jumps to the next
+arrival. Metrics are the ``vllm bench serve`` ones (``rimuru.bench.metrics.compute_metrics``), in
+modeled seconds, plus the engine's counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from rimuru.bench.metrics import RequestRecord, compute_metrics
+from rimuru.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    prompt_len: int
+    output_len: int
+    arrival_time: float  # seconds from the start of the run
+
+
+def arrivals(n: int, rate: float | None, seed: int = 0) -> np.ndarray:
+    """All at 0 (``rate`` None or inf) or Poisson at ``rate``, first at 0 — as workflow/scripts/e2e_gpu.py."""
+    if rate is None or not np.isfinite(rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
+    return np.cumsum(gaps) - gaps[0]
+
+
+def run_batch(llm, batch: Sequence[tuple[int, int]], tag: str) -> None:
+    """Run (prompt_len, output_len) requests, all at once, to completion (a warm-up before a measured run)."""
+    for i, (prompt_len, output_len) in enumerate(batch):
+        llm.add_request(f"{tag}{i}", [0] * prompt_len, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    while llm.has_unfinished_requests():
+        llm.step()
+
+
+def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tuple[int, int]]] = (),
+           progress_every: int = 0) -> dict:
+    """Serve ``trace`` on ``llm`` (``executor="modeled"``); returns metrics + counters.
+
+    ``before``: batches run to completion first (what a measured run did before its clock started, e.g.
+    warm-up requests: they leave the elastic cache at another size); counters exclude them."""
+    clock = llm.clock
+    if not clock.virtual:
+        raise ValueError("replay drives the virtual clock of a modeled engine (executor='modeled')")
+    for k, batch in enumerate(before):
+        run_batch(llm, batch, f"pre{k}-")
+    llm.timeline.records.clear()
+    order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_time)
+    start = clock.now()
+    base = llm.stats()
+    records: dict[str, RequestRecord] = {}
+    nxt = 0
+    steps = 0
+    while nxt < len(order) or llm.has_unfinished_requests():
+        now = clock.now() - start
+        while nxt < len(order) and trace[order[nxt]].arrival_time <= now:
+            i = order[nxt]
+            r = trace[i]
+            rid = f"r{i}"
+            t_arr = start + r.arrival_time
+            llm.add_request(rid, [0] * r.prompt_len, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                            arrival_time=t_arr)
+            records[rid] = RequestRecord(rid, r.prompt_len, r.output_len, start_time=t_arr)
+            nxt += 1
+        if not llm.has_unfinished_requests():
+            clock.advance_to(start + trace[order[nxt]].arrival_time)
+            continue
+        for out in llm.step():
+            if out.finished:
+                rec = records[out.request_id]
+                times = out.token_times
+                rec.success, rec.output_tokens = True, len(out.output_token_ids)
+                rec.ttft, rec.latency = times[0] - rec.start_time, times[-1] - rec.start_time
+                rec.itl = list(np.diff(times))
+        steps += 1
+        if progress_every and steps % progress_every == 0:
+            s = llm.stats()
+            print(f"  step {steps}: t={clock.now() - start:.1f} s running {s.running} waiting {s.waiting} "
+                  f"cached {s.cached_experts}", flush=True)
+    duration = clock.now() - start
+    metrics = compute_metrics(list(records.values()), duration)
+    stats = llm.stats()
+    metrics.update({
+        "duration_s": duration, "peak_concurrency": stats.peak_concurrency,
+        "forward_steps": stats.forward_steps - base.forward_steps, "preemptions": stats.preemptions - base.preemptions,
+        "expert_gb_loaded": (stats.expert_bytes_loaded - base.expert_bytes_loaded) / 1e9,
+        "generated_tokens": stats.generated_tokens - base.generated_tokens,
+    })
+    return metrics

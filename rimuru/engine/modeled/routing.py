@@ -1,0 +1,58 @@
+"""Routing model of the modeled executor: which experts a step's tokens touch, per MoE layer.
+
+Fitted to a hotset profile (the measured per-layer probabilities ``pi[l, e]`` that a token selects
+expert ``e`` of layer ``l``; each row sums to top-k). Tokens route independently, so expert ``e`` of
+layer ``l`` is touched by a step of ``T`` tokens with probability ``1 - (1 - pi[l, e]) ** T`` — the
+exact marginal of per-token top-k sampling with those inclusion probabilities; the joint law within
+one token (exactly k distinct experts) is not kept, and neither is any cross-layer correlation (the
+hotset profiles here carry none). Seeded: the same seed and the same sequence of calls give the same
+sets.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rimuru.experts.hotset import Hotset
+
+
+class RoutingModel:
+    def __init__(self, probability: np.ndarray, top_k: int, seed: int = 0) -> None:
+        p = np.asarray(probability, dtype=np.float64)
+        if p.ndim != 2:
+            raise ValueError(f"routing probabilities must be [layers, experts], got shape {p.shape}")
+        rows = p.sum(axis=1, keepdims=True)
+        if (rows <= 0).any():
+            raise ValueError("every layer needs a positive routing probability")
+        # a profile measured on few tokens may not sum to exactly k: renormalise each layer to k picks
+        self.pi = np.clip(p / rows * top_k, 0.0, 1.0)
+        self.top_k = top_k
+        self._log_miss = np.log1p(-np.minimum(self.pi, 1 - 1e-12))  # log(1 - pi)
+        self.rng = np.random.default_rng(seed)
+
+    @classmethod
+    def from_hotset(cls, hotset: Hotset, top_k: int, seed: int = 0) -> RoutingModel:
+        return cls(hotset.probability, top_k, seed)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.pi.shape
+
+    def touch_probability(self, tokens: int) -> np.ndarray:
+        """[L, E] P(expert touched by ``tokens`` independent tokens)."""
+        return -np.expm1(self._log_miss * tokens)
+
+    def expected_touched(self, tokens: int, mask: np.ndarray | None = None) -> np.ndarray:
+        """[L] expected number of touched experts (within ``mask`` [L, E] if given)."""
+        p = self.touch_probability(tokens)
+        return (p if mask is None else p * mask).sum(axis=1)
+
+    def sample_touched(self, tokens: int) -> np.ndarray:
+        """[L, E] bool: the experts this step's ``tokens`` tokens route to (a fresh draw per call)."""
+        if tokens <= 0:
+            return np.zeros(self.pi.shape, dtype=bool)
+        return self.rng.random(self.pi.shape) < self.touch_probability(tokens)
+
+    def share(self, mask: np.ndarray) -> np.ndarray:
+        """[L] fraction of all token->expert assignments that go to the experts in ``mask`` [L, E]."""
+        return (self.pi * mask).sum(axis=1) / self.top_k

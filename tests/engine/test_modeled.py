@@ -1,0 +1,201 @@
+"""The modeled executor: cost-model terms on hand-computed cases, determinism, and the same engine
+behaviour (step counts, concurrency) as the torch executor on a tiny model."""
+
+import numpy as np
+import pytest
+import torch
+
+from rimuru.engine.clock import VirtualClock
+from rimuru.engine.llm import LLM
+from rimuru.engine.modeled import CostModel, CostParams, RoutingModel, StepWork, layer_pipeline
+from rimuru.engine.modeled.calibration import predict_steps
+from rimuru.engine.modeled.hardware import GpuProfile, HostProfile, load_gpu, load_host
+from rimuru.engine.modeled.replay import TraceRequest, replay
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.models.spec import ModelSpec
+
+# round numbers so that every term below can be worked out by hand
+GPU = GpuProfile("test", 32.0, hbm_bytes_per_s=1e12, bf16_flops=100e12, pcie_h2d_bytes_per_s=50e9,
+                 allreduce_bus_bytes_per_s=10e9, allreduce_latency_us=10.0, sources={})
+HOST = HostProfile("test-host", cores=10, dram_bytes_per_s=100e9, bf16_flops_per_core_cycle=100, ghz=1.0, amx=False,
+                   sources={})
+UNIT = CostParams(hbm_eff=1.0, mma_eff=1.0, attn_eff=1.0, pcie_eff=1.0, gpu_layer_us=0.0, host_step_ms=0.0,
+                  host_seq_us=0.0, host_layer_sync_ms=0.0, host_layer_async_ms=0.0, prefetch_recall=0.0,
+                  prefetch_waste=0.0, cpu_dram_eff=1.0, cpu_flops_eff=1.0, cpu_layer_us=0.0)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return ModelSpec.from_pretrained("qwen3-30b-a3b")
+
+
+def test_layer_pipeline_by_hand():
+    # layer 0: compute 1, demand copy 0.5 after routing -> waits 0.5; prefetch of layer 1 (3 ms) queued next
+    # layer 1: routing at 3.5, its copies end at 4.5 -> waits 1.0; ends at 5.5
+    end, stall = layer_pipeline(np.array([1.0, 1.0]), np.array([1.0, 1.0]), np.array([0.5, 0.0]),
+                                np.array([0.0, 3.0]), 0.0)
+    assert end == pytest.approx(5.5) and stall == pytest.approx(1.5)
+    # an expansion queued first delays layer 0's experts: copy stream busy until 4
+    end, stall = layer_pipeline(np.array([1.0]), np.array([1.0]), np.array([0.0]), np.array([0.0]), 4.0)
+    assert end == pytest.approx(5.0) and stall == pytest.approx(3.0)
+
+
+def test_cost_terms_by_hand(spec):
+    cost = CostModel(spec, GPU, UNIT)
+    e = spec.expert_bytes()  # 3 * 768 * 2048 * 2 = 9437184 B
+    assert cost.expert_bytes == 3 * 768 * 2048 * 2
+    assert cost.load_ms(10) == pytest.approx(10 * e / 50e9 * 1e3)
+    # MoE: 100 experts read once = 0.944 ms at 1 TB/s; 4 tokens x 8 x 6 f d FLOPs is far below that
+    moe = cost.moe_ms(np.array([100]), np.array([32]))
+    assert moe[0] == pytest.approx(100 * e / 1e12 * 1e3)
+    # MoE at 8192 tokens: compute-bound, 8192 * 8 * 6 * 768 * 2048 FLOPs at 100 TFLOP/s
+    moe = cost.moe_ms(np.array([128]), np.array([8192 * 8]))
+    assert moe[0] == pytest.approx(8192 * 8 * 6 * 768 * 2048 / 100e12 * 1e3)
+    # decode attention: one request at position 999 reads 1000 keys + writes 1 -> 1001 tokens of K and V
+    kv_token = 2 * 4 * 128 * 2
+    assert cost.attention_ms(np.array([1]), np.array([999])) == pytest.approx(1001 * kv_token / 1e12 * 1e3)
+    # prefill of 1000 tokens from 0: 1000*1001/2 (query, key) pairs x 4 * 32 heads * 128 FLOPs, compute-bound
+    pairs = 1000 * 1001 / 2
+    assert cost.attention_ms(np.array([1000]), np.array([0])) == pytest.approx(pairs * 4 * 32 * 128 / 100e12 * 1e3)
+
+
+def test_allreduce_and_cpu_experts_by_hand(spec):
+    cost = CostModel(spec, GPU, UNIT, tp=2, host=HOST)
+    # ring all-reduce of 64 tokens x 2048 x 2 B over 2 ranks: 2 (n-1)/n bytes / bus bw + 2 (n-1) latencies
+    nbytes = 64 * 2048 * 2
+    assert cost.allreduce_ms(64) == pytest.approx((nbytes / 10e9 + 2 * 10e-6) * 1e3)
+    assert CostModel(spec, GPU, UNIT).allreduce_ms(64) == 0.0
+    # CPU experts read whole (unsharded) experts from DRAM: 5 experts x 9437184 B at 100 GB/s
+    cpu = cost.cpu_ms(np.array([5, 0]), np.array([5.0, 0.0]))
+    assert cpu[0] == pytest.approx(5 * 3 * 768 * 2048 * 2 / 100e9 * 1e3)
+    assert cpu[1] == 0.0
+    # with AMX-class FLOPs the same prefill batch is bandwidth-bound; without, compute-bound
+    slow = cost.cpu_ms(np.array([1]), np.array([4096.0]))[0]
+    assert slow == pytest.approx(4096 * 6 * 768 * 2048 / (10 * 100 * 1e9) * 1e3)
+
+
+def test_step_matches_the_vectorised_calibration_form():
+    """CostModel.step and calibration.predict_steps are one model: same numbers on the same work."""
+    spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
+    params = CostParams(prefetch_recall=0.5, host_step_ms=1.0, host_seq_us=20.0, gpu_layer_us=15.0)
+    cost = CostModel(spec, load_gpu("h200"), params)
+    layers = spec.num_moe_layers
+    q, starts = np.array([1, 1, 1]), np.array([10, 20, 30])
+    loads = 4.0
+    w = StepWork(q, starts, samples=3, touched=np.full(layers, 6),
+                 demand=np.array([loads] + [loads / 2] * (layers - 1)),
+                 prefetched=np.array([0.0] + [loads / 2] * (layers - 1)), expansion_experts=2)
+    x = {"tokens": np.array([3.0]), "decode": np.array([3.0]), "pairs": np.array([63.0]),
+         "kv_bytes": np.array([(63.0 + 3) * cost.kv_bytes_per_token_layer]), "touched": np.array([6.0]),
+         "loads": np.array([loads]), "expansions": np.array([2.0]), "running": np.array([3.0]),
+         "samples": np.array([3.0])}
+    assert predict_steps(x, cost, params, sync=True)[0] == pytest.approx(cost.step(w).total_ms)
+
+
+def test_routing_model_marginals_and_seed():
+    pi = np.array([[0.9, 0.6, 0.3, 0.2], [0.5, 0.5, 0.5, 0.5]])  # rows sum to top-2
+    a, b = RoutingModel(pi, 2, seed=3), RoutingModel(pi, 2, seed=3)
+    assert (a.sample_touched(5) == b.sample_touched(5)).all()
+    assert a.touch_probability(2)[0, 0] == pytest.approx(1 - 0.1**2)
+    draws = np.mean([a.sample_touched(1)[1] for _ in range(4000)], axis=0)
+    assert np.allclose(draws, 0.5, atol=0.04)
+    with pytest.raises(ValueError):
+        RoutingModel(np.zeros((2, 4)), 2)
+
+
+def test_virtual_clock():
+    c = VirtualClock()
+    c.advance(0.5)
+    c.advance_to(0.2)
+    assert c.now() == 0.5
+    c.advance_to(2.0)
+    assert c.now() == 2.0
+    with pytest.raises(ValueError):
+        c.advance(-1)
+
+
+def modeled_run(seed: int, policy: str = "elastic"):
+    llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", policy=policy, seed=seed,
+              max_num_seqs=64)
+    trace = [TraceRequest(50 + 37 * i % 200, 20 + 13 * i % 60, 0.05 * i) for i in range(48)]
+    return llm, replay(llm, trace)
+
+
+def test_modeled_full_scale_run_is_deterministic():
+    llm_a, a = modeled_run(seed=1)
+    llm_b, b = modeled_run(seed=1)
+    _, c = modeled_run(seed=2)
+    assert a == b
+    assert llm_a.timeline.frame().equals(llm_b.timeline.frame())
+    assert a["completed"] == 48 and a["duration_s"] > 0 and a["expert_gb_loaded"] > 0
+    assert c["expert_gb_loaded"] != a["expert_gb_loaded"]  # another routing draw
+    llm_a.check_integrity()
+
+
+def test_modeled_options_are_checked():
+    with pytest.raises(ValueError, match="executor"):
+        LLM("qwen3-30b-a3b", executor="simulated")
+    with pytest.raises(ValueError, match="modeled_step_ms"):
+        LLM("qwen3-30b-a3b", executor="torch", modeled_step_ms=5.0)
+    with pytest.raises(FileNotFoundError, match="hardware profile"):
+        LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", hardware="tpu-v9")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM("qwen3-30b-a3b", tensor_parallel_size=2)
+
+
+def test_profiles_carry_sources():
+    for name in ("h200", "rtx5090", "rtx4090d"):
+        gpu = load_gpu(name)
+        assert gpu.hbm_bytes_per_s > 0 and {"hbm_source", "bf16_source", "pcie_source"} <= set(gpu.sources)
+    for name in ("host-xeon-amx", "host-epyc-noamx"):
+        host = load_host(name)
+        assert host.bf16_flops > 0 and "dram_source" in host.sources
+    assert load_host("host-xeon-amx").amx and not load_host("host-epyc-noamx").amx
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from rimuru.experts.hotset import Hotset
+    from rimuru.models.checkpoint import write_synthetic_checkpoint
+
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-moe"
+    write_synthetic_checkpoint("tiny-qwen3-moe", out, seed=0, dtype=torch.float32, routing_skew=0.7)
+    spec = ModelSpec.from_pretrained(out)
+    p = np.random.default_rng(0).dirichlet(np.ones(spec.num_experts), spec.num_moe_layers) * spec.top_k
+    Hotset(p).save(out / "hotset.json")
+    return out
+
+
+@pytest.fixture
+def one_thread():
+    """The torch forward of the tiny model: one intra-op thread (a loaded 2-core machine spin-waits otherwise)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("policy", ["elastic", "fixed", "static"])
+def test_same_steps_and_concurrency_as_the_torch_executor(tiny_dir, policy, one_thread):
+    """Outputs have fixed lengths, so the scheduler, allocator and adjuster see the same sequence of states:
+    forward steps, peak concurrency, preemptions and the cache size over time match the real forward pass."""
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(5 + (11 * i) % 40)] for i in range(24)]
+    lengths = [4 + (5 * i) % 23 for i in range(24)]
+    spec = ModelSpec.from_pretrained(tiny_dir)
+    budget = spec.dense_bytes(torch.float32) + 2**20 + 80 * 8192  # dense + activations + 80 expert pages
+    common = dict(gpu_memory_budget=budget, policy=policy, dtype=torch.float32, activation_reserve="1MiB",
+                  max_num_seqs=24, initial_cache_experts=None if policy == "static" else 6, kv_reserve=0.3)
+    results = []
+    for executor in ("torch", "modeled"):
+        torch_only = {"device": "cpu", "moe_impl": "reference", "attention_impl": "reference"}
+        llm = LLM(tiny_dir, executor=executor, **(torch_only if executor == "torch" else {}), **common)
+        llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths], use_tqdm=False)
+        s = llm.stats()
+        results.append((s.forward_steps, s.peak_concurrency, s.preemptions,
+                        tuple(llm.timeline.frame()["cached_experts"]), tuple(llm.timeline.frame()["running"])))
+        assert llm.memory_report["pool"] > 0
+    assert results[0] == results[1]
+    steps, peak, _, cached, running = results[0]
+    assert peak < len(prompts) and max(running) == peak  # memory, not the request count, bounds concurrency
+    if policy == "elastic":
+        assert len(set(cached)) > 1  # the adjuster resized the cache during the run

@@ -1,0 +1,112 @@
+"""Fit the modeled executor's cost parameters to the committed H200 measurements.
+
+Inputs: the fused-MoE kernel tables, the attention table and the per-step timelines of the e2e runs
+marked ``fit`` (results/reference/). Output: a CostParams JSON whose ``fitted`` entry names every input
+file with the commit that last changed it and the commit recorded in its rows, the fits' errors and
+the assumptions (rimuru/engine/modeled/calibration.py explains each fit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+
+from rimuru.engine.modeled.calibration import FitRun, fit_attention, fit_moe_kernel, fit_steps, prefetch_waste
+from rimuru.engine.modeled.cost import CostModel, CostParams
+from rimuru.engine.modeled.hardware import load_gpu
+from rimuru.engine.modeled.reference import parse_run_model, spec_with_layers
+from rimuru.engine.modeled.routing import RoutingModel
+from rimuru.experts.hotset import Hotset
+from rimuru.models.spec import ModelSpec
+from rimuru.provenance import provenance
+
+
+def git_commit(path: str | Path) -> str:
+    """The commit that last changed ``path`` ('uncommitted' if none)."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%h", "--", str(path)], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        out = ""
+    return out or "uncommitted"
+
+
+def data_entry(path: Path, frame: pd.DataFrame | None = None) -> dict:
+    entry = {"path": str(path), "git_commit": git_commit(path)}
+    if frame is not None and "commit" in frame:
+        entry["measured_at_commits"] = sorted(set(map(str, frame["commit"].dropna())))
+    return entry
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--reference", default="results/reference")
+    ap.add_argument("--fit-runs", required=True, help="RUN:POLICY:WORKLOAD,... rows of e2e/e2e.csv to fit on")
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--step-share", type=float, default=0.25,
+                    help="share of host time per step (vs per layer) when the fit runs have one layer count")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    ref = Path(args.reference)
+    gpu = load_gpu(args.hardware)
+    data = []
+
+    kernel_tables, kernel_specs = [], []
+    for path in sorted((ref / "kernel").glob("kernel_*.csv")):
+        frame = pd.read_csv(path)
+        kernel_tables.append(frame)
+        kernel_specs.append(ModelSpec.from_pretrained(path.stem.removeprefix("kernel_")))
+        data.append(data_entry(path, frame))
+    kernel = fit_moe_kernel(kernel_tables, kernel_specs, gpu)
+    att_path = ref / "attention_h200.csv"
+    att_frame = pd.read_csv(att_path)
+    attention = fit_attention(att_frame, gpu, kernel["hbm_eff"])
+    data.append(data_entry(att_path, att_frame))
+    base = CostParams(hbm_eff=kernel["hbm_eff"], mma_eff=kernel["mma_eff"], attn_eff=attention["attn_eff"],
+                      gpu_layer_us=kernel["moe_fixed_us"] + attention["attn_fixed_us"])
+
+    e2e_path = ref / "e2e" / "e2e.csv"
+    e2e = pd.read_csv(e2e_path)
+    data.append(data_entry(e2e_path, e2e))
+    runs, costs = [], []
+    for key in args.fit_runs.split(","):
+        run, policy, workload = key.split(":")
+        row = e2e[(e2e["run"] == run) & (e2e["policy"] == policy) & (e2e["workload"] == workload)]
+        if len(row) != 1:
+            raise SystemExit(f"fit run {key}: {len(row)} rows in {e2e_path}")
+        name, layers = parse_run_model(row.iloc[0]["model"])
+        spec = spec_with_layers(name, layers)
+        timeline_path = ref / "e2e" / run / f"timeline_{policy}_{workload}.csv"
+        hotset_path = ref / "e2e" / run / "hotset.json"
+        hotset = Hotset.load(hotset_path)
+        timeline = pd.read_csv(timeline_path)
+        data += [data_entry(timeline_path), data_entry(hotset_path)]
+        runs.append(FitRun(key, timeline, spec, policy, RoutingModel.from_hotset(hotset, spec.top_k),
+                           hotset.global_order()))
+        costs.append(CostModel(spec, gpu, base))
+    base = base.replace(prefetch_waste=prefetch_waste(runs))
+    params, steps = fit_steps(runs, costs, base, step_share=args.step_share)
+    params = params.replace(fitted={
+        "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
+        "fit_runs": args.fit_runs.split(","), "data": data,
+        "assumptions": [
+            f"host time per step vs per layer not identifiable from one layer count: split {args.step_share:.0%} "
+            "per step / rest per layer",
+            "CPU-expert terms (cpu_*) are not fitted: no CPU-expert GPU run is committed; defaults stand",
+        ],
+        "written_by": provenance()})
+    params.save(args.out)
+    print(f"kernel: hbm_eff {kernel['hbm_eff']:.3f} mma_eff {kernel['mma_eff']:.3f} "
+          f"fixed {kernel['moe_fixed_us']:.1f} us "
+          f"(median error {kernel['median_rel_error']:.1%}); attention: attn_eff {attention['attn_eff']:.3f}")
+    print("steps:", {k: round(v, 3) for k, v in steps["values"].items()}, "waste", round(params.prefetch_waste, 3))
+    for name, r in steps["per_run"].items():
+        print(f"  {name}: measured {r['measured_s']:.1f} s, modeled {r['modeled_s']:.1f} s, "
+              f"median step error {r['median_abs_rel_error']:.1%}")
+
+
+if __name__ == "__main__":
+    main()
