@@ -39,7 +39,8 @@ class KVCacheManager:
         return -(-kv_pages // self.pages_per_l2)
 
     def can_allocate(self, request_id: str, total_tokens: int) -> bool:
-        return self.allocator.can_allocate(KV, self.pages_needed(request_id, total_tokens))
+        n = self.pages_needed(request_id, total_tokens)
+        return n == 0 or self.allocator.can_allocate(KV, n)  # most decode steps need no new block
 
     def allocate(self, request_id: str, total_tokens: int) -> None:
         n = self.pages_needed(request_id, total_tokens)

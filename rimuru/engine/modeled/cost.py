@@ -104,17 +104,18 @@ def layer_pipeline(pre_ms: np.ndarray, moe_ms: np.ndarray, demand_ms: np.ndarray
     layer ``l`` queued after layer ``l - 1``'s demand copies.
     """
     g, c, stall = 0.0, float(expansion_ms), 0.0
-    n = len(pre_ms)
-    for layer in range(n):
-        g += pre_ms[layer]
-        c = max(c, g) + demand_ms[layer]  # misses of this layer, issued once the host knows them
+    pre, moe, demand = np.asarray(pre_ms, float).tolist(), np.asarray(moe_ms, float).tolist(), \
+        np.asarray(demand_ms, float).tolist()
+    prefetch = np.asarray(prefetch_ms, float).tolist() + [0.0]
+    for layer in range(len(pre)):
+        g += pre[layer]
+        c = max(c, g) + demand[layer]  # misses of this layer, issued once the host knows them
         ready = c  # one event after everything queued so far on the copy stream
-        if layer + 1 < n and prefetch_ms[layer + 1] > 0:
-            c += prefetch_ms[layer + 1]  # the predictor's loads into the other buffer, after this layer's
+        c += prefetch[layer + 1]  # the predictor's loads for the next layer into the other buffer
         if ready > g:
             stall += ready - g
             g = ready
-        g += moe_ms[layer]
+        g += moe[layer]
     return g, stall
 
 
@@ -149,6 +150,7 @@ class CostModel:
         self.dtype_bytes = e
         self.moe_layer_ids = set(spec.moe_layers)
         self.layer_kinds = spec.layer_types
+        self._linear_mask = np.array([k == LINEAR_ATTENTION for k in spec.layer_types])
 
     # ------------------------------------------------------------------ terms (ms)
     def _roof(self, nbytes: float, flops: float, flops_eff: float) -> float:
@@ -215,21 +217,8 @@ class CostModel:
             cpu = self.cpu_ms(w.cpu_experts, tokens * self.top_k * w.cpu_share)
         moe_total = np.maximum(moe, cpu)  # host and device experts of a layer run side by side
         layer_gpu_fixed = p.gpu_layer_us * 1e-3
-        pre = np.zeros(self.num_moe_layers)
-        carry, tail, m = 0.0, 0.0, 0  # dense-MLP layers add to the next MoE layer (or to the end)
-        for i, kind in enumerate(self.layer_kinds):
-            device = (attn_lin if kind == LINEAR_ATTENTION else attn_full) + dense + layer_gpu_fixed + ar
-            if i not in self.moe_layer_ids:
-                extra = device + host_layer if w.sync_per_layer else max(device, host_layer)
-                if m < self.num_moe_layers:
-                    carry += extra
-                else:
-                    tail += extra
-                continue
-            # with a routing sync host and device alternate; without, the host's launches overlap the device
-            pre[m] = carry + (device + host_layer if w.sync_per_layer
-                              else max(device + moe_total[m], host_layer) - moe_total[m])
-            carry, m = 0.0, m + 1
+        pre, tail = self._prefix(attn_full, attn_lin, dense + layer_gpu_fixed + ar, host_layer, moe_total,
+                                 w.sync_per_layer)
         demand, prefetch = self.load_ms(w.demand), self.load_ms(w.prefetched)
         expansion = float(self.load_ms(w.expansion_experts))
         gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, expansion)
@@ -243,3 +232,28 @@ class CostModel:
             + attn_lin * self.linear_layers, dense_ms=(dense + layer_gpu_fixed) * n_layers + head,
             moe_ms=float(moe.sum()), load_stall_ms=stall, allreduce_ms=ar * n_layers, cpu_ms=float(cpu.sum()),
             loads_ms=float(np.sum(demand) + np.sum(prefetch) + expansion))
+
+    def _prefix(self, attn_full: float, attn_lin: float, other: float, host_layer: float, moe_total: np.ndarray,
+                sync: bool) -> tuple[np.ndarray, float]:
+        """[M] time of each MoE layer before its experts run, and time after the last MoE layer."""
+        kinds = self.layer_kinds
+        if len(self.moe_layer_ids) == len(kinds):  # every layer is MoE: vectorised
+            device = np.where(self._linear_mask, attn_lin, attn_full) + other
+            if sync:
+                return device + host_layer, 0.0
+            return np.maximum(device + moe_total, host_layer) - moe_total, 0.0
+        pre = np.zeros(self.num_moe_layers)
+        carry, tail, m = 0.0, 0.0, 0  # dense-MLP layers add to the next MoE layer (or to the end)
+        for i, kind in enumerate(kinds):
+            device = (attn_lin if kind == LINEAR_ATTENTION else attn_full) + other
+            if i not in self.moe_layer_ids:
+                extra = device + host_layer if sync else max(device, host_layer)
+                if m < self.num_moe_layers:
+                    carry += extra
+                else:
+                    tail += extra
+                continue
+            # with a routing sync host and device alternate; without, the host's launches overlap the device
+            pre[m] = carry + (device + host_layer if sync else max(device + moe_total[m], host_layer) - moe_total[m])
+            carry, m = 0.0, m + 1
+        return pre, tail

@@ -11,7 +11,7 @@ the requests' ``max_tokens`` (``ignore_eos``, as ``vllm bench serve`` runs).
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import fields
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ from rimuru.engine.modeled.routing import RoutingModel
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.loader import ExpertLoader
+
+_FIELDS = tuple(f.name for f in fields(StepTime))
 
 
 class ModeledExecutor:
@@ -81,8 +83,8 @@ class ModeledExecutor:
             self.last = self.cost.step(StepWork(q, starts, samples, on_device, demand, prefetched, cpu_experts,
                                                 cpu_share, expansions, sync_per_layer=self.mode != "resident"))
             step_ms = self.last.total_ms
-            for k, v in asdict(self.last).items():
-                self.totals[k] = self.totals.get(k, 0.0) + v
+            for k in _FIELDS:
+                self.totals[k] = self.totals.get(k, 0.0) + float(getattr(self.last, k))
         self.clock.advance(step_ms / 1e3)
         return torch.zeros(samples, 1)
 

@@ -29,6 +29,7 @@ class RoutingModel:
         self.top_k = top_k
         self._log_miss = np.log1p(-np.minimum(self.pi, 1 - 1e-12))  # log(1 - pi)
         self.rng = np.random.default_rng(seed)
+        self._touch: dict[int, np.ndarray] = {}  # tokens -> touch probabilities (batch sizes repeat)
 
     @classmethod
     def from_hotset(cls, hotset: Hotset, top_k: int, seed: int = 0) -> RoutingModel:
@@ -40,7 +41,12 @@ class RoutingModel:
 
     def touch_probability(self, tokens: int) -> np.ndarray:
         """[L, E] P(expert touched by ``tokens`` independent tokens)."""
-        return -np.expm1(self._log_miss * tokens)
+        p = self._touch.get(tokens)
+        if p is None:
+            if len(self._touch) > 4096:
+                self._touch.clear()
+            p = self._touch[tokens] = -np.expm1(self._log_miss * tokens)
+        return p
 
     def expected_touched(self, tokens: int, mask: np.ndarray | None = None) -> np.ndarray:
         """[L] expected number of touched experts (within ``mask`` [L, E] if given)."""
@@ -56,3 +62,21 @@ class RoutingModel:
     def share(self, mask: np.ndarray) -> np.ndarray:
         """[L] fraction of all token->expert assignments that go to the experts in ``mask`` [L, E]."""
         return (self.pi * mask).sum(axis=1) / self.top_k
+
+
+def tiled_hotset(measured: Hotset, num_layers: int, num_experts: int, top_k: int, seed: int = 0) -> Hotset:
+    """A full model's routing profile from a measured one of fewer layers or experts.
+
+    Each layer takes the sorted probability curve of one measured layer (cycled), resampled by rank
+    quantile to ``num_experts`` and rescaled to ``top_k`` picks per token, and assigns it to the experts
+    in a seeded random order (so the hot experts differ between layers, as in a real model)."""
+    rng = np.random.default_rng(seed)
+    curves = -np.sort(-measured.probability, axis=1)
+    src = np.linspace(0, 1, curves.shape[1])
+    dst = np.linspace(0, 1, num_experts)
+    prob = np.empty((num_layers, num_experts))
+    for layer in range(num_layers):
+        curve = np.interp(dst, src, curves[layer % len(curves)])
+        curve = curve / curve.sum() * top_k
+        prob[layer, rng.permutation(num_experts)] = curve
+    return Hotset(prob, measured.num_tokens, f"tiled from {measured.model or 'a measured profile'}")
