@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from rimuru.units import format_bytes, parse_bytes
 
@@ -16,17 +15,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true", help="allocate and free every class and check integrity")
 
 
-def _load_config(ref: str) -> dict:
-    from rimuru.models.spec import resolve_config_path
-
-    config = json.loads(resolve_config_path(ref).read_text())
-    return config.get("text_config", config)
-
-
 def run(args: argparse.Namespace) -> int:
     from rimuru.memory import PagePool, PoolLayout
+    from rimuru.models.spec import ModelSpec
 
-    layout = PoolLayout.from_hf_config(_load_config(args.config), tp=args.tp, block_tokens=args.block_tokens)
+    layout = PoolLayout.from_spec(ModelSpec.from_pretrained(args.config), tp=args.tp, block_tokens=args.block_tokens)
     pool = PagePool(layout, parse_bytes(args.budget))
     print(layout.describe())
     print(pool)

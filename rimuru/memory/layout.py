@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from rimuru.models.spec import ModelSpec
 
 EXPERT, SSM, KV, CONV = "expert", "ssm", "kv", "conv"
 
@@ -158,7 +161,7 @@ class PoolLayout:
     @classmethod
     def from_spec(
         cls,
-        spec: Any,
+        spec: ModelSpec,
         *,
         tp: int = 1,
         block_tokens: int = 16,
@@ -181,54 +184,6 @@ class PoolLayout:
             expert_intermediate=spec.moe_intermediate_size,
             weight_dtype=weight_dtype,
             kv=(block_tokens, spec.num_kv_heads, spec.head_dim),
-            kv_dtype=kv_dtype or weight_dtype,
-            ssm_state=ssm_state,
-            ssm_dtype=ssm_dtype,
-            conv=conv,
-            conv_dtype=weight_dtype,
-            tp=tp,
-        )
-
-    @classmethod
-    def from_hf_config(
-        cls,
-        config: Any,
-        *,
-        tp: int = 1,
-        block_tokens: int = 16,
-        weight_dtype: torch.dtype = torch.bfloat16,
-        kv_dtype: torch.dtype | None = None,
-        ssm_dtype: torch.dtype = torch.float32,
-    ) -> PoolLayout:
-        """Layout of a Hugging Face MoE config (qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe).
-
-        Expert page = one projection ``f_local × d``; KV page = one block of ``block_tokens``
-        tokens of one layer (K and V); SSM page = one request's recurrent state of one layer;
-        conv page = one row of that request's conv state.
-        """
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (
-            lambda k, d=None: getattr(config, k, d)
-        )
-        d = get("hidden_size")
-        f = get("moe_intermediate_size")
-        if d is None or f is None:
-            raise ValueError("config has no hidden_size/moe_intermediate_size: not an MoE model config")
-        heads = get("num_attention_heads")
-        kv_heads = get("num_key_value_heads", heads)
-        head_dim = get("head_dim") or d // heads
-        ssm_state = conv = None
-        if get("linear_num_value_heads"):  # Gated DeltaNet layers (qwen3_next / qwen3_5_moe)
-            v_heads, k_heads = get("linear_num_value_heads"), get("linear_num_key_heads")
-            k_dim, v_dim = get("linear_key_head_dim"), get("linear_value_head_dim")
-            ssm_state = (v_heads, k_dim, v_dim)
-            conv = (get("linear_conv_kernel_dim") - 1, 2 * k_heads * k_dim + v_heads * v_dim)
-        return cls.build(
-            hidden_size=d,
-            expert_intermediate=f,
-            weight_dtype=weight_dtype,
-            kv=(block_tokens, kv_heads, head_dim),
             kv_dtype=kv_dtype or weight_dtype,
             ssm_state=ssm_state,
             ssm_dtype=ssm_dtype,

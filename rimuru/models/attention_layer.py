@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from rimuru.kernels.paged_attention import paged_attention, write_kv
 from rimuru.models.rms_norm import rms_norm
 from rimuru.models.rope import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from rimuru.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -57,15 +60,9 @@ class AttentionMetadata:
         )
 
 
-def _config_get(config: Any, key: str, default=None):
-    if isinstance(config, dict):
-        return config.get(key, default)
-    return getattr(config, key, default)
-
-
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Shapes of one attention sub-layer, read from a HF config."""
+    """Shapes of one attention sub-layer (``from_spec``: a model's)."""
 
     hidden_size: int
     num_heads: int
@@ -82,18 +79,8 @@ class AttentionConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> AttentionConfig:
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        hidden = _config_get(config, "hidden_size")
-        heads = _config_get(config, "num_attention_heads")
-        return cls(
-            hidden_size=hidden,
-            num_heads=heads,
-            num_kv_heads=_config_get(config, "num_key_value_heads") or heads,
-            head_dim=_config_get(config, "head_dim") or hidden // heads,
-            rms_norm_eps=_config_get(config, "rms_norm_eps", 1e-6),
-        )
+    def from_spec(cls, spec: ModelSpec) -> AttentionConfig:
+        return cls(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
 
 
 WEIGHT_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")

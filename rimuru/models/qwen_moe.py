@@ -30,9 +30,8 @@ class QwenMoeModel:
         self.spec = spec
         self.w = dense
         self.moe_impl = moe_impl
-        rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.max_position_embeddings,
-                               spec.partial_rotary_factor, device=device)
-        cfg = AttentionConfig(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
+        rope = RotaryEmbedding.from_spec(spec, device=device)
+        cfg = AttentionConfig.from_spec(spec)
         self.attn = [Attention(cfg, dense, i, rope, impl=attention_impl) for i in range(spec.num_layers)]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])

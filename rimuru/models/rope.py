@@ -7,20 +7,17 @@ cos/sin are cached in fp32 for positions ``[0, max_position)`` and indexed by a 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from rimuru.models.spec import ModelSpec
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _config_get(config: Any, key: str, default=None):
-    if isinstance(config, dict):
-        return config.get(key, default)
-    return getattr(config, key, default)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -47,21 +44,12 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     @classmethod
-    def from_hf_config(cls, config: Any, device: str | torch.device | None = None) -> RotaryEmbedding:
-        """Reads head_dim, rope theta, partial rotary factor and max positions from a HF config (object or dict)."""
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config()
-        heads = _config_get(config, "num_attention_heads")
-        head_dim = _config_get(config, "head_dim") or _config_get(config, "hidden_size") // heads
-        params = _config_get(config, "rope_parameters") or {}
-        scaling = _config_get(config, "rope_scaling") or {}
-        rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-        if rope_type != "default":
-            raise NotImplementedError(f"RoPE type {rope_type!r} is not implemented (only 'default')")
-        theta = params.get("rope_theta") or _config_get(config, "rope_theta") or 10000.0
-        factor = params.get("partial_rotary_factor") or _config_get(config, "partial_rotary_factor") or 1.0
-        max_pos = _config_get(config, "max_position_embeddings") or 32768
-        return cls(head_dim, theta, max_pos, factor, device=device)
+    def from_spec(cls, spec: ModelSpec, device: str | torch.device | None = None) -> RotaryEmbedding:
+        """head_dim, rope theta, partial rotary factor and max positions of a model."""
+        if spec.rope_type != "default":
+            raise NotImplementedError(f"RoPE type {spec.rope_type!r} is not implemented (only 'default')")
+        return cls(spec.head_dim, spec.rope_theta, spec.max_position_embeddings, spec.partial_rotary_factor,
+                   device=device)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin [T, rotary_dim]`` (fp32) at ``positions [T]``."""

@@ -82,6 +82,7 @@ class ModelSpec:
     bos_token_id: int | None
     tie_word_embeddings: bool
     partial_rotary_factor: float = 1.0
+    rope_type: str = "default"  # only "default" RoPE is implemented (RotaryEmbedding.from_spec refuses the rest)
     # Gated DeltaNet (linear attention) layers; zeros for pure-attention models
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
@@ -108,7 +109,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config: Any, source: str = "", extra_eos: list[int] | None = None) -> ModelSpec:
         top = config
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = config.get_text_config()  # the language model part of a multimodal config; itself otherwise
         g = lambda k, d=None: getattr(text, k, d)  # noqa: E731
         model_type = text.model_type
         n_layers = text.num_hidden_layers
@@ -120,6 +121,8 @@ class ModelSpec:
         rope = g("rope_parameters") or {}
         rope_theta = rope.get("rope_theta", g("rope_theta", 10000.0))
         partial = rope.get("partial_rotary_factor", g("partial_rotary_factor", 1.0)) or 1.0
+        scaling = g("rope_scaling") or {}
+        rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
         heads = text.num_attention_heads
         # qwen3.5's router always renormalises its top-k weights; the others say so in the config
         norm_topk = bool(g("norm_topk_prob", model_type in ZERO_CENTERED_NORM_TYPES))
@@ -150,6 +153,7 @@ class ModelSpec:
             bos_token_id=g("bos_token_id"),
             tie_word_embeddings=bool(getattr(top, "tie_word_embeddings", False)),
             partial_rotary_factor=float(partial),
+            rope_type=rope_type,
             linear_num_key_heads=g("linear_num_key_heads", 0) or 0,
             linear_num_value_heads=g("linear_num_value_heads", 0) or 0,
             linear_key_head_dim=g("linear_key_head_dim", 0) or 0,

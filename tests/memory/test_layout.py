@@ -1,4 +1,3 @@
-import json
 from pathlib import Path
 
 import pytest
@@ -57,8 +56,10 @@ def test_layout_needs_an_l2_class():
         PoolLayout((PageClass(KV, 3, (64,), torch.bfloat16, parent=EXPERT),))
 
 
-def test_from_hf_config_reads_bundled_qwen3_config():
+def test_from_spec_reads_bundled_qwen3_config():
+    from rimuru.models.spec import ModelSpec
+
     path = Path(__file__).resolve().parents[2] / "rimuru" / "models" / "configs" / "qwen3-30b-a3b.json"
-    layout = PoolLayout.from_hf_config(json.loads(path.read_text()))
+    layout = PoolLayout.from_spec(ModelSpec.from_pretrained(path))
     assert layout.page_bytes(EXPERT) == QWEN3_30B_A3B.page_bytes(EXPERT)
     assert layout.page_bytes(KV) == QWEN3_30B_A3B.page_bytes(KV)

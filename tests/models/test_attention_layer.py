@@ -30,6 +30,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (  # noqa: E402
 from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata  # noqa: E402
 from rimuru.models.rms_norm import rms_norm  # noqa: E402
 from rimuru.models.rope import RotaryEmbedding  # noqa: E402
+from rimuru.models.spec import ModelSpec  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
@@ -166,8 +167,8 @@ def test_prefill_then_decode_matches_transformers_attention(kind, impl):
         assert sum(n for _, n in chunks) == total[r]
         assert rel_err(hf_incremental(config, module, x, chunks), expected[r]) <= 1e-6
     # layer 1 of a two-layer cache: its pages differ from layer 0's, which must stay untouched
-    attn = Attention(AttentionConfig.from_hf_config(config), weights, layer_idx=1,
-                     rope=RotaryEmbedding.from_hf_config(config, device=DEVICE), impl=impl)
+    attn = Attention(AttentionConfig.from_spec(ModelSpec.from_hf_config(config)), weights, layer_idx=1,
+                     rope=RotaryEmbedding.from_spec(ModelSpec.from_hf_config(config), device=DEVICE), impl=impl)
     cache = PagedKV(num_layers=2, num_pages=40, block=4, kv_heads=2, head_dim=16)
     for steps in SCHEDULE:
         meta = cache.metadata(steps)
@@ -192,8 +193,8 @@ def test_metadata_for_layer_selects_stacked_tables_and_keeps_per_layer_ones():
 def test_attention_rejects_missing_or_misshaped_weights():
     config, module = make_hf_attention("qwen3_moe")
     weights = {f"self_attn.{k}": v for k, v in module.state_dict().items()}
-    rope = RotaryEmbedding.from_hf_config(config)
-    cfg = AttentionConfig.from_hf_config(config)
+    rope = RotaryEmbedding.from_spec(ModelSpec.from_hf_config(config))
+    cfg = AttentionConfig.from_spec(ModelSpec.from_hf_config(config))
     with pytest.raises(KeyError, match="o_proj"):
         Attention(cfg, {k: v for k, v in weights.items() if "o_proj" not in k}, 0, rope)
     with pytest.raises(ValueError, match="k_proj"):
@@ -213,7 +214,7 @@ def test_rms_norm_matches_qwen_rms_norm_in_bf16():
 
 def test_rope_matches_transformers_at_arbitrary_positions():
     config = qwen3_config()
-    rope = RotaryEmbedding.from_hf_config(config)
+    rope = RotaryEmbedding.from_spec(ModelSpec.from_hf_config(config))
     positions = torch.tensor([0, 5, 3, 200, 17])
     q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
     cos, sin = Qwen3MoeRotaryEmbedding(config)(q, positions[None])
@@ -226,7 +227,7 @@ def test_rope_matches_transformers_at_arbitrary_positions():
 def test_partial_rotary_rotates_only_the_leading_dims_like_qwen3_next():
     config = Qwen3NextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                              partial_rotary_factor=0.25, rope_theta=1e4, max_position_embeddings=128)
-    rope = RotaryEmbedding.from_hf_config(config)
+    rope = RotaryEmbedding.from_spec(ModelSpec.from_hf_config(config))
     assert rope.rotary_dim == 8
     positions = torch.tensor([1, 64, 7])
     q, k = torch.randn(3, 4, 32), torch.randn(3, 2, 32)
@@ -242,7 +243,7 @@ def test_rope_refuses_scaled_rope_types():
     config = qwen3_config()
     config.rope_parameters = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
     with pytest.raises(NotImplementedError, match="yarn"):
-        RotaryEmbedding.from_hf_config(config)
+        RotaryEmbedding.from_spec(ModelSpec.from_hf_config(config))
 
 
 @pytest.mark.gpu
@@ -262,8 +263,8 @@ def test_gpu_bf16_layer_matches_fp32_transformers(kind):
     xs = {r: torch.randn(n, config.hidden_size, generator=gen).bfloat16().float()
           for r, n in {0: 11, 1: 14, 2: 9}.items()}
     expected = {r: hf_forward(config, module, x) for r, x in xs.items()}
-    attn = Attention(AttentionConfig.from_hf_config(config), weights, layer_idx=0,
-                     rope=RotaryEmbedding.from_hf_config(config, device=DEVICE))
+    attn = Attention(AttentionConfig.from_spec(ModelSpec.from_hf_config(config)), weights, layer_idx=0,
+                     rope=RotaryEmbedding.from_spec(ModelSpec.from_hf_config(config), device=DEVICE))
     cache = PagedKV(num_layers=1, num_pages=40, block=4, kv_heads=2, head_dim=16)
     cache.kv = cache.kv.bfloat16()
     for steps in SCHEDULE:
