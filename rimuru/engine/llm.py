@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.executor import TorchExecutor
+from rimuru.engine.hybrid_executor import build_hybrid
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.memory_policy import MemoryBudgetError, activation_estimate, make_policy
 from rimuru.engine.outputs import EngineStats, RequestOutput
@@ -27,6 +28,7 @@ from rimuru.engine.request import Request
 from rimuru.engine.sampler import sample
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from rimuru.engine.state_manager import HybridCacheManager
 from rimuru.engine.timeline import StepRecord, Timeline
 from rimuru.experts.hotset import Hotset
 from rimuru.memory import EXPERT, KV, PAGES_PER_EXPERT, PagePool, PoolLayout
@@ -100,7 +102,11 @@ class LLM:
 
         # ---- scheduler, model and executor
         self.max_model_len = plan.max_model_len
-        self.kv = KVCacheManager(self.allocator, len(spec.full_attention_layers), config.block_tokens)
+        if spec.is_hybrid:  # GDN layers hold SSM and conv states per request, attention layers KV
+            self.kv = HybridCacheManager(self.allocator, len(spec.full_attention_layers), config.block_tokens,
+                                         len(spec.linear_attention_layers))
+        else:
+            self.kv = KVCacheManager(self.allocator, len(spec.full_attention_layers), config.block_tokens)
         sched_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(sched_config, self.kv, policy.releasable_l2_pages)
         if config.modeled:
@@ -112,11 +118,15 @@ class LLM:
             self.provider = self.executor  # counts experts_touched as the torch providers do
         else:
             self.clock = WallClock()
-            self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl)
+            if spec.is_hybrid:
+                self.model, self.executor = build_hybrid(spec, ckpt.dense, config, self.pool, self.kv, self.provider,
+                                                         device)
+            else:
+                self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl)
+                self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV),
+                                              self.pool.view(EXPERT).tensor, self.provider, device)
             if config.record_routing:
                 self.model.record_routing()
-            self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor,
-                                          self.provider, device)
         self.timeline = Timeline()
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[str, torch.Generator | None] = {}
@@ -331,6 +341,8 @@ class LLM:
     def check_integrity(self) -> None:
         self.allocator.check_integrity()
         self.cache.check()
+        if isinstance(self.kv, HybridCacheManager):
+            self.kv.check({r.request_id for r in self.scheduler.running})
 
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from rimuru.engine.state_manager import state_l2_pages
 from rimuru.experts.adjuster import AdjusterConfig, decide
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.hotset import Hotset
@@ -153,8 +154,9 @@ class MemoryPolicy:
             raise MemoryBudgetError(f"{initial} cached experts leave no page for KV in a pool of {free_l2} L2 pages")
         min_cache = self.min_cache(initial, total)
         kv_per_l2 = page // layout.page_bytes(KV)
-        kv_layers = len(spec.full_attention_layers)
-        kv_tokens = (free_l2 - PAGES_PER_EXPERT * min_cache) * kv_per_l2 // kv_layers * c.block_tokens
+        attn_layers = len(spec.full_attention_layers)  # hybrids: GDN layers hold states, not KV
+        state_l2 = state_l2_pages(spec, layout)  # one request's SSM and conv states (0 without GDN layers)
+        kv_tokens = (free_l2 - PAGES_PER_EXPERT * min_cache - state_l2) * kv_per_l2 // attn_layers * c.block_tokens
         limit = min(spec.max_position_embeddings, kv_tokens)
         max_len = min(limit, c.max_model_len) if c.max_model_len else limit
         if max_len < 2:
