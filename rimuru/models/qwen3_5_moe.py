@@ -140,8 +140,7 @@ class Qwen35MoeModel(QwenMoeModel):
         self.spec = spec
         self.w = dense
         self.moe_impl = moe_impl
-        rope = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.max_position_embeddings,
-                               spec.partial_rotary_factor, device=device)
+        rope = RotaryEmbedding.from_spec(spec, device=device)
         self.kv_index = {layer: i for i, layer in enumerate(spec.full_attention_layers)}
         self.gdn_index = {layer: i for i, layer in enumerate(spec.linear_attention_layers)}
         self.mixers: list[GatedAttention | GatedDeltaNet] = [
