@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rimuru.memory.layout import PAGES_PER_EXPERT
+
 
 @dataclass(frozen=True)
 class AdjusterConfig:
-    pages_per_expert: int = 3  # W1, W3, W2: one L2 page each
+    pages_per_expert: int = PAGES_PER_EXPERT  # W1, W3, W2: one L2 page each
     shrink_free_below: int = 2  # shrink one expert when F_b < this
     expand_free_above: int = 9  # expand when F_b > this; the gap is hysteresis
     max_expand: int = 5

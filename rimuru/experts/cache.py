@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from rimuru.memory import EXPERT, MultiLevelAllocator
+from rimuru.memory import EXPERT, PAGES_PER_EXPERT, MultiLevelAllocator
 
 ABSENT = -1
 
@@ -21,7 +21,7 @@ ABSENT = -1
 @dataclass
 class _Load:
     slot: int  # index into the hotset order
-    pages: np.ndarray  # [3]
+    pages: np.ndarray  # [PAGES_PER_EXPERT]: W1, W3, W2^T
     done: torch.cuda.Event | None  # None: copied synchronously
 
 
@@ -31,16 +31,15 @@ class ExpertCache:
     order: np.ndarray  # [L*E, 2] (layer, expert) pairs, hottest first
     num_layers: int
     num_experts: int
-    copy_expert: callable  # (layer, expert, pages[3]) -> torch.cuda.Event | None
-    page_table: np.ndarray = field(init=False)  # [L, E, 3] int32; ABSENT when not resident
+    copy_expert: callable  # (layer, expert, pages[PAGES_PER_EXPERT]) -> torch.cuda.Event | None
+    page_table: np.ndarray = field(init=False)  # [L, E, PAGES_PER_EXPERT] int32; ABSENT when not resident
     num_cached: int = field(init=False, default=0)  # prefix length: resident + loading
     _pages: dict[int, np.ndarray] = field(init=False, default_factory=dict)  # slot -> pages
     _loading: list[_Load] = field(init=False, default_factory=list)
     _evicting: list[int] = field(init=False, default_factory=list)
-    version: int = field(init=False, default=0)  # bumps whenever page_table changes
 
     def __post_init__(self) -> None:
-        self.page_table = np.full((self.num_layers, self.num_experts, 3), ABSENT, dtype=np.int32)
+        self.page_table = np.full((self.num_layers, self.num_experts, PAGES_PER_EXPERT), ABSENT, dtype=np.int32)
 
     @property
     def total(self) -> int:
@@ -52,7 +51,7 @@ class ExpertCache:
 
     def releasable_l2_pages(self, floor: int = 0) -> int:
         """Pages a shrink down to ``floor`` experts would hand back after this step."""
-        return 3 * max(0, self.num_cached - floor) + 3 * len(self._evicting)
+        return PAGES_PER_EXPERT * (max(0, self.num_cached - floor) + len(self._evicting))
 
     # ------------------------------------------------------------------ grow
     def expand(self, n: int) -> int:
@@ -63,9 +62,9 @@ class ExpertCache:
             if slot in self._evicting:  # shrunk this step and wanted again: cancel the eviction
                 self._evicting.remove(slot)
             else:
-                if not self.allocator.can_allocate(EXPERT, 3):
+                if not self.allocator.can_allocate(EXPERT, PAGES_PER_EXPERT):
                     break
-                pages = self.allocator.allocate(EXPERT, 3)
+                pages = self.allocator.allocate(EXPERT, PAGES_PER_EXPERT)
                 self._pages[slot] = pages
                 layer, expert = self.order[slot]
                 self._loading.append(_Load(slot, pages, self.copy_expert(int(layer), int(expert), pages)))
@@ -87,8 +86,6 @@ class ExpertCache:
             self.page_table[layer, expert] = load.pages
             entered += 1
         self._loading = still
-        if entered:
-            self.version += 1
         return entered
 
     # ------------------------------------------------------------------ shrink
@@ -114,8 +111,6 @@ class ExpertCache:
             self.page_table[layer, expert] = ABSENT
             self.allocator.free(EXPERT, pages)
             freed += len(pages)
-        if self._evicting:
-            self.version += 1
         self._evicting = []
         return freed
 

@@ -15,13 +15,15 @@ from contextlib import nullcontext
 
 import torch
 
+from rimuru.memory.layout import PAGES_PER_EXPERT
+
 W1, W3, W2 = 0, 1, 2
 PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 class HostExpertStore:
     def __init__(self, weights: torch.Tensor, moe_layers: Sequence[int] | None = None) -> None:
-        if weights.dim() != 5 or weights.shape[2] != 3:
+        if weights.dim() != 5 or weights.shape[2] != PAGES_PER_EXPERT:
             raise ValueError(f"expert store wants [L, E, 3, f, d], got {tuple(weights.shape)}")
         self.weights = weights  # [L, E, 3, f, d]; written only while loading
         layers = list(range(weights.shape[0])) if moe_layers is None else list(moe_layers)
@@ -34,7 +36,7 @@ class HostExpertStore:
     def empty(cls, num_layers: int, num_experts: int, f: int, d: int, dtype: torch.dtype = torch.bfloat16,
               moe_layers: Sequence[int] | None = None, pin: bool | None = None) -> HostExpertStore:
         pin = torch.cuda.is_available() if pin is None else pin
-        weights = torch.empty(num_layers, num_experts, 3, f, d, dtype=dtype, pin_memory=pin)
+        weights = torch.empty(num_layers, num_experts, PAGES_PER_EXPERT, f, d, dtype=dtype, pin_memory=pin)
         return cls(weights, moe_layers)
 
     @classmethod
@@ -104,8 +106,8 @@ class HostExpertStore:
         records an event on the stream and publishes the pages only after it completes.
         """
         ids = page_ids.tolist() if isinstance(page_ids, torch.Tensor) else list(page_ids)
-        if len(ids) != 3:
-            raise ValueError(f"an expert has 3 projection pages, got {len(ids)} ids")
+        if len(ids) != PAGES_PER_EXPERT:
+            raise ValueError(f"an expert has {PAGES_PER_EXPERT} projection pages, got {len(ids)} ids")
         if tuple(view.shape[1:]) != self.page_shape(tp):
             raise ValueError(f"view pages {tuple(view.shape[1:])} != expert pages {self.page_shape(tp)}")
         ctx = torch.cuda.stream(stream) if stream is not None else nullcontext()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rimuru.memory import EXPERT, MultiLevelAllocator
+from rimuru.memory import EXPERT, PAGES_PER_EXPERT, MultiLevelAllocator
 
 
 class ExpertLoader:
@@ -29,10 +29,11 @@ class ExpertLoader:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.capacity = buffer_experts
-        self.buffers = (allocator.allocate(EXPERT, 2 * 3 * buffer_experts).reshape(2, buffer_experts, 3)
-                        if buffer_experts else np.zeros((2, 0, 3), dtype=np.int64))
-        self.expert_bytes = (3 * host_weights[0, 0, 0].numel() * host_weights.element_size() if host_weights is not None
-                             else virtual_shape[2])
+        self.buffers = (allocator.allocate(EXPERT, 2 * PAGES_PER_EXPERT * buffer_experts)
+                        .reshape(2, buffer_experts, PAGES_PER_EXPERT)
+                        if buffer_experts else np.zeros((2, 0, PAGES_PER_EXPERT), dtype=np.int64))
+        self.expert_bytes = (PAGES_PER_EXPERT * host_weights[0, 0, 0].numel() * host_weights.element_size()
+                             if host_weights is not None else virtual_shape[2])
         self.bytes_loaded = 0
         self.experts_loaded = 0
         self._buffer_free: list[torch.cuda.Event | None] = [None, None]  # last reader of each buffer done
@@ -40,7 +41,7 @@ class ExpertLoader:
         # per-layer host staging for page-table uploads; a layer's row is rewritten only in the next step,
         # after the step's sampling synchronised with the device
         layers, experts = host_weights.shape[:2] if host_weights is not None else virtual_shape[:2]
-        self._staging = torch.empty(layers, experts, 3, dtype=torch.int32, pin_memory=self.cuda)
+        self._staging = torch.empty(layers, experts, PAGES_PER_EXPERT, dtype=torch.int32, pin_memory=self.cuda)
 
     @property
     def buffer_pages(self) -> int:
@@ -56,7 +57,7 @@ class ExpertLoader:
         if self.host is None:
             self.account_loads(1)
             return
-        for proj in range(3):
+        for proj in range(PAGES_PER_EXPERT):
             self.view[int(pages[proj])].copy_(self.host[layer, expert, proj], non_blocking=self.cuda)
         self.bytes_loaded += self.expert_bytes
         self.experts_loaded += 1

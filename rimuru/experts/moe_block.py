@@ -1,9 +1,10 @@
-"""One MoE layer's forward: route, routed experts through the page table, shared expert.
+"""One MoE layer's forward: route, routed experts through the provider's page table, shared expert.
 
-The engine calls ``moe_forward`` once per MoE layer. It may first call ``route`` itself to see
-which experts the step touches (to load the missing ones into loading-buffer pages), then pass
-that routing back in so it is not computed twice. The page table may point anywhere in the
-expert view: cache pages and loading-buffer pages look the same to the kernel.
+The model calls ``moe_forward`` once per MoE layer (it may route first, to record the routing,
+and pass it in). The ``ExpertProvider`` turns the routed ids into the layer's page table, which
+may point anywhere in the expert view: cache pages and loading-buffer pages look the same to
+the kernel. A provider that ``computes_on_host`` takes its misses' share of the weights and
+returns their output computed on the host.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from rimuru.experts.moe_cpu import moe_cpu
 from rimuru.experts.moe_reference import moe_reference
+from rimuru.experts.provider import ExpertProvider
 from rimuru.experts.router import route
 
 IMPLS = ("auto", "triton", "cpu", "reference")
@@ -84,18 +86,26 @@ def routed_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table)
 
 
-def moe_forward(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch.Tensor, page_table: torch.Tensor,
-                routing: tuple[torch.Tensor, torch.Tensor] | None = None, impl: str = "auto") -> torch.Tensor:
+def moe_forward(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch.Tensor, experts: ExpertProvider,
+                moe_layer: int = 0, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                impl: str = "auto") -> torch.Tensor:
     """One MoE layer: hidden [..., d] -> [..., d].
 
-    ``routing`` = (topk_weights, topk_ids) from ``route_layer`` when the caller already routed.
-    ``page_table`` [E, 3] int32: this layer's (W1, W3, W2^T) page ids in ``expert_view``; rows
-    of experts no token routes to are never read.
+    ``experts`` gives MoE layer ``moe_layer``'s page table [E, PAGES_PER_EXPERT] (W1, W3, W2^T page ids in
+    ``expert_view``); rows of experts no token routes to are never read. ``routing`` = (topk_weights,
+    topk_ids) from ``route_layer`` when the caller already routed.
     """
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])  # [T, d]
     topk_weights, topk_ids = routing if routing is not None else route_layer(x, layer)
-    out = routed_experts(x, topk_weights, topk_ids, expert_view, page_table, impl)
+    table = experts.layer_table(moe_layer, topk_ids, x)
+    host_out = None
+    if experts.computes_on_host:  # misses computed on the CPU (KTransformers-style policy)
+        topk_weights, host_out = experts.split(moe_layer, x, topk_weights, topk_ids)
+    out = routed_experts(x, topk_weights, topk_ids, expert_view, table, impl)
+    if host_out is not None:
+        out = out + host_out
+    experts.layer_done(moe_layer)  # its loading buffer may be refilled once the routed part is queued
     if layer.shared is not None:
         out = out + shared_expert_forward(x, layer.shared)
     return out.reshape(shape)

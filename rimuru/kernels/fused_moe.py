@@ -197,7 +197,6 @@ BY_ROWS_PER_EXPERT: tuple[tuple[float, MoeConfigs], ...] = (
     (32.0, MoeConfigs(_cfg(64, 64, 64, 8, 4, 4), _cfg(64, 128, 64, 8, 4, 4))),
     (float("inf"), MoeConfigs(_cfg(128, 128, 64, 8, 8, 4), _cfg(128, 256, 64, 8, 8, 3))),
 )
-H200_CONFIGS = BY_ROWS_PER_EXPERT  # earlier name, kept for callers that iterate it
 # TRITON_INTERPRET / tiny shapes: dot needs >= 16 per dim; keep programs few.
 SMALL_CONFIGS = MoeConfigs(_cfg(16, 16, 32, 1, 4, 1), _cfg(16, 32, 32, 1, 4, 1))
 

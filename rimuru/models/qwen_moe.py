@@ -10,9 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rimuru.experts.moe_block import routed_experts
+from rimuru.experts.moe_block import MoeLayerWeights, moe_forward, route_layer
 from rimuru.experts.provider import ExpertProvider
-from rimuru.experts.router import route
 from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
 from rimuru.models.rms_norm import rms_norm
 from rimuru.models.rope import RotaryEmbedding
@@ -34,6 +33,7 @@ class QwenMoeModel:
         cfg = AttentionConfig.from_spec(spec)
         self.attn = [Attention(cfg, dense, i, rope, impl=attention_impl) for i in range(spec.num_layers)]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
         self.routing_counts: torch.Tensor | None = None  # [moe_layers, E] when recording
 
@@ -47,24 +47,12 @@ class QwenMoeModel:
         return F.linear(F.silu(gate) * up, w[f"{prefix}.down_proj.weight"])
 
     def _moe(self, layer: int, x: torch.Tensor, experts: ExpertProvider, expert_view: torch.Tensor) -> torch.Tensor:
-        spec, w, p = self.spec, self.w, f"model.layers.{layer}.mlp"
         m = self.moe_index[layer]
-        topk_weights, topk_ids = route(x, w[f"{p}.gate.weight"], spec.top_k, spec.norm_topk_prob)
+        routing = route_layer(x, self.moe[m])
         if self.routing_counts is not None:
-            self.routing_counts[m] += torch.bincount(topk_ids.reshape(-1).long().cpu(), minlength=spec.num_experts)
-        table = experts.layer_table(m, topk_ids, x)
-        cpu_out = None
-        if experts.computes_on_host:  # CPU-computed misses (KTransformers-style policy)
-            topk_weights, cpu_out = experts.split(m, x, topk_weights, topk_ids)
-        out = routed_experts(x, topk_weights, topk_ids, expert_view, table, self.moe_impl)
-        if cpu_out is not None:
-            out = out + cpu_out
-        experts.layer_done(m)
-        if spec.shared_expert_intermediate_size:
-            shared = self._mlp(f"{p}.shared_expert", x)
-            gate = w.get(f"{p}.shared_expert_gate.weight")
-            out = out + (shared if gate is None else torch.sigmoid(F.linear(x, gate)) * shared)
-        return out
+            ids = routing[1].reshape(-1).long().cpu()
+            self.routing_counts[m] += torch.bincount(ids, minlength=self.spec.num_experts)
+        return moe_forward(x, self.moe[m], expert_view, experts, m, routing=routing, impl=self.moe_impl)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_view, expert_view: torch.Tensor,

@@ -3,6 +3,7 @@ import torch
 
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.experts.moe_block import MoeLayerWeights, SharedExpertWeights, moe_forward, route_layer
+from rimuru.experts.provider import ResidentExperts
 from rimuru.experts.router import experts_touched, route
 from rimuru.models.spec import load_spec
 
@@ -41,6 +42,11 @@ def _paged_copy(block, spec, placement: str, seed: int):
     return view, table
 
 
+def _resident(table: torch.Tensor) -> ResidentExperts:
+    """One MoE layer whose every expert sits at ``table``'s pages."""
+    return ResidentExperts(table[None].numpy(), torch.device("cpu"), table.shape[0])
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen2-moe"])
 @pytest.mark.parametrize("placement", ["contiguous", "scattered"])
 def test_reference_moe_matches_transformers_sparse_block_fp32(name, placement):
@@ -57,7 +63,7 @@ def test_reference_moe_matches_transformers_sparse_block_fp32(name, placement):
     x = torch.randn(3, 7, spec.hidden_size)
     with torch.no_grad():
         ref = block(x)
-        ours = moe_forward(x, layer, view, table, impl="reference")
+        ours = moe_forward(x, layer, view, _resident(table), impl="reference")
     assert ours.shape == ref.shape
     assert ((ours - ref).norm() / ref.norm()).item() <= 1e-5
 
@@ -90,7 +96,7 @@ def test_moe_forward_accepts_precomputed_routing():
     x = torch.randn(5, spec.hidden_size)
     routing = route_layer(x, layer)
     with torch.no_grad():
-        torch.testing.assert_close(moe_forward(x, layer, view, table, routing=routing), block(x[None])[0])
+        torch.testing.assert_close(moe_forward(x, layer, view, _resident(table), routing=routing), block(x[None])[0])
 
 
 def test_shared_expert_without_gate_is_added_unscaled():
@@ -101,7 +107,7 @@ def test_shared_expert_without_gate_is_added_unscaled():
     table = torch.arange(12, dtype=torch.int32).reshape(4, 3)
     x = torch.randn(3, d)
     expected = (torch.nn.functional.silu(x @ shared.gate_proj.T) * (x @ shared.up_proj.T)) @ shared.down_proj.T
-    torch.testing.assert_close(moe_forward(x, layer, view, table), expected)
+    torch.testing.assert_close(moe_forward(x, layer, view, _resident(table)), expected)
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
@@ -116,6 +122,6 @@ def test_moe_forward_triton_impl_matches_reference_impl_with_shared_expert():
     layer = MoeLayerWeights(block.gate.weight.detach(), spec.top_k, spec.norm_topk_prob, shared)
     x = torch.randn(6, spec.hidden_size)
     with torch.no_grad():
-        ref = moe_forward(x, layer, view, table, impl="reference")
-        got = moe_forward(x, layer, view, table, impl="triton")
+        ref = moe_forward(x, layer, view, _resident(table), impl="reference")
+        got = moe_forward(x, layer, view, _resident(table), impl="triton")
     assert ((got - ref).norm() / ref.norm()).item() <= 1e-5
