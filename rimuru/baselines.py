@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from rimuru.bundled import bundled_names, load_yaml
 from rimuru.engine.memory_policy import POLICIES
 
 BASELINE_DIR = Path(__file__).resolve().parents[1] / "baselines"
@@ -57,16 +58,9 @@ class Baseline:
 
 
 def list_baselines(directory: Path = BASELINE_DIR) -> list[str]:
-    return sorted(p.stem for p in directory.glob("*.yaml"))
+    return bundled_names(directory, (".yaml", ".yml"))
 
 
 def load_baseline(ref: str | Path, directory: Path = BASELINE_DIR) -> Baseline:
     """A baseline by name (``baselines/<name>.yaml``) or by path."""
-    import yaml
-
-    path = Path(ref)
-    if not (path.suffix in (".yaml", ".yml") and path.exists()):
-        path = directory / f"{ref}.yaml"
-    if not path.exists():
-        raise FileNotFoundError(f"no baseline {str(ref)!r}; known: {', '.join(list_baselines(directory))}")
-    return Baseline.from_dict(yaml.safe_load(path.read_text()))
+    return Baseline.from_dict(load_yaml(ref, directory, "baseline")[1])

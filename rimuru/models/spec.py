@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from rimuru.bundled import bundled_names, resolve
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 # Qwen3.5 / Qwen3-Next RMSNorms compute x * (1 + w): their identity weight is 0, not 1.
@@ -21,7 +23,7 @@ ZERO_CENTERED_NORM_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def bundled_configs() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+    return bundled_names(CONFIG_DIR, (".json",))
 
 
 def resolve_config_path(name_or_path: str | Path) -> Path:
@@ -34,11 +36,7 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
         return path
     if path.is_file():
         return path
-    bundled = CONFIG_DIR / f"{name_or_path}.json"
-    if bundled.exists():
-        return bundled
-    raise FileNotFoundError(f"no config at {str(name_or_path)!r} and no bundled model of that name "
-                            f"(bundled: {', '.join(bundled_configs())})")
+    return resolve(name_or_path, CONFIG_DIR, (".json",), "model config (a checkpoint dir, config.json or bundled name)")
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:

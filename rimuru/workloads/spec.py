@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rimuru.bundled import bundled_names, load_yaml
 from rimuru.workloads.arrivals import ArrivalSpec
 
 SPEC_DIR = Path(__file__).resolve().parents[2] / "workloads"
@@ -77,19 +78,10 @@ class WorkloadSpec:
 
 
 def list_specs(spec_dir: Path = SPEC_DIR) -> list[str]:
-    return sorted(p.stem for p in spec_dir.glob("*.yaml"))
+    return bundled_names(spec_dir, (".yaml", ".yml"))
 
 
 def load_spec(ref: str | Path, spec_dir: Path = SPEC_DIR) -> WorkloadSpec:
     """A spec by name (``workloads/<name>.yaml``) or by path to a YAML file."""
-    import yaml
-
-    path = Path(ref)
-    if not (path.suffix in (".yaml", ".yml") and path.exists()):
-        path = spec_dir / f"{ref}.yaml"
-    if not path.exists():
-        raise FileNotFoundError(f"no workload spec {str(ref)!r}; bundled specs: {', '.join(list_specs(spec_dir))}")
-    data = yaml.safe_load(path.read_text())
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a workload spec is a YAML mapping")
+    path, data = load_yaml(ref, spec_dir, "workload spec")
     return WorkloadSpec.from_dict(data, name=path.stem)
