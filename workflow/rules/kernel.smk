@@ -8,9 +8,11 @@ KERNEL_RAW = "results/kernel/raw" if KERNEL.get("measure") else KERNEL["referenc
 
 rule kernel_measure:
     output: expand("results/kernel/raw/kernel_{model}.csv", model=KERNEL["models"])
-    params: models=",".join(KERNEL["models"])
+    params:
+        models=",".join(KERNEL["models"]),
+        extra=KERNEL.get("measure_args", ""),  # e.g. a scaled sweep: --max-tokens 256 --no-tune --rounds 1
     log: "results/logs/kernel/measure.log"
-    shell: "{PY} {SCRIPTS}/bench_kernel.py --out results/kernel/raw --models {params.models} > {log} 2>&1"
+    shell: "{PY} {SCRIPTS}/bench_kernel.py --out results/kernel/raw --models {params.models} {params.extra} > {log} 2>&1"
 
 
 rule kernel_tables:

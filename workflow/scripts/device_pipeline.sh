@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU pipeline profile end to end on a GPU box (the `run` device tool): installs the wheels carried in
+# .whl/ (snakemake and the project's non-image dependencies) into /tmp/site, puts a `rimuru` command on PATH,
+# runs snakemake with CONFIGS (default: the scaled GPU profile), and packs tables, figures, kernel CSVs and
+# logs into $OUT/pipeline.tar.gz, with the console log in $OUT/pipeline.log.
+#   CONFIGS="config/gpu.yaml" bash workflow/scripts/device_pipeline.sh     # the full GPU profile
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+CONFIGS=${CONFIGS:-"config/gpu.yaml config/smoke.yaml config/gpu-smoke.yaml"}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/pipeline.log") 2>&1
+t0=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+mkdir -p /tmp/site/bin
+printf '#!/bin/sh\nexec python3 -m rimuru.cli "$@"\n' > /tmp/site/bin/rimuru
+printf '#!/bin/sh\nexec python3 -m snakemake "$@"\n' > /tmp/site/bin/snakemake
+chmod +x /tmp/site/bin/rimuru /tmp/site/bin/snakemake
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+echo "install: $(( $(date +%s) - t0 )) s"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, triton, snakemake; print('torch', torch.__version__, 'triton', triton.__version__, 'snakemake', snakemake.__version__)"
+# the CPU jobs use one torch thread each (Snakefile); run as many jobs as there are cores
+snakemake --cores all --configfile $CONFIGS --printshellcmds ${TARGETS:-}
+rc=$?
+echo "snakemake exit $rc after $(( $(date +%s) - t0 )) s"
+tar czf "$OUT/pipeline.tar.gz" results figures --exclude='results/models' --exclude='results/reference' 2>/dev/null
+exit $rc
