@@ -44,7 +44,8 @@ def workdir(tmp_path_factory) -> Path:
 
 def snakemake(work: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [str(SNAKEMAKE), "--cores", "2", "--configfile", "config/smoke.yaml", *extra]
-    return subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=170)
+    # no wall-clock timeout: on a loaded machine the smoke run may take any time; a failure is an exit code
+    return subprocess.run(cmd, cwd=work, capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")
