@@ -6,9 +6,9 @@ When every child of a parent is free again the parent is reclaimed, recursively,
 everything returns every huge page to L1.
 
 All state is numpy arrays per class — no Python object per page — and every public call is
-a batch. L2 pages are reused LIFO; L3 pages go best-fit into the fullest carved parent (one
-vectorised scan of the parents per call), so that after a burst the emptier parents drain and
-merge back for experts. Public ids are page ids in the class's own view (for a run class, the id of the
+a batch. L2 pages are reused LIFO; L3 pages go best-fit into the fullest carved parent, found
+through buckets of parents by fill level (cost independent of how many parents are split), so
+that after a burst the emptier parents drain and merge back for experts. Public ids are page ids in the class's own view (for a run class, the id of the
 run's first page). This class is the only writer of its arrays.
 """
 
@@ -50,6 +50,10 @@ class _ClassState:
     state: np.ndarray  # int8 [num_slots]
     live: np.ndarray  # int32 [num_slots]: allocated children when split (unused for leaves)
     free: FreeStack
+    # L3 classes only: parents split to this class, by fill level (live children 1..per_parent-1), and a bit
+    # mask of the non-empty levels, so best-fit placement costs O(parents it takes from), not O(split parents).
+    buckets: list[set[int]] | None = None
+    levels: int = 0
 
     def slots_to_ids(self, slots: np.ndarray) -> np.ndarray:
         if self.run == 1:
@@ -91,6 +95,9 @@ class MultiLevelAllocator:
                     self._make(c.name, len(self._classes), c.unit_bytes, c.page_bytes, c.run, parent.index,
                                per, pages, parent.num_slots * per)
                 )
+        for c in self._classes:
+            if self._is_l3(c):
+                c.buckets = [set() for _ in range(c.per_parent)]
         root = self._classes[0]
         root.state[:] = FREE
         root.free.push(np.arange(num_huge_pages - 1, -1, -1))  # pop order: huge page 0 first
@@ -158,6 +165,8 @@ class MultiLevelAllocator:
     # ------------------------------------------------------------------ allocate
     def allocate(self, cls: str, n: int) -> np.ndarray:
         """``n`` units of ``cls`` as page ids in its view; raises OutOfPages (nothing changed)."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"the number of pages must be an integer, got {n!r}")
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         c = self._by_name(cls)
@@ -166,20 +175,36 @@ class MultiLevelAllocator:
         return c.slots_to_ids(self._allocate(c, n, ALLOC))
 
     def _allocate(self, c: _ClassState, n: int, mark: int) -> np.ndarray:
-        if self._is_l3(c):  # best fit among carved parents, then fresh parents
-            slots = self._take_fullest(c, min(n, len(c.free)))
-            if len(slots) < n:
-                self._carve(c, n - len(slots))
-                slots = np.concatenate([slots, c.free.pop(n - len(slots))])
-        else:
-            if n > len(c.free):
-                self._carve(c, n - len(c.free))
-            slots = c.free.pop(n)
+        fitted = np.empty(0, dtype=np.int64)
+        if self._is_l3(c):  # best fit among carved parents (bookkeeping done there), then fresh parents
+            fitted = self._take_fullest(c, min(n, len(c.free)))
+            n -= len(fitted)
+        if n > len(c.free):
+            self._carve(c, n - len(c.free))
+        slots = c.free.pop(n)
         c.state[slots] = mark
         if c.parent is not None and n:
             pids, counts = _runs(np.sort(slots) // c.per_parent)
-            self._classes[c.parent].live[pids] += counts
-        return slots
+            self._add_live(c, pids, counts)
+        return np.concatenate([fitted, slots]) if len(fitted) else slots
+
+    def _add_live(self, c: _ClassState, pids: np.ndarray, counts: np.ndarray) -> None:
+        """Parents ``pids`` of ``c`` gain ``counts`` live children (negative: lose); keeps the fill buckets."""
+        live = self._classes[c.parent].live
+        if c.buckets is None:
+            live[pids] += counts
+            return
+        old = live[pids]
+        live[pids] = new = old + counts
+        per, buckets = c.per_parent, c.buckets
+        for p, a, b in zip(pids.tolist(), old.tolist(), new.tolist()):
+            if 0 < a < per:
+                buckets[a].discard(p)
+                if not buckets[a]:
+                    c.levels &= ~(1 << a)
+            if 0 < b < per:
+                buckets[b].add(p)
+                c.levels |= 1 << b
 
     def _carve(self, c: _ClassState, units: int) -> None:
         """Split enough fresh parent pages into free ``c`` slots for ``units`` more units."""
@@ -192,21 +217,53 @@ class MultiLevelAllocator:
         return c.parent is not None and self._classes[c.parent].parent is not None
 
     def _take_fullest(self, c: _ClassState, k: int) -> np.ndarray:
-        """``k`` free L3 slots from the parents with the most live children (best fit).
+        """``k`` free L3 slots from the parents with the most live children (best fit), allocated.
 
         Packing new KV/conv pages into the fullest parents lets the emptier ones drain and merge
         back into L2 pages that experts can use; LIFO reuse would spread long-lived pages over many
-        partly used parents.
+        partly used parents. Every free slot of ``c`` lies in a bucketed parent (an empty parent
+        merges back), so the walk down the fill levels finds ``k`` slots; it touches only the
+        parents it takes from.
         """
         if k == 0:
             return np.empty(0, dtype=np.int64)
-        parent = self._classes[c.parent]
-        candidates = np.flatnonzero((parent.state == SPLIT_BASE + c.index) & (parent.live < c.per_parent))
-        order = candidates[np.argsort(-parent.live[candidates], kind="stable")]
-        enough = int(np.searchsorted(np.cumsum(c.per_parent - parent.live[order]), k)) + 1
-        children = (order[:enough, None] * c.per_parent + np.arange(c.per_parent)).ravel()
-        slots = children[c.state[children] == FREE][:k]
+        per, buckets = c.per_parent, c.buckets
+        chosen: list[int] = []
+        takes: list[int] = []
+        need, levels = k, c.levels
+        while need:
+            level = levels.bit_length() - 1
+            levels &= ~(1 << level)
+            room = per - level
+            bucket = buckets[level]
+            if len(bucket) * room <= need:  # the whole level fills up
+                chosen.extend(bucket)
+                takes.extend([room] * len(bucket))
+                need -= len(bucket) * room
+                bucket.clear()
+                c.levels &= ~(1 << level)
+                continue
+            full, last = divmod(need, room)
+            it = iter(bucket)
+            picked = [next(it) for _ in range(full + (last > 0))]
+            chosen.extend(picked)
+            takes.extend([room] * full + ([last] * (last > 0)))
+            bucket.difference_update(picked)
+            if not bucket:
+                c.levels &= ~(1 << level)
+            if last:
+                buckets[level + last].add(picked[-1])
+                c.levels |= 1 << (level + last)
+            need = 0
+        pids = np.array(chosen, dtype=np.int64)
+        count = np.array(takes, dtype=np.int64)
+        kids = pids[:, None] * per + np.arange(per)
+        free = c.state[kids] == FREE
+        pick = free & (np.cumsum(free, axis=1) <= count[:, None])
+        slots = kids[pick]
         c.free.remove(slots)
+        c.state[slots] = ALLOC
+        self._classes[c.parent].live[pids] += count
         return slots
 
     # ------------------------------------------------------------------ free
@@ -214,9 +271,14 @@ class MultiLevelAllocator:
         """Return units by page id. Double frees, duplicates and foreign ids raise AllocatorError
         before anything changes."""
         c = self._by_name(cls)
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = np.asarray(ids).reshape(-1)
         if len(ids) == 0:
             return
+        if ids.dtype.kind not in "iu":  # floats, bools, strings are not page ids (no silent conversion)
+            raise AllocatorError(f"{cls} page ids must be integers, got {ids.dtype} values {ids[:8]}")
+        if ids.dtype.kind == "u" and ids.max() > np.iinfo(np.int64).max:
+            raise AllocatorError(f"{cls} page ids out of range [0, {self.num_pages(cls)}): {ids[:8]}")
+        ids = ids.astype(np.int64, copy=False)
         in_range = (ids >= 0) & (ids < self.num_pages(cls))
         if not in_range.all():
             raise AllocatorError(f"{cls} page ids out of range [0, {self.num_pages(cls)}): {ids[~in_range][:8]}")
@@ -239,7 +301,7 @@ class MultiLevelAllocator:
             return
         parent = self._classes[c.parent]
         pids, counts = _runs(slots // c.per_parent)
-        parent.live[pids] -= counts
+        self._add_live(c, pids, -counts)
         empty = pids[parent.live[pids] == 0]
         if len(empty):  # merge: every child of these parents is free
             children = (empty[:, None] * c.per_parent + np.arange(c.per_parent)).ravel()
@@ -273,6 +335,14 @@ class MultiLevelAllocator:
                 assert (alive[mine] > 0).all(), f"{c.name}: a split page whose children are all free"
                 accounted += np.count_nonzero(mine) * (c.unit_bytes - child.per_parent * child.unit_bytes)
             assert (c.live[~split] == 0).all(), f"{c.name}: live count on an unsplit slot"
+            if c.buckets is not None:
+                parent = self._classes[c.parent]
+                mine = np.flatnonzero(parent.state == SPLIT_BASE + c.index)
+                open_ = mine[parent.live[mine] < c.per_parent]
+                for level, bucket in enumerate(c.buckets):
+                    expected = set(open_[parent.live[open_] == level].tolist()) if level else set()
+                    assert bucket == expected, f"{c.name}: fill bucket {level} disagrees with live counts"
+                    assert bool(c.levels >> level & 1) == bool(bucket), f"{c.name}: level mask bit {level} wrong"
         assert accounted == self.total_bytes, f"bytes not conserved: {accounted} != {self.total_bytes}"
 
 
