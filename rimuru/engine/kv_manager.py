@@ -3,7 +3,9 @@
 A KV page is one block of ``block_tokens`` tokens of one attention layer, so a request's
 block ``b`` occupies one page in each of the ``num_layers`` attention layers. This manager is
 the only writer of the per-request page arrays; the scheduler asks ``can_allocate`` /
-``allocate`` and receives nothing mutable back.
+``allocate`` (or ``allocate_many`` for a whole decode batch, one allocator call) and receives
+nothing mutable back. Each request's table lives in a buffer with spare block columns (doubled
+when full), so adding a block writes one column instead of copying the table.
 """
 
 from __future__ import annotations
@@ -18,18 +20,19 @@ class KVCacheManager:
         self.allocator = allocator
         self.num_layers = num_layers
         self.block_tokens = block_tokens
-        self._pages: dict[str, np.ndarray] = {}  # request id -> [num_layers, num_blocks] page ids
+        self._pages: dict[str, np.ndarray] = {}  # request id -> [num_layers, capacity] page ids
+        self._blocks: dict[str, int] = {}  # request id -> blocks in use (columns of _pages)
+        self._num_pages = 0
         kv = allocator.layout[KV]
         self.pages_per_l2 = allocator.layout[kv.parent].page_bytes // kv.page_bytes
 
     def num_blocks(self, request_id: str) -> int:
-        pages = self._pages.get(request_id)
-        return 0 if pages is None else pages.shape[1]
+        return self._blocks.get(request_id, 0)
 
     def pages_needed(self, request_id: str, total_tokens: int) -> int:
         """KV pages to allocate so that ``total_tokens`` tokens of the request fit."""
         blocks = -(-total_tokens // self.block_tokens)
-        return max(0, blocks - self.num_blocks(request_id)) * self.num_layers
+        return max(0, blocks - self._blocks.get(request_id, 0)) * self.num_layers
 
     def free_pages(self) -> int:
         return self.allocator.num_free(KV)
@@ -43,24 +46,49 @@ class KVCacheManager:
         return n == 0 or self.allocator.can_allocate(KV, n)  # most decode steps need no new block
 
     def allocate(self, request_id: str, total_tokens: int) -> None:
-        n = self.pages_needed(request_id, total_tokens)
-        if n == 0:
+        self.allocate_many([(request_id, total_tokens)])
+
+    def allocate_many(self, requests: list[tuple[str, int]]) -> None:
+        """Grow each request to hold its total tokens, with one allocator call for all of them; raises
+        OutOfPages (nothing changed) when they do not fit together."""
+        needs = [self.pages_needed(rid, tokens) for rid, tokens in requests]
+        total = sum(needs)
+        if total == 0:
             return
-        new = self.allocator.allocate(KV, n).reshape(-1, self.num_layers).T  # [layers, new_blocks]
-        old = self._pages.get(request_id)
-        self._pages[request_id] = new if old is None else np.concatenate([old, new], axis=1)
+        new = self.allocator.allocate(KV, total).reshape(-1, self.num_layers)  # [blocks, layers]
+        row = 0
+        for (rid, _), need in zip(requests, needs):
+            if need:
+                blocks = need // self.num_layers
+                self._append(rid, new[row:row + blocks])
+                row += blocks
+        self._num_pages += total
+
+    def _append(self, request_id: str, blocks: np.ndarray) -> None:
+        pages = self._pages.get(request_id)
+        used = self._blocks.get(request_id, 0)
+        end = used + len(blocks)
+        if pages is None or end > pages.shape[1]:
+            grown = np.empty((self.num_layers, max(4, 2 * end)), dtype=np.int64)
+            if pages is not None:
+                grown[:, :used] = pages[:, :used]
+            self._pages[request_id] = pages = grown
+        pages[:, used:end] = blocks.T
+        self._blocks[request_id] = end
 
     def free(self, request_id: str) -> None:
         pages = self._pages.pop(request_id, None)
         if pages is not None:
-            self.allocator.free(KV, pages.reshape(-1))
+            used = self._blocks.pop(request_id)
+            self.allocator.free(KV, pages[:, :used].reshape(-1))
+            self._num_pages -= used * self.num_layers
 
     def pages(self, request_id: str) -> np.ndarray:
         """[num_layers, num_blocks] page ids (a read-only view)."""
-        view = self._pages[request_id].view()
+        view = self._pages[request_id][:, : self._blocks[request_id]]
         view.flags.writeable = False
         return view
 
     @property
     def num_allocated_pages(self) -> int:
-        return sum(p.size for p in self._pages.values())
+        return self._num_pages

@@ -116,6 +116,17 @@ class Scheduler:
 
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        batch = decodes[:budget]
+        grow = [(r.request_id, r.num_computed_tokens + 1) for r in batch]
+        if batch and sum(self.kv.pages_needed(*g) for g in grow) <= self.kv.free_pages():
+            # every decode that the budget admits fits: one allocator call, the outcome the loop below would reach
+            self.kv.allocate_many(grow)
+            for request in batch:
+                chunk = ScheduledChunk(request, request.num_computed_tokens, 1)
+                chunks.append(chunk)
+                scheduled[request.request_id] = chunk
+            budget -= len(batch)
+            decodes = decodes[len(batch):]
         for request in decodes + prefills:
             if request.status is not Status.RUNNING or budget == 0:
                 continue  # preempted earlier in this loop

@@ -8,8 +8,9 @@ everything returns every huge page to L1.
 All state is numpy arrays per class — no Python object per page — and every public call is
 a batch. L2 pages are reused LIFO; L3 pages go best-fit into the fullest carved parent, found
 through buckets of parents by fill level (cost independent of how many parents are split), so
-that after a burst the emptier parents drain and merge back for experts. Public ids are page ids in the class's own view (for a run class, the id of the
-run's first page). This class is the only writer of its arrays.
+that after a burst the emptier parents drain and merge back for experts. Public ids are page
+ids in the class's own view (for a run class, the id of the run's first page); they must be
+integers. This class is the only writer of its arrays.
 """
 
 from __future__ import annotations
@@ -259,8 +260,10 @@ class MultiLevelAllocator:
         count = np.array(takes, dtype=np.int64)
         kids = pids[:, None] * per + np.arange(per)
         free = c.state[kids] == FREE
-        pick = free & (np.cumsum(free, axis=1) <= count[:, None])
-        slots = kids[pick]
+        if takes[-1] < per - int(self._classes[c.parent].live[chosen[-1]]):  # only the last parent is left part-free
+            last = free[-1]
+            last[np.flatnonzero(last)[takes[-1]:]] = False
+        slots = kids[free]  # every other chosen parent gives all its free slots
         c.free.remove(slots)
         c.state[slots] = ALLOC
         self._classes[c.parent].live[pids] += count

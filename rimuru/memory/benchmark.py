@@ -6,9 +6,10 @@ requests allocate KV one block at a time (one page per attention layer per call)
 pages are holes spread over many partly used L2 parents (fragmented).
 ``measure`` then times, on that pool, the calls a scheduler step makes:
 
-- ``decode_step_per_request``: all ``requests`` running requests need a new block: one ``allocate(KV, layers)``
-  per request (today's KVCacheManager call pattern), then their ``free``;
-- ``decode_step_batched``: the same pages in one ``allocate(KV, requests * layers)`` call;
+- ``decode_step_engine``: all ``requests`` running requests need a new block in every layer, allocated the way
+  the scheduler does it (``KVCacheManager.allocate_many``: one allocator call, then each request's table);
+- ``decode_step_per_request``: the same pages with one ``allocate(KV, layers)`` per request (the call pattern
+  before the scheduler batched its decodes);
 - ``single_pages_one_call``: ``requests`` single pages in one call;
 - ``single_page``: one single page.
 
@@ -30,7 +31,8 @@ QWEN3_30B_A3B_LAYERS = 48
 
 
 def fragmented_pool(pool_bytes: int, *, fill: float = 0.9, expert_share: float = 0.5, layers: int = 48,
-                    overfill: float = 0.05, seed: int = 0) -> tuple[MultiLevelAllocator, dict[int, list[np.ndarray]]]:
+                    overfill: float = 0.05, churn_steps: int = 60,
+                    seed: int = 0) -> tuple[MultiLevelAllocator, dict[int, list[np.ndarray]]]:
     """A pool ``fill`` full: ``expert_share`` of it expert pages, the rest of the in-use part KV of requests
     that grew block by block while others finished (random lengths). Returns the allocator and the live
     requests' KV (request -> list of per-block page arrays)."""
@@ -43,7 +45,7 @@ def fragmented_pool(pool_bytes: int, *, fill: float = 0.9, expert_share: float =
     target_free_kv = int(l2_total * (1 - fill - overfill)) * kv_per_l2
     live: dict[int, list[np.ndarray]] = {}
     next_id = 0
-    while alloc.num_free(KV) > target_free_kv:
+    for _ in range(churn_steps):
         # a decode step: a few requests arrive, every live one crosses a block boundary (one page per layer)
         for _ in range(int(rng.integers(1, 17))):
             live[next_id] = []
@@ -56,8 +58,9 @@ def fragmented_pool(pool_bytes: int, *, fill: float = 0.9, expert_share: float =
         for rid in list(live):
             if len(live[rid]) > 2 and rng.random() < 0.03:
                 alloc.free(KV, np.concatenate(live.pop(rid)))
-        if alloc.num_free(KV) - layers < target_free_kv:
-            break
+    while alloc.num_free(KV) - layers >= target_free_kv:  # top up: the live requests grow, none finishes
+        rid = int(rng.integers(next_id))
+        live.setdefault(rid, []).append(alloc.allocate(KV, layers))
     # then random requests finish until ``fill`` is in use: their pages are holes spread over many parents
     order = rng.permutation(list(live)).tolist()
     free_target = int(l2_total * (1 - fill)) * kv_per_l2
@@ -68,43 +71,59 @@ def fragmented_pool(pool_bytes: int, *, fill: float = 0.9, expert_share: float =
     return alloc, live
 
 
-def _time(fn, undo, reps: int, warmup: int = 5) -> tuple[list[float], list[float]]:
+def _time(fn, undo, reps: int, warmup: int = 5) -> dict[str, float]:
+    """Median/p90 wall time and median CPU time (thread time: what a loaded machine's other processes do
+    not add) of ``fn``, and the median wall time of ``undo``, in microseconds."""
     for _ in range(warmup):
         undo(fn())
-    alloc_s, free_s = [], []
+    wall, cpu, undo_s = [], [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         taken = fn()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         undo(taken)
         t2 = time.perf_counter()
-        alloc_s.append(t1 - t0)
-        free_s.append(t2 - t1)
-    return alloc_s, free_s
+        wall.append(t1 - t0)
+        cpu.append(c1 - c0)
+        undo_s.append(t2 - t1)
+    return {"alloc_median_us": statistics.median(wall) * 1e6, "alloc_p90_us": float(np.quantile(wall, 0.9)) * 1e6,
+            "alloc_cpu_median_us": statistics.median(cpu) * 1e6, "free_median_us": statistics.median(undo_s) * 1e6}
 
 
 def measure(alloc: MultiLevelAllocator, *, requests: int = 256, layers: int = QWEN3_30B_A3B_LAYERS,
-            reps: int = 50) -> list[dict]:
-    """One row per case: median / p90 microseconds of the allocation and of the free that undoes it."""
+            block_tokens: int = 16, reps: int = 50) -> list[dict]:
+    """One row per case (see the module docstring) on the pool as it is; the pool is unchanged afterwards."""
+    from rimuru.engine.kv_manager import KVCacheManager
 
     def free_all(parts):
         for p in parts:
             alloc.free(KV, p)
 
+    kv = KVCacheManager(alloc, layers, block_tokens)
+    rids = [f"bench-{i}" for i in range(requests)]
+
+    def reset_requests(_=None):  # every request back to one full block
+        for rid in rids:
+            kv.free(rid)
+        kv.allocate_many([(rid, block_tokens) for rid in rids])
+
+    reset_requests()
+    grow = [(rid, block_tokens + 1) for rid in rids]  # the next token opens a new block in every layer
     cases = {
+        "decode_step_engine": (lambda: kv.allocate_many(grow), reset_requests, requests * layers,
+                               "KVCacheManager.allocate_many (the scheduler's decode batch): one allocator call"),
         "decode_step_per_request": (lambda: [alloc.allocate(KV, layers) for _ in range(requests)], free_all,
-                                    requests * layers),
-        "decode_step_batched": (lambda: [alloc.allocate(KV, requests * layers)], free_all, requests * layers),
-        "single_pages_one_call": (lambda: [alloc.allocate(KV, requests)], free_all, requests),
-        "single_page": (lambda: [alloc.allocate(KV, 1)], free_all, 1),
+                                    requests * layers, "one allocate(KV, layers) per request"),
+        "single_pages_one_call": (lambda: [alloc.allocate(KV, requests)], free_all, requests,
+                                  "allocate(KV, requests)"),
+        "single_page": (lambda: [alloc.allocate(KV, 1)], free_all, 1, "allocate(KV, 1)"),
     }
-    split = int(alloc.stats()[KV]["carved_free"] > 0) and int(np.count_nonzero(
-        alloc._classes[alloc._by_name(EXPERT).index].state >= 3))
+    split = int(np.count_nonzero(alloc._classes[alloc._by_name(EXPERT).index].state >= 3))
     rows = []
-    for case, (fn, undo, pages) in cases.items():
-        a, f = _time(fn, undo, reps)
-        rows.append({"case": case, "pages": pages, "alloc_median_us": statistics.median(a) * 1e6,
-                     "alloc_p90_us": float(np.quantile(a, 0.9)) * 1e6, "free_median_us": statistics.median(f) * 1e6,
-                     "reps": reps, "split_parents": split, "free_kv_pages": alloc.num_free(KV)})
+    for case, (fn, undo, pages, calls) in cases.items():
+        rows.append({"case": case, "pages": pages, **_time(fn, undo, reps), "reps": reps, "calls": calls,
+                     "split_parents": split, "free_kv_pages": alloc.num_free(KV)})
+    for rid in rids:
+        kv.free(rid)
     alloc.check_integrity()
     return rows

@@ -8,8 +8,8 @@ rule pool_check:
 
 rule pool_bench_allocator:
     output: "results/pool/allocator_bench.csv"
-    params: reps=config["pool"]["bench_reps"]
-    shell: "{PY} workflow/scripts/bench_allocator.py --out {output} --reps {params.reps}"
+    params: reps=config["pool"]["bench_reps"], gib=" ".join(map(str, config["pool"].get("fragmented_gib", [])))
+    shell: "{PY} workflow/scripts/bench_allocator.py --out {output} --reps {params.reps} --fragmented-gib {params.gib}"
 
 
 rule pool_all:
