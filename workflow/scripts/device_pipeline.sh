@@ -6,6 +6,8 @@
 #   CONFIGS="config/gpu.yaml" bash workflow/scripts/device_pipeline.sh     # the full GPU profile
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+# a copy without .git: the commit it was made from, for the provenance of every number (rimuru/provenance.py)
+[ -f COMMIT ] && export RIMURU_COMMIT=${RIMURU_COMMIT:-$(cat COMMIT)}
 CONFIGS=${CONFIGS:-"config/gpu.yaml config/smoke.yaml config/gpu-smoke.yaml"}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/pipeline.log") 2>&1
@@ -20,7 +22,8 @@ echo "install: $(( $(date +%s) - t0 )) s"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton, snakemake; print('torch', torch.__version__, 'triton', triton.__version__, 'snakemake', snakemake.__version__)"
 # the CPU jobs use one torch thread each (Snakefile); run as many jobs as there are cores
-snakemake --cores all --configfile $CONFIGS --printshellcmds ${TARGETS:-}
+# greedy scheduler: the ILP one needs pulp and its solver binaries (16 MB), not worth carrying for ~25 jobs
+snakemake --cores all --scheduler greedy --configfile $CONFIGS --printshellcmds ${TARGETS:-}
 rc=$?
 echo "snakemake exit $rc after $(( $(date +%s) - t0 )) s"
 tar czf "$OUT/pipeline.tar.gz" results figures --exclude='results/models' --exclude='results/reference' 2>/dev/null
