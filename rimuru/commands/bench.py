@@ -55,6 +55,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     local.add_argument("--max-num-seqs", type=int, default=256)
     local.add_argument("--max-num-batched-tokens", type=int, default=2048)
     local.add_argument("--engine-seed", type=int, default=0, help="engine sampling seed")
+    local.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over this many processes and devices")
     local.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                        help="extra LLM(...) keyword option (value parsed as JSON when it parses)")
 
@@ -98,9 +100,12 @@ def run(args: argparse.Namespace) -> int:
 
         engine = _make_engine(args)
         model = getattr(engine, "model_name", str(args.model))
-        records, duration, engine_info = run_inproc(engine, requests, ignore_eos=args.ignore_eos,
-                                                    progress=not args.no_progress, time_scale=args.time_scale,
-                                                    num_warmups=args.num_warmups)
+        try:
+            records, duration, engine_info = run_inproc(engine, requests, ignore_eos=args.ignore_eos,
+                                                        progress=not args.no_progress, time_scale=args.time_scale,
+                                                        num_warmups=args.num_warmups)
+        finally:
+            engine.close()
     result = make_result(records, duration, backend=args.backend, model=model, workload=workload, goodput=goodput,
                          percentiles=percentiles, engine=engine_info, settings=settings, details=args.save_details)
     print("\n".join(summary_lines(result)))
@@ -132,4 +137,4 @@ def _make_engine(args: argparse.Namespace):
         raise UserError(f"the in-process engine is not available ({exc})") from exc
     return LLM(args.model, gpu_memory_budget=args.gpu_memory_budget, policy=args.policy, device=args.device,
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               seed=args.engine_seed, **dict(args.engine_option))
+               seed=args.engine_seed, tensor_parallel_size=args.tensor_parallel_size, **dict(args.engine_option))

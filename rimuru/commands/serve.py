@@ -19,6 +19,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over this many processes and devices (one GPU each)")
     parser.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                         help="extra LLM(...) keyword option (value parsed as JSON when it parses)")
     parser.add_argument("--threads", type=int, default=None,
@@ -37,14 +39,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--max-num-seqs and --max-num-batched-tokens must be positive")
     if args.threads is not None and args.threads < 1:
         raise UserError(f"--threads must be at least 1, got {args.threads}")
+    if args.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size must be positive, got {args.tensor_parallel_size}")
     from rimuru.engine.cpu import configure_threads
     from rimuru.serve.server import serve
 
     if args.device in (None, "cpu"):
         configure_threads(args.threads)
 
-    serve(args.model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
+    return serve(args.model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
           log_level=args.log_level, gpu_memory_budget=args.gpu_memory_budget, policy=args.policy,
           device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-          seed=args.seed, **dict(args.engine_option))
-    return 0
+          seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, **dict(args.engine_option))

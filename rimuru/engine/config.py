@@ -37,7 +37,9 @@ class EngineConfig:
     host: str = "host-xeon-amx"  # modeled, cpu policy: host CPU profile of the CPU-computed experts
     cost_params: str | None = None  # modeled: fitted CostParams JSON (default: uncalibrated defaults)
     modeled_step_ms: float | None = None  # modeled: a constant step time instead of the cost model
-    tensor_parallel_size: int = 1  # ranks a layer is sharded over (the budget is per rank)
+    tensor_parallel_size: int = 1  # ranks (one process and one device each; modeled: one process) the layers are
+    # sharded over; the budget is per rank
+    tp_timeout_s: float = 300.0  # a rank silent this long in a collective ends the engine
 
     def __post_init__(self) -> None:
         from rimuru.engine.memory_policy import policy_class
@@ -45,12 +47,14 @@ class EngineConfig:
         policy_class(self.policy)
         if self.prefetch not in ("predict", "none"):
             raise ValueError(f"prefetch must be 'predict' or 'none', got {self.prefetch!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.tp_timeout_s <= 0:
+            raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
         if not 0 <= self.kv_reserve < 1:
             raise ValueError("kv_reserve must be in [0, 1)")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.modeled_step_ms is not None and (self.executor != "modeled" or self.modeled_step_ms <= 0):
             raise ValueError("modeled_step_ms is a positive step time of the modeled executor (executor='modeled')")
 

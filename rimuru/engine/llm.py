@@ -17,6 +17,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from rimuru.distributed.comm import SINGLE, Shard, TorchDistributed
+from rimuru.distributed.errors import FatalEngineError, TensorParallelError
+from rimuru.distributed.group import TensorParallelExecutor, TensorParallelGroup, init_process_group, rank_device
+from rimuru.distributed.replica import BatchSender, RecordingExpertCache, RecordingKVCacheManager, state_digest
 from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.executor import TorchExecutor
@@ -35,6 +39,7 @@ from rimuru.memory import EXPERT, KV, PAGES_PER_EXPERT, PagePool, PoolLayout
 from rimuru.models.loader import LoadedCheckpoint, load_checkpoint
 from rimuru.models.qwen_moe import QwenMoeModel
 from rimuru.models.spec import ModelSpec
+from rimuru.models.synthetic_memory import SyntheticCheckpoint
 from rimuru.models.tokenizer import load_tokenizer
 
 log = logging.getLogger("rimuru.engine")
@@ -43,22 +48,52 @@ __all__ = ["LLM", "MemoryBudgetError", "activation_estimate"]
 
 
 class LLM:
-    def __init__(self, model: str | Path | LoadedCheckpoint | ModelSpec, **options) -> None:
-        """``model``: a checkpoint directory, or a checkpoint already in memory (``LoadedCheckpoint``).
+    def __init__(self, model: str | Path | LoadedCheckpoint | ModelSpec | SyntheticCheckpoint, *, _tp_rank: int = 0,
+                 _tp_port: int | None = None, **options) -> None:
+        """``model``: a checkpoint directory, a checkpoint already in memory (``LoadedCheckpoint``, one device
+        only) or a synthetic-checkpoint recipe (``SyntheticCheckpoint``).
 
-        With ``executor="modeled"`` no weights are loaded: ``model`` may also be a bundled config name
-        (``qwen3-30b-a3b``), a config.json path or a ``ModelSpec`` (``rimuru.engine.modeled``)."""
+        ``tensor_parallel_size=N`` splits the model over N processes and devices (docs/tensor_parallel.md);
+        ``_tp_*`` are set by rimuru/distributed/group.py for ranks > 0. With ``executor="modeled"`` no weights
+        are loaded and no process is started: ``model`` may also be a bundled config name (``qwen3-30b-a3b``),
+        a config.json path or a ``ModelSpec`` (``rimuru.engine.modeled``)."""
+        self.tp_group: TensorParallelGroup | None = None
+        try:
+            self._build(model, _tp_rank, _tp_port, options)
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.close()
+            raise
+
+    def _build(self, model, tp_rank: int, tp_port: int | None, options: dict) -> None:
         self.config = config = EngineConfig(**options)
-        device, dtype = config.torch_device, config.torch_dtype
-        self.device = device
         tp = config.tensor_parallel_size
-        if tp > 1 and not config.modeled:
-            raise ValueError("tensor_parallel_size > 1 runs with executor='modeled' only "
-                             "(no sharded torch executor yet)")
+        shard = Shard(tp_rank, tp) if not config.modeled else Shard()  # modeled: one process stands for N ranks
+        device, dtype = rank_device(config.torch_device, shard.rank), config.torch_dtype
+        self.device = device
+        self.comm = SINGLE
+        if shard.world > 1:
+            if isinstance(model, LoadedCheckpoint | ModelSpec):
+                raise ValueError("tensor_parallel_size > 1 needs a checkpoint directory or a SyntheticCheckpoint "
+                                 "(each rank loads its own shard)")
+            if not isinstance(model, SyntheticCheckpoint) and not (Path(model) / "config.json").exists():
+                raise FileNotFoundError(f"{model} is not a checkpoint directory (no config.json)")
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            if shard.rank == 0:
+                source = model if isinstance(model, SyntheticCheckpoint) else str(model)
+                self.tp_group = TensorParallelGroup(shard.world, source, options, device, config.tp_timeout_s)
+            else:
+                init_process_group("nccl" if device.type == "cuda" else "gloo", tp_port, shard.rank, shard.world,
+                                   config.tp_timeout_s)
+            self.comm = TorchDistributed(shard, device)
         if config.modeled and config.record_routing:
             raise ValueError("record_routing needs the real forward pass (executor='torch')")
         ckpt: LoadedCheckpoint | None = None
-        if isinstance(model, ModelSpec):
+        if isinstance(model, SyntheticCheckpoint):
+            ckpt, self.model_dir, self.model_name = model.load(device, dtype, shard), Path("."), model.name
+            spec = ckpt.spec
+        elif isinstance(model, ModelSpec):
             if not config.modeled:
                 raise ValueError("a ModelSpec has no weights: pass a checkpoint, or executor='modeled'")
             spec, self.model_dir = model, Path(".")
@@ -76,7 +111,7 @@ class LLM:
             if not (self.model_dir / "config.json").exists():
                 raise FileNotFoundError(f"{self.model_dir} is not a checkpoint directory (no config.json)")
             self.model_name = self.model_dir.name
-            ckpt = load_checkpoint(self.model_dir, device=device, dtype=dtype)
+            ckpt = load_checkpoint(self.model_dir, device=device, dtype=dtype, shard=shard)
             spec = ckpt.spec
         self.spec = spec
         self.tokenizer = None if self.model_dir == Path(".") else _load_tokenizer(self.model_dir)
@@ -87,6 +122,9 @@ class LLM:
         layout = PoolLayout.from_spec(spec, block_tokens=config.block_tokens, weight_dtype=dtype, tp=tp)
         if ckpt is not None:
             dense_bytes = sum(t.numel() * t.element_size() for t in ckpt.dense.values())
+            if shard.world > 1:  # one memory decision: every rank plans with the largest shard, so the pools match
+                dense_bytes = -self._collective(lambda: self.comm.min_int(-dense_bytes))
+                policy.cache_cls = RecordingExpertCache
         else:  # modeled: per rank; the activation reserve is sized as on the GPU it models
             dense_bytes = spec.dense_bytes(dtype) // tp
         plan_device = torch.device("cuda") if config.modeled else device
@@ -106,7 +144,8 @@ class LLM:
             self.kv = HybridCacheManager(self.allocator, len(spec.full_attention_layers), config.block_tokens,
                                          len(spec.linear_attention_layers))
         else:
-            self.kv = KVCacheManager(self.allocator, len(spec.full_attention_layers), config.block_tokens)
+            kv_cls = RecordingKVCacheManager if shard.world > 1 else KVCacheManager
+            self.kv = kv_cls(self.allocator, len(spec.full_attention_layers), config.block_tokens)
         sched_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(sched_config, self.kv, policy.releasable_l2_pages)
         if config.modeled:
@@ -122,7 +161,8 @@ class LLM:
                 self.model, self.executor = build_hybrid(spec, ckpt.dense, config, self.pool, self.kv, self.provider,
                                                          device)
             else:
-                self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl)
+                self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl,
+                                          self.comm)
                 self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV),
                                               self.pool.view(EXPERT).tensor, self.provider, device)
             if config.record_routing:
@@ -133,7 +173,27 @@ class LLM:
         self._start = self.clock.now()
         self._generated = 0
         self._failed = 0
-        self.memory_report = plan.report()
+        self.memory_report = {**plan.report(), "tensor_parallel_size": tp}
+        if self.tp_group is not None:  # rank 0 decides; from now on every allocator change is replayed
+            oplog: list = []
+            self.kv.oplog = self.cache.oplog = oplog
+            sender = BatchSender(oplog, self._generators.__contains__)
+            self.executor = TensorParallelExecutor(self.executor, self.tp_group, sender, device)
+            self.tp_group.gather("ready")
+
+    def _collective(self, fn):
+        """Run a start-up collective; on rank 0 a failure becomes the error naming the failed rank."""
+        if self.tp_group is None:
+            return fn()
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001
+            raise self.tp_group.fail(exc) from exc
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (a no-op on one device)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     # ------------------------------------------------------------------ streaming API
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -192,6 +252,8 @@ class LLM:
         build the outputs."""
         try:
             logits = self.executor.execute(out)
+        except FatalEngineError:  # e.g. a dead tensor-parallel rank: the engine cannot take another step
+            raise
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, not the engine
             log.exception("forward pass failed; failing the %d requests of this step", len(out.chunks))
             self.loader.abandon_step()
@@ -320,29 +382,43 @@ class LLM:
         from rimuru.kernels.fused_moe import fused_moe, warmup_token_counts
         from rimuru.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_attention
 
+        if self.tp_group is not None:
+            self.tp_group.send(("warmup", max_seq_len))
         spec, dev, dtype = self.spec, self.device, self.config.torch_dtype
+        heads = self.model.attention_config.num_heads
         longest = min(self.max_model_len, max_seq_len)
         block = self.config.block_tokens
         for splits in range(1, min(64, -(-longest // MIN_TOKENS_PER_SPLIT)) + 1):
             seq = splits * MIN_TOKENS_PER_SPLIT
-            q = torch.randn(1, spec.num_heads, spec.head_dim, device=dev, dtype=dtype)
+            q = torch.randn(1, heads, spec.head_dim, device=dev, dtype=dtype)
             table = torch.zeros(1, -(-seq // block), dtype=torch.int32, device=dev)
             decode_attention(q, self.pool.view(KV), table, torch.tensor([seq], dtype=torch.int32, device=dev),
                              spec.head_dim**-0.5, max_seq_len=seq, num_splits=splits)
         experts, k = spec.num_experts, spec.top_k
         table = torch.zeros(experts, PAGES_PER_EXPERT, dtype=torch.int32, device=dev)
-        for m in warmup_token_counts(experts, k, spec.moe_intermediate_size, spec.hidden_size):
+        for m in warmup_token_counts(experts, k, spec.moe_intermediate_size // self.comm.world_size, spec.hidden_size):
             ids = torch.randint(0, experts, (m, k), device=dev, dtype=torch.int32)
             weights = torch.full((m, k), 1.0 / k, device=dev)
             fused_moe(torch.randn(m, spec.hidden_size, device=dev, dtype=dtype), weights, ids,
                       self.pool.view(EXPERT).tensor, table)
         torch.cuda.synchronize(dev)
+        if self.tp_group is not None:
+            self.tp_group.gather("warm")
 
     def check_integrity(self) -> None:
+        """Allocator and cache invariants; with tensor parallelism on every rank, and every rank's allocator
+        state equal to rank 0's."""
         self.allocator.check_integrity()
         self.cache.check()
         if isinstance(self.kv, HybridCacheManager):
             self.kv.check({r.request_id for r in self.scheduler.running})
+        if self.tp_group is not None:
+            self.tp_group.send(("check", self.executor.sender.drain_ops()))
+            mine = state_digest(self)
+            for rank, (digest,) in enumerate(self.tp_group.gather("checked"), start=1):
+                if digest != mine:
+                    raise self.tp_group.fail(TensorParallelError(
+                        f"tensor-parallel rank {rank}'s pool state differs from rank 0's"))
 
 
 

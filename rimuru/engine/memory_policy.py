@@ -97,6 +97,7 @@ class MemoryPolicy:
     adjusts: ClassVar[bool] = False  # the workload-aware adjuster resizes the expert cache
     all_experts_resident: ClassVar[bool] = False
     loads_experts: ClassVar[bool] = True  # misses are copied into two per-layer loading buffers
+    cache_cls: type[ExpertCache] = ExpertCache  # tensor parallelism's rank 0 sets one that logs its calls
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -181,7 +182,7 @@ class MemoryPolicy:
             raise RuntimeError(f"the pool has {alloc.free_l2_pages(EXPERT)} free expert pages, "
                                f"the plan {plan.free_l2_pages}")
         layers, experts = spec.num_moe_layers, spec.num_experts
-        cache = ExpertCache(alloc, hotset.global_order(), layers, experts, loader.copy_expert)
+        cache = self.cache_cls(alloc, hotset.global_order(), layers, experts, loader.copy_expert)
         cache.expand(plan.initial_cache_experts)
         cache.poll(wait=True)
         loader.bytes_loaded = loader.experts_loaded = 0  # count serving-time I/O only

@@ -15,6 +15,7 @@ from contextlib import nullcontext
 
 import torch
 
+from rimuru.distributed.comm import ONE_RANK, Shard
 from rimuru.memory.layout import PAGES_PER_EXPERT
 
 W1, W3, W2 = 0, 1, 2
@@ -22,10 +23,16 @@ PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 class HostExpertStore:
-    def __init__(self, weights: torch.Tensor, moe_layers: Sequence[int] | None = None) -> None:
+    """``shard`` = (rank, world): the store holds only that tensor-parallel rank's rows ``f/world`` of every
+    projection; ``set_expert`` / ``set_projection`` take the full HF tensors and keep the rank's slice."""
+
+    def __init__(self, weights: torch.Tensor, moe_layers: Sequence[int] | None = None,
+                 shard: Shard = ONE_RANK) -> None:
         if weights.dim() != 5 or weights.shape[2] != PAGES_PER_EXPERT:
             raise ValueError(f"expert store wants [L, E, 3, f, d], got {tuple(weights.shape)}")
         self.weights = weights  # [L, E, 3, f, d]; written only while loading
+        self.shard = shard
+        self._rows = shard.rows(weights.shape[3] * shard.world, "expert intermediate size")
         layers = list(range(weights.shape[0])) if moe_layers is None else list(moe_layers)
         if len(layers) != weights.shape[0]:
             raise ValueError(f"{len(layers)} MoE layer ids for {weights.shape[0]} stored layers")
@@ -34,15 +41,20 @@ class HostExpertStore:
 
     @classmethod
     def empty(cls, num_layers: int, num_experts: int, f: int, d: int, dtype: torch.dtype = torch.bfloat16,
-              moe_layers: Sequence[int] | None = None, pin: bool | None = None) -> HostExpertStore:
+              moe_layers: Sequence[int] | None = None, pin: bool | None = None,
+              shard: Shard = ONE_RANK) -> HostExpertStore:
+        """``f`` is the model's full intermediate size; the store holds ``f / shard.world`` rows."""
         pin = torch.cuda.is_available() if pin is None else pin
-        weights = torch.empty(num_layers, num_experts, PAGES_PER_EXPERT, f, d, dtype=dtype, pin_memory=pin)
-        return cls(weights, moe_layers)
+        rows = shard.rows(f, "expert intermediate size")
+        weights = torch.empty(num_layers, num_experts, PAGES_PER_EXPERT, rows.stop - rows.start, d, dtype=dtype,
+                              pin_memory=pin)
+        return cls(weights, moe_layers, shard)
 
     @classmethod
-    def for_spec(cls, spec, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None) -> HostExpertStore:
+    def for_spec(cls, spec, dtype: torch.dtype = torch.bfloat16, pin: bool | None = None,
+                 shard: Shard = ONE_RANK) -> HostExpertStore:
         return cls.empty(spec.num_moe_layers, spec.num_experts, spec.moe_intermediate_size, spec.hidden_size,
-                         dtype, spec.moe_layers, pin)
+                         dtype, spec.moe_layers, pin, shard)
 
     # ------------------------------------------------------------------ shape
     @property
@@ -79,14 +91,14 @@ class HostExpertStore:
     def set_expert(self, layer: int, expert: int, gate_proj: torch.Tensor, up_proj: torch.Tensor,
                    down_proj: torch.Tensor) -> None:
         """HF-shaped weights: gate_proj/up_proj [f, d], down_proj [d, f]."""
-        dst = self.weights[self._row[layer], expert]  # [3, f, d]
-        dst[W1].copy_(gate_proj)
-        dst[W3].copy_(up_proj)
-        dst[W2].copy_(down_proj.T)
+        for proj, weight in ((W1, gate_proj), (W3, up_proj), (W2, down_proj)):
+            self.set_projection(layer, expert, proj, weight)
 
     def set_projection(self, layer: int, expert: int, proj: int, weight: torch.Tensor) -> None:
-        """One HF tensor: gate_proj / up_proj as [f, d], down_proj as [d, f] (transposed here)."""
-        self.weights[self._row[layer], expert, proj].copy_(weight.T if proj == W2 else weight)
+        """One HF tensor: gate_proj / up_proj as [f, d], down_proj as [d, f] (transposed here); a sharded
+        store keeps its rows of it."""
+        rows = weight.T if proj == W2 else weight  # [f, d]
+        self.weights[self._row[layer], expert, proj].copy_(rows[self._rows] if self.shard.world > 1 else rows)
 
     # ------------------------------------------------------------------ read
     def layer(self, layer: int) -> torch.Tensor:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from rimuru.distributed.comm import ONE_RANK, Shard
+from rimuru.distributed.sharding import local_heads
 from rimuru.kernels.paged_attention import paged_attention, write_kv
 from rimuru.models.rms_norm import rms_norm
 from rimuru.models.rope import RotaryEmbedding
@@ -79,8 +81,10 @@ class AttentionConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec) -> AttentionConfig:
-        return cls(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.rms_norm_eps)
+    def from_spec(cls, spec: ModelSpec, shard: Shard = ONE_RANK) -> AttentionConfig:
+        """One tensor-parallel rank's attention (``shard``): its query heads, its (possibly replicated) KV heads."""
+        heads, kv_heads = local_heads(spec, shard)
+        return cls(spec.hidden_size, heads, kv_heads, spec.head_dim, spec.rms_norm_eps)
 
 
 WEIGHT_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")

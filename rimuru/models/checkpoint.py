@@ -141,36 +141,52 @@ def _norm_identity(model, model_type: str) -> dict[str, float]:
 
 
 def synthetic_tensors(config_dir: str | Path, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                      routing_skew: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                      routing_skew: float | None = None, threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
     """(hub name, tensor) for every weight of the model whose config.json is in ``config_dir``.
 
-    Lazy: one tensor at a time, so paper-scale models can stream straight into pinned memory.
+    Lazy: one tensor at a time (``threads`` > 1: a window of tensors generated side by side, yielded in the
+    same order; every tensor has its own seeded generator, so the result does not depend on ``threads``),
+    so paper-scale models can stream straight into pinned memory.
     """
     config_dir = Path(config_dir)
     spec = ModelSpec.from_pretrained(config_dir)
     model = _meta_model(config_dir)
     synth = _Synth(spec, seed, routing_skew, _norm_identity(model, spec.model_type))
-    for name, param in model.named_parameters():
-        fused = _EXPERT_FUSED.match(name)
-        if not fused:
-            yield name, synth.tensor(name, tuple(param.shape)).to(dtype)
-            continue
-        prefix, kind = fused.groups()
-        E = param.shape[0]
-        for e in range(E):
-            if kind == "gate_up_proj":  # [E, 2f, d] -> gate_proj, up_proj [f, d]
-                f = param.shape[1] // 2
-                for proj in ("gate_proj", "up_proj"):
-                    hub = f"{prefix}.{e}.{proj}.weight"
-                    yield hub, synth.tensor(hub, (f, param.shape[2])).to(dtype)
-            else:  # [E, d, f] -> down_proj [d, f]
-                hub = f"{prefix}.{e}.down_proj.weight"
-                yield hub, synth.tensor(hub, tuple(param.shape[1:])).to(dtype)
+
+    def jobs() -> Iterator[tuple[str, tuple[int, ...]]]:
+        for name, param in model.named_parameters():
+            fused = _EXPERT_FUSED.match(name)
+            if not fused:
+                yield name, tuple(param.shape)
+                continue
+            prefix, kind = fused.groups()
+            for e in range(param.shape[0]):
+                if kind == "gate_up_proj":  # [E, 2f, d] -> gate_proj, up_proj [f, d]
+                    f = param.shape[1] // 2
+                    for proj in ("gate_proj", "up_proj"):
+                        yield f"{prefix}.{e}.{proj}.weight", (f, param.shape[2])
+                else:  # [E, d, f] -> down_proj [d, f]
+                    yield f"{prefix}.{e}.down_proj.weight", tuple(param.shape[1:])
+
+    def make(job: tuple[str, tuple[int, ...]]) -> tuple[str, torch.Tensor]:
+        return job[0], synth.tensor(*job).to(dtype)
+
+    if threads <= 1:
+        yield from map(make, jobs())
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    from itertools import islice
+
+    pending = jobs()
+    with ThreadPoolExecutor(threads) as pool:
+        while window := list(islice(pending, 4 * threads)):
+            yield from pool.map(make, window)
 
 
 def write_synthetic_checkpoint(config_name_or_path: str | Path, out_dir: str | Path, seed: int = 0,
                                dtype: torch.dtype = torch.bfloat16, routing_skew: float | None = None,
-                               max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: bool = True) -> Path:
+                               max_shard_bytes: int = DEFAULT_SHARD_BYTES, tokenizer: bool = True,
+                               threads: int = 1) -> Path:
     """Write a complete HF checkpoint directory; returns it. Deterministic in (config, seed, dtype, skew)."""
     from safetensors.torch import save_file
 
@@ -194,7 +210,7 @@ def write_synthetic_checkpoint(config_name_or_path: str | Path, out_dir: str | P
             shards.append(list(buffer))
             buffer, size = {}, 0
 
-    for name, tensor in synthetic_tensors(out_dir, seed, dtype, routing_skew):
+    for name, tensor in synthetic_tensors(out_dir, seed, dtype, routing_skew, threads):
         nbytes = tensor.numel() * tensor.element_size()
         if buffer and size + nbytes > max_shard_bytes:
             flush()

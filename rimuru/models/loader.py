@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from rimuru.distributed.comm import ONE_RANK, Shard
+from rimuru.distributed.sharding import check_shardable, shard_dense_tensor
 from rimuru.experts.host_store import W1, W2, W3, HostExpertStore
 from rimuru.models.spec import ModelSpec
 
@@ -53,12 +55,14 @@ def normalize_name(name: str) -> str:
 
 
 def load_checkpoint(model_dir: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                    pin: bool | None = None) -> LoadedCheckpoint:
-    """Read every shard once; ``dtype`` None keeps the checkpoint's dtype."""
+                    pin: bool | None = None, shard: Shard = ONE_RANK) -> LoadedCheckpoint:
+    """Read every shard once; ``dtype`` None keeps the checkpoint's dtype. ``shard``: keep only one
+    tensor-parallel rank's slices (rimuru/distributed/sharding.py), sliced before they reach the device."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
     spec = ModelSpec.from_pretrained(model_dir)
+    check_shardable(spec, shard)
     store: HostExpertStore | None = None
     dense: dict[str, torch.Tensor] = {}
     skipped: list[str] = []
@@ -68,7 +72,7 @@ def load_checkpoint(model_dir: str | Path, device: str | torch.device = "cpu", d
     def get_store(t: torch.Tensor) -> HostExpertStore:
         nonlocal store
         if store is None:
-            store = HostExpertStore.for_spec(spec, dtype or t.dtype, pin)
+            store = HostExpertStore.for_spec(spec, dtype or t.dtype, pin, shard)
         return store
 
     for path in checkpoint_files(model_dir):
@@ -96,7 +100,7 @@ def load_checkpoint(model_dir: str | Path, device: str | torch.device = "cpu", d
                             s.set_projection(layer, e, W2, t[e])
                             filled[row[layer], e, 2] = True
                 else:
-                    t = f.get_tensor(raw)
+                    t = shard_dense_tensor(name, f.get_tensor(raw), spec, shard)
                     dense[name] = t.to(device=device, dtype=dtype if (dtype and t.is_floating_point()) else t.dtype)
     if store is None or not bool(filled.all()):
         missing = int((~filled).sum())

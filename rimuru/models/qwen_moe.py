@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rimuru.distributed.comm import SINGLE, Communicator
 from rimuru.experts.moe_block import MoeLayerWeights, moe_forward, route_layer
 from rimuru.experts.provider import ExpertProvider
 from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
@@ -20,9 +21,16 @@ from rimuru.models.spec import ModelSpec
 SUPPORTED = ("qwen2_moe", "qwen3_moe")
 
 
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 class QwenMoeModel:
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], device: torch.device,
-                 attention_impl: str = "auto", moe_impl: str = "auto") -> None:
+                 attention_impl: str = "auto", moe_impl: str = "auto", comm: Communicator = SINGLE) -> None:
+        """``dense`` holds this rank's shards (rimuru/distributed/sharding.py) when ``comm`` spans several
+        ranks: each rank computes its heads and its slice of every MLP, one all-reduce after attention
+        and one after the MoE/MLP complete the sums. At world size 1 nothing is reduced."""
         if spec.model_type not in SUPPORTED:
             raise ValueError(f"the engine runs {', '.join(SUPPORTED)} models; {spec.model_type} "
                              "(linear-attention layers) is not supported yet")
@@ -30,7 +38,9 @@ class QwenMoeModel:
         self.w = dense
         self.moe_impl = moe_impl
         rope = RotaryEmbedding.from_spec(spec, device=device)
-        cfg = AttentionConfig.from_spec(spec)
+        cfg = AttentionConfig.from_spec(spec, comm.shard)
+        self.attention_config = cfg
+        self._reduce = comm.all_reduce if comm.world_size > 1 else _identity
         self.attn = [Attention(cfg, dense, i, rope, impl=attention_impl) for i in range(spec.num_layers)]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
@@ -63,11 +73,11 @@ class QwenMoeModel:
         h = F.embedding(input_ids, w["model.embed_tokens.weight"])  # [T, d]
         for layer in range(spec.num_layers):
             p = f"model.layers.{layer}"
-            h = h + self.attn[layer](rms_norm(h, w[f"{p}.input_layernorm.weight"], eps), meta, kv_view)
+            h = h + self._reduce(self.attn[layer](rms_norm(h, w[f"{p}.input_layernorm.weight"], eps), meta, kv_view))
             x = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], eps)
             if layer in self.moe_index:
-                h = h + self._moe(layer, x, experts, expert_view)
+                h = h + self._reduce(self._moe(layer, x, experts, expert_view))
             else:
-                h = h + self._mlp(f"{p}.mlp", x)
+                h = h + self._reduce(self._mlp(f"{p}.mlp", x))
         h = rms_norm(h[sample_index], w["model.norm.weight"], eps)
         return F.linear(h, self.lm_head).float()

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from rimuru.distributed.comm import ONE_RANK, Shard
+from rimuru.distributed.sharding import check_shardable, shard_dense_tensor
 from rimuru.experts.host_store import HostExpertStore
 from rimuru.models.checkpoint import hub_config, synthetic_tensors
 from rimuru.models.loader import _PER_EXPERT, _PROJ, LoadedCheckpoint
@@ -22,7 +25,7 @@ from rimuru.models.spec import ModelSpec
 def synthetic_checkpoint_in_memory(config_name_or_path: str | Path, *, seed: int = 0,
                                    dtype: torch.dtype = torch.bfloat16, routing_skew: float | None = None,
                                    device: str | torch.device = "cpu", num_layers: int | None = None,
-                                   progress: bool = True) -> LoadedCheckpoint:
+                                   progress: bool = True, shard: Shard = ONE_RANK) -> LoadedCheckpoint:
     config = hub_config(config_name_or_path)
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
@@ -32,7 +35,8 @@ def synthetic_checkpoint_in_memory(config_name_or_path: str | Path, *, seed: int
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         spec = ModelSpec.from_pretrained(tmp)
-        store = HostExpertStore.for_spec(spec, dtype)
+        check_shardable(spec, shard)
+        store = HostExpertStore.for_spec(spec, dtype, shard=shard)
         dense: dict[str, torch.Tensor] = {}
         total = spec.num_moe_layers * spec.num_experts * 3
         from tqdm.auto import tqdm
@@ -43,5 +47,25 @@ def synthetic_checkpoint_in_memory(config_name_or_path: str | Path, *, seed: int
                     store.set_projection(int(m.group(1)), int(m.group(2)), _PROJ[m.group(3)], tensor)
                     bar.update(1)
                 else:
-                    dense[name] = tensor.to(device)
+                    dense[name] = shard_dense_tensor(name, tensor, spec, shard).to(device)
     return LoadedCheckpoint(spec, dense, store)
+
+
+@dataclass(frozen=True)
+class SyntheticCheckpoint:
+    """A recipe for ``synthetic_checkpoint_in_memory`` that each tensor-parallel rank builds for itself
+    (picklable: a spawned rank gets the recipe, not the tensors)."""
+
+    config: str
+    seed: int = 0
+    routing_skew: float | None = None
+    num_layers: int | None = None
+
+    @property
+    def name(self) -> str:
+        return Path(self.config).name
+
+    def load(self, device: torch.device, dtype: torch.dtype, shard: Shard = ONE_RANK) -> LoadedCheckpoint:
+        return synthetic_checkpoint_in_memory(self.config, seed=self.seed, dtype=dtype,
+                                              routing_skew=self.routing_skew, device=device,
+                                              num_layers=self.num_layers, progress=False, shard=shard)

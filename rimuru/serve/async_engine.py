@@ -86,6 +86,7 @@ class AsyncEngine:
         self.model_name: str = str(getattr(engine, "model_name", "rimuru"))
         self.num_aborted = 0
         self.error: BaseException | None = None  # a fatal engine-thread error
+        self.on_fatal = None  # called (engine thread) with the error that ended the engine, e.g. to stop the server
         self._stats_interval_s = stats_interval_s
         self._rate_window_s = rate_window_s
         self._commands: collections.deque = collections.deque()  # appended by the loop, popped by the thread
@@ -201,6 +202,8 @@ class AsyncEngine:
                 cmd = self._commands.popleft()
                 if cmd[0] == "add":
                     self._loop.call_soon_threadsafe(self._resolve, cmd[4], dead)
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
         finally:
             for rid in list(self._live):
                 try:

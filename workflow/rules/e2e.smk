@@ -6,6 +6,39 @@ E2E = config["e2e"]
 E2E_MEASURED = [h for h, c in E2E["hardware"].items() if c.get("measure")]
 
 
+def visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - no torch, no driver: no GPU
+        return 0
+
+
+# multi-GPU configurations run here only when this machine has enough GPUs; elsewhere their reference is read
+E2E_TP_RUN = [h for h, c in E2E["hardware"].items() if c.get("tp_run") and c["gpus"] <= visible_gpus()]
+
+
+rule e2e_tp_trace:
+    output: "results/e2e/tp/trace_sharegpt.jsonl"
+    shell: "{PY} {SCRIPTS}/make_token_trace.py --num-requests 400 --out {output}"
+
+
+rule e2e_tp_run:
+    input: trace=rules.e2e_tp_trace.output
+    output: csv="results/e2e/tp/{hardware}/e2e.csv"
+    params:
+        c=lambda w: E2E["hardware"][w.hardware],
+        r=lambda w: E2E["hardware"][w.hardware]["tp_run"],
+    log: "results/logs/e2e/tp_{hardware}.log"
+    shell:
+        "{PY} {SCRIPTS}/e2e_tp_gpu.py --model {params.c[model]} --tp {params.c[gpus]} "
+        "--budget {params.c[budget_gib_per_gpu]}GiB --static-budget {params.r[static_budget_gib_per_gpu]}GiB "
+        "--layers {params.r[layers]} --skew {params.r[skew]} --num-requests {params.r[num_requests]} "
+        "--rate {params.r[rate]} --max-output {params.r[max_output]} --trace {input.trace} "
+        "--out results/e2e/tp/{wildcards.hardware} > {log} 2>&1"
+
+
 rule e2e_run:
     threads: TIMED_THREADS
     input:
@@ -28,7 +61,9 @@ rule e2e_table:
     input:
         runs=expand("results/e2e/runs/{hardware}/{workload}/{system}.json", hardware=E2E_MEASURED,
                     workload=E2E["workloads"], system=E2E["systems"]),
-        reference=lambda w: if_exists(E2E["reference"]),
+        reference=lambda w: if_exists(E2E["reference"], *[c["reference"] for c in E2E["hardware"].values()
+                                                          if c.get("reference")]),
+        tp_runs=expand("results/e2e/tp/{hardware}/e2e.csv", hardware=E2E_TP_RUN),
     output:
         csv="results/e2e/e2e.csv",
         md="results/e2e/e2e.md",
@@ -36,8 +71,10 @@ rule e2e_table:
     params:
         hardware=lambda w: json.dumps(E2E["hardware"]),
         systems=" ".join(E2E["systems"]),
+        tp_runs=" ".join(f"{h}=results/e2e/tp/{h}/e2e.csv" for h in E2E_TP_RUN),
     shell:
         "{PY} {SCRIPTS}/e2e_table.py --runs {input.runs} --reference {E2E[reference]} --systems {params.systems} "
+        "--tp-runs {params.tp_runs} "
         "--hardware '{params.hardware}' --csv {output.csv} --md {output.md} --figure {output.figure}"
 
 

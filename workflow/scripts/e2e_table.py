@@ -45,10 +45,11 @@ def measured_rows(paths: list[str], hardware: str) -> list[dict]:
     return rows
 
 
-def reference_rows(path: Path, hardware: dict, systems: list[str]) -> list[dict]:
+def reference_rows(default: Path, hardware: dict, systems: list[str], tp_runs: dict[str, str]) -> list[dict]:
+    """GPU rows: a multi-GPU run of this pipeline (``tp_runs``), else the configuration's reference file (or
+    the default one), matched by model and tensor_parallel_size (a file without that column is TP=1)."""
     from rimuru.baselines import load_baseline
 
-    ref = pd.read_csv(path) if path.exists() else pd.DataFrame()
     by_policy: dict[str, list[str]] = {}
     for name in systems:
         by_policy.setdefault(load_baseline(name).policy, []).append(name)
@@ -56,7 +57,12 @@ def reference_rows(path: Path, hardware: dict, systems: list[str]) -> list[dict]
     for hw, cfg in hardware.items():
         if cfg.get("measure"):
             continue
+        path = Path(tp_runs.get(hw) or cfg.get("reference") or default)
+        ref = pd.read_csv(path) if path.exists() else pd.DataFrame()
         match = ref[ref["model"].astype(str).str.startswith(cfg["model"])] if len(ref) else ref
+        if len(match):
+            tp = match["tensor_parallel_size"] if "tensor_parallel_size" in match else pd.Series(1, match.index)
+            match = match[tp == cfg.get("tensor_parallel_size", 1)]
         if not len(match):
             why = NOT_MEASURED if path.exists() else f"{NOT_MEASURED} ({path} absent)"
             rows += [{"hardware": hw, "system": s, "policy": load_baseline(s).policy, "source": why} for s in systems]
@@ -83,6 +89,8 @@ def main() -> None:
     ap.add_argument("--reference", required=True)
     ap.add_argument("--systems", nargs="+", required=True)
     ap.add_argument("--hardware", required=True, help="JSON of config e2e.hardware")
+    ap.add_argument("--tp-runs", nargs="*", default=[], metavar="HARDWARE=CSV",
+                    help="multi-GPU configurations run by this pipeline, read instead of their reference")
     ap.add_argument("--csv", required=True)
     ap.add_argument("--md", required=True)
     ap.add_argument("--figure", required=True)
@@ -92,11 +100,13 @@ def main() -> None:
     rows = []
     for hw in measured_hw:
         rows += measured_rows([p for p in args.runs if f"/runs/{hw}/" in p], hw)
-    rows += reference_rows(Path(args.reference), hardware, args.systems)
+    tp_runs = dict(item.split("=", 1) for item in args.tp_runs)
+    rows += reference_rows(Path(args.reference), hardware, args.systems, tp_runs)
     frame = pd.DataFrame(rows).reindex(columns=COLUMNS)
     frame["hardware"] = frame["hardware"].map(lambda h: hardware[h].get("label", h))
     notes = [f"{c.get('label', h)}: " + ("measured by this pipeline (real engine, in-process bench, wall clock)"
-                                          if c.get("measure") else f"read from {args.reference}")
+                                          if c.get("measure") or h in tp_runs
+                                          else f"read from {c.get('reference', args.reference)}")
              for h, c in hardware.items()]
     notes.append("budget_gib: the device budget of the real card (CPU rows: the scaled run's real-card equivalent, "
                  "memory fraction x 31.8 GiB).")

@@ -1,0 +1,321 @@
+"""The processes of a tensor-parallel engine: rank 0 is the ``LLM`` process, ranks 1..N-1 are workers.
+
+Rank 0 spawns the workers (``torch.multiprocessing``, spawn), joins them in one ``torch.distributed``
+group (NCCL on GPUs, gloo on CPUs) and sends each step's message over a pipe per worker; the forward's
+all-reduces go over the process group. A worker builds the same engine as rank 0 from the same options
+(its shard of the weights, its own pool on its own device), then loops: receive a message, apply the
+operation log, run its shard of the forward (rimuru/distributed/replica.py).
+
+Failure is loud: a monitor thread on rank 0 waits on every worker's process sentinel; a worker that dies
+ends the engine with a ``TensorParallelError`` naming the rank and its exit code (on NCCL the monitor
+aborts the process group so that no collective waits for the dead rank). A collective that exceeds
+``tp_timeout_s`` raises the same error naming the ranks that did not finish the step. Workers exit when
+rank 0's pipe closes or rank 0's process disappears (a watchdog thread), and rank 0 terminates them on
+``close()``, on any failure and at interpreter exit — no orphans.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import threading
+import time
+import traceback
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+
+from rimuru.distributed.errors import TensorParallelError
+from rimuru.distributed.replica import BatchReceiver, BatchSender, apply_ops, state_digest, synchronize
+
+_ENV_DEFAULTS = {  # NVLink multicast off: see the device notes of the machines this runs on
+    "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank ``r`` of a CUDA engine runs on the r-th GPU after the configured one."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def init_process_group(backend: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+class TensorParallelGroup:
+    """Rank 0's view of the workers. One owner: the engine thread (the monitor only records deaths)."""
+
+    def __init__(self, world: int, source, options: dict, device: torch.device, timeout_s: float) -> None:
+        import torch.multiprocessing as mp
+
+        for key, value in _ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        self.world = world
+        self.device = device
+        self.timeout_s = timeout_s
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and torch.cuda.device_count() < (device.index or 0) + world:
+            raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs from {device}, "
+                             f"this machine has {torch.cuda.device_count()}")
+        self.error: TensorParallelError | None = None
+        self.dead: dict[int, int | None] = {}  # rank -> exit code, written by the monitor
+        self.step = 0
+        self._closed = False
+        ctx = mp.get_context("spawn")
+        self.progress = ctx.Array("q", world, lock=False)  # last step each rank finished (rank 0: unused)
+        port = _free_port()
+        self.procs, self.conns = [], []
+        for rank in range(1, world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, name=f"rimuru-tp-rank{rank}", daemon=True,
+                               args=(rank, world, port, source, options, child, os.getpid(), timeout_s,
+                                     self.progress))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self._finalizer = weakref.finalize(self, _terminate, list(self.procs))
+        atexit.register(self._finalizer)
+        try:
+            for rank, conn in enumerate(self.conns, start=1):
+                self._expect(rank, conn, "hello", timeout_s)
+            init_process_group(self.backend, port, 0, world, timeout_s)
+        except BaseException as exc:
+            raise self.fail(exc) from exc
+        self._monitor = threading.Thread(target=self._watch, name="rimuru-tp-monitor", daemon=True)
+        self._monitor.start()
+
+    # ------------------------------------------------------------------ failure
+    def _watch(self) -> None:
+        pending = {p.sentinel: r for r, p in enumerate(self.procs, start=1)}
+        while pending and not self._closed:
+            for sentinel in wait(list(pending), timeout=1.0):
+                rank = pending.pop(sentinel)
+                if self._closed:
+                    return
+                proc = self.procs[rank - 1]
+                proc.join(1.0)  # reap it: the exit code is known only then
+                self.dead[rank] = proc.exitcode
+                if self.backend == "nccl":  # unblock rank 0's collectives waiting for the dead rank
+                    self._abort()
+
+    def _abort(self) -> None:
+        from torch.distributed import distributed_c10d
+
+        abort = getattr(distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - best effort: the error below still ends the engine
+                pass
+
+    def _worker_messages(self) -> list[str]:
+        notes = []
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                while conn.poll(0):
+                    kind, *rest = conn.recv()
+                    if kind == "error":
+                        notes.append(f"rank {rank}: {rest[0]}")
+            except (EOFError, OSError):
+                pass
+        return notes
+
+    def fail(self, exc: BaseException | None = None) -> TensorParallelError:
+        """Build the engine-ending error, shut every worker down, remember the error; returns it."""
+        if self.error is not None:
+            return self.error
+        if exc is not None:  # a socket error can arrive before the dead rank's sentinel fires
+            deadline = time.monotonic() + 5.0
+            while not self.dead and all(p.is_alive() for p in self.procs) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        for rank, proc in enumerate(self.procs, start=1):
+            if not proc.is_alive() and self.dead.get(rank) is None:
+                proc.join(1.0)
+                self.dead[rank] = proc.exitcode
+        notes = self._worker_messages()
+        dead = dict(self.dead)  # the monitor thread may still be adding to it
+        if isinstance(exc, TensorParallelError) and not dead:
+            what = str(exc)
+        elif dead:
+            what = "; ".join(f"tensor-parallel rank {r} exited with code {c}" for r, c in sorted(dead.items()))
+        elif exc is not None and "timeout" in str(exc).lower():
+            behind = [r for r in range(1, self.world) if self.progress[r] < self.step]
+            what = (f"a tensor-parallel collective timed out after {self.timeout_s:.0f} s in step {self.step}; "
+                    f"ranks that did not finish it: {behind or 'unknown'}")
+        else:
+            what = f"tensor-parallel step {self.step} failed on rank 0: {exc!r}"
+        if notes:
+            what += " | " + " | ".join(notes)
+        self.error = TensorParallelError(what)
+        self.close()
+        return self.error
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.dead:
+            raise self.fail()
+
+    # ------------------------------------------------------------------ messages
+    def _expect(self, rank: int, conn, kind: str, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        proc = self.procs[rank - 1]
+        while True:
+            if conn.poll(0.2):
+                got, *rest = conn.recv()
+                if got == "error":
+                    raise TensorParallelError(f"tensor-parallel rank {rank} failed: {rest[0]}")
+                if got != kind:
+                    raise TensorParallelError(f"tensor-parallel rank {rank} sent {got!r}, expected {kind!r}")
+                return rest
+            if not proc.is_alive():
+                raise TensorParallelError(f"tensor-parallel rank {rank} exited with code {proc.exitcode}")
+            if time.monotonic() > deadline:
+                raise TensorParallelError(f"tensor-parallel rank {rank} did not answer {kind!r} in {timeout_s:.0f} s")
+
+    def send(self, message: tuple) -> None:
+        self.raise_if_failed()
+        try:
+            for conn in self.conns:
+                conn.send(message)
+        except (BrokenPipeError, EOFError, OSError) as exc:
+            raise self.fail(exc) from exc
+
+    def gather(self, kind: str) -> list:
+        """One ``kind`` answer from every worker, in rank order."""
+        try:
+            return [self._expect(rank, conn, kind, self.timeout_s)
+                    for rank, conn in enumerate(self.conns, start=1)]
+        except TensorParallelError as exc:
+            raise self.fail(exc) from exc
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self.conns:
+            try:
+                conn.send(("stop",))
+            except (BrokenPipeError, EOFError, OSError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        _terminate(self.procs)
+        for conn in self.conns:
+            conn.close()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            if self.error is not None and self.backend == "nccl":
+                self._abort()
+            else:
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - the group may be broken by the failure being reported
+                    pass
+
+
+def _terminate(procs) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(3.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(3.0)
+
+
+class TensorParallelExecutor:
+    """Rank 0's executor: sends the step message to the workers, then runs its own shard of the forward."""
+
+    def __init__(self, local, group: TensorParallelGroup, sender: BatchSender, device: torch.device) -> None:
+        self.local = local
+        self.group = group
+        self.sender = sender
+        self.device = device
+        self.model = local.model
+
+    def execute(self, out):
+        group = self.group
+        group.raise_if_failed()
+        group.step += 1
+        group.send(self.sender.message(out) + (group.step,))
+        try:
+            logits = self.local.execute(out)
+            synchronize(self.device)  # on NCCL a dead peer surfaces here (the monitor aborts the group)
+        except Exception as exc:  # noqa: BLE001 - every failure of a collective step ends the engine
+            raise group.fail(exc) from exc
+        group.raise_if_failed()
+        return logits
+
+
+# ---------------------------------------------------------------------- the worker process
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            os._exit(3)  # rank 0 is gone: leave no orphan behind
+
+
+def worker_main(rank: int, world: int, port: int, source, options: dict, conn, parent_pid: int, timeout_s: float,
+                progress) -> None:
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    try:
+        conn.send(("hello",))
+        if options.get("device") in (None, "cpu") and not torch.cuda.is_available():
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        from rimuru.engine.llm import LLM
+
+        llm = LLM(source, _tp_rank=rank, _tp_port=port, **options)
+        conn.send(("ready",))
+        receiver = BatchReceiver()
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                os._exit(0)
+            kind = message[0]
+            if kind == "stop":
+                break
+            if kind == "step":
+                _, ops, dropped, tokens, chunks, step = message
+                llm.policy.begin_step()  # publish this rank's finished loads, as rank 0's step does
+                apply_ops(ops, llm.kv, llm.cache)
+                out = receiver.output(dropped, tokens, chunks)
+                if not out.is_empty:
+                    llm.executor.execute(out)
+                    synchronize(llm.device)
+                progress[rank] = step
+            elif kind == "check":
+                apply_ops(message[1], llm.kv, llm.cache)
+                llm.check_integrity()
+                conn.send(("checked", state_digest(llm)))
+            elif kind == "warmup":
+                llm.warmup(message[1])
+                conn.send(("warm",))
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+    except BaseException:  # noqa: BLE001 - tell rank 0 why, then die loudly
+        try:
+            conn.send(("error", traceback.format_exc(limit=8).strip().splitlines()[-1]))
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(1)
+    os._exit(0)

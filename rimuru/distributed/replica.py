@@ -1,0 +1,155 @@
+"""One memory decision, N pools: rank 0 decides, every other rank replays the decision in its own pool.
+
+Rank 0 runs the scheduler and the adjuster. Every call that changes its allocator — a KV allocation or free
+(scheduler), an expert-cache expand, shrink or reclaim (adjuster, after the forward) — is appended to an
+operation log; the log of a step goes to every other rank with that step's batch, before rank 0's forward.
+Each rank applies the log to its own allocator, KV manager and expert cache, in order, then runs its shard of
+the forward. The allocator is deterministic, every rank's pool has the same page count (rank 0 agrees on the
+smallest pool over ranks at start-up), so every rank holds the same page ids for the same KV blocks and the
+same cached experts — each page holding that rank's slice. ``state_digest`` checks exactly that.
+
+Loads completing (``ExpertCache.poll``) are per rank and not logged: a rank whose copy finished later reads
+the expert from a loading buffer that step instead of its cache page — the same weights, the same result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+
+from rimuru.engine.kv_manager import KVCacheManager
+from rimuru.engine.request import Request
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.engine.scheduler import ScheduledChunk, SchedulerOutput
+from rimuru.experts.cache import ExpertCache
+
+Op = tuple  # ("kv_alloc", rid, total_tokens) | ("kv_free", rid) | ("expand", n) | ("shrink", n) | ("reclaim",)
+
+
+class RecordingKVCacheManager(KVCacheManager):
+    """A KV manager that logs its allocator-changing calls once ``oplog`` is set (rank 0 of a TP group)."""
+
+    oplog: list[Op] | None = None
+
+    def allocate(self, request_id: str, total_tokens: int) -> None:
+        super().allocate(request_id, total_tokens)
+        if self.oplog is not None:
+            self.oplog.append(("kv_alloc", request_id, total_tokens))
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        if self.oplog is not None:
+            self.oplog.append(("kv_free", request_id))
+
+
+class RecordingExpertCache(ExpertCache):
+    """An expert cache that logs expand / shrink / reclaim once ``oplog`` is set."""
+
+    oplog: list[Op] | None = None
+
+    def expand(self, n: int) -> int:
+        started = super().expand(n)
+        if self.oplog is not None:
+            self.oplog.append(("expand", n))
+        return started
+
+    def shrink(self, n: int) -> int:
+        done = super().shrink(n)
+        if self.oplog is not None:
+            self.oplog.append(("shrink", n))
+        return done
+
+    def reclaim(self) -> int:
+        freed = super().reclaim()
+        if self.oplog is not None:
+            self.oplog.append(("reclaim",))
+        return freed
+
+
+def apply_ops(ops: list[Op], kv: KVCacheManager, cache: ExpertCache) -> None:
+    for op in ops:
+        kind = op[0]
+        if kind == "kv_alloc":
+            kv.allocate(op[1], op[2])
+        elif kind == "kv_free":
+            kv.free(op[1])
+        elif kind == "expand":
+            cache.expand(op[1])
+        elif kind == "shrink":
+            cache.shrink(op[1])
+        elif kind == "reclaim":
+            cache.reclaim()
+        else:
+            raise ValueError(f"unknown replicated operation {op!r}")
+
+
+def state_digest(llm) -> str:
+    """A hash of what must be identical on every rank: allocated page ids of every class, the cache size."""
+    h = hashlib.sha1()
+    alloc = llm.allocator
+    for name in alloc.layout.names:
+        h.update(name.encode())
+        h.update(alloc.allocated_ids(name).astype("int64").tobytes())
+    h.update(str(llm.cache.num_cached).encode())
+    return h.hexdigest()
+
+
+class BatchSender:
+    """Rank 0: turns a SchedulerOutput plus the pending op log into one picklable step message.
+
+    Request tokens travel incrementally: the first time a request is scheduled its tokens so far, later
+    only the tokens sampled since (each rank keeps a token mirror per live request)."""
+
+    def __init__(self, oplog: list[Op], is_live: Callable[[str], bool]) -> None:
+        self.oplog = oplog
+        self.is_live = is_live
+        self._sent: dict[str, tuple[Request, int]] = {}
+
+    def drain_ops(self) -> list[Op]:
+        ops = list(self.oplog)
+        self.oplog.clear()
+        return ops
+
+    def message(self, out: SchedulerOutput) -> tuple:
+        tokens: list[tuple[str, bool, list[int]]] = []  # (rid, reset, new tokens)
+        dropped = [rid for rid in self._sent if not self.is_live(rid)]
+        for rid in dropped:
+            del self._sent[rid]
+        chunks = []
+        for c in out.chunks:
+            req = c.request
+            rid = req.request_id
+            seen = self._sent.get(rid)
+            if seen is None or seen[0] is not req:
+                tokens.append((rid, True, list(req.all_token_ids)))
+            elif req.num_tokens > seen[1]:
+                tokens.append((rid, False, req.all_token_ids[seen[1]:]))
+            self._sent[rid] = (req, req.num_tokens)
+            chunks.append((rid, c.start, c.num_tokens))
+        return ("step", self.drain_ops(), dropped, tokens, chunks)
+
+
+class BatchReceiver:
+    """Rank > 0: the token mirrors, and a SchedulerOutput rebuilt from a step message."""
+
+    def __init__(self) -> None:
+        self._mirror: dict[str, Request] = {}
+        self._params = SamplingParams()
+
+    def output(self, dropped: list[str], tokens: list[tuple[str, bool, list[int]]],
+               chunks: list[tuple[str, int, int]]) -> SchedulerOutput:
+        for rid in dropped:
+            self._mirror.pop(rid, None)
+        for rid, reset, new in tokens:
+            if reset:
+                self._mirror[rid] = Request(rid, list(new), self._params, 0.0)
+            else:
+                self._mirror[rid].prompt_token_ids.extend(new)
+        return SchedulerOutput(tuple(ScheduledChunk(self._mirror[rid], start, n) for rid, start, n in chunks), 0, ())
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

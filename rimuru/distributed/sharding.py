@@ -1,0 +1,81 @@
+"""Which slice of each dense tensor a tensor-parallel rank keeps, decided from the tensor's hub name.
+
+Megatron-style: q/k/v and MLP gate/up projections are split by output rows (column parallel), o_proj and
+MLP down projections by input columns (row parallel), so each rank's attention and MLP outputs are partial
+sums that one all-reduce completes. Attention heads split evenly; KV heads split when there are at least
+as many as ranks, otherwise each KV head is replicated on ``world / kv_heads`` ranks (rank ``r`` keeps KV
+head ``r // (world / kv_heads)``, the head its query heads read), as vLLM does. Routed experts are split
+along the intermediate dim in the host store (``HostExpertStore``), so each rank's expert pages hold its
+slice. Everything else — embeddings, LM head, norms, q/k norms, the router, the shared-expert gate — is
+replicated. A bias of a row-parallel projection stays on rank 0 only (zeros elsewhere: same bytes on every
+rank, so every rank's pool has the same size).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from rimuru.distributed.comm import Shard
+from rimuru.models.spec import ModelSpec
+
+_ATTN = re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
+_MLP = re.compile(r"\.mlp\.(shared_expert\.)?(gate_proj|up_proj|down_proj)\.weight$")
+_LINEAR_ATTN = re.compile(r"\.linear_attn\.")
+
+
+def check_shardable(spec: ModelSpec, shard: Shard) -> None:
+    """Clear errors for a model that cannot be split ``shard.world`` ways."""
+    w = shard.world
+    if w == 1:
+        return
+    if spec.is_hybrid:
+        raise ValueError(f"tensor parallelism does not split {spec.model_type}'s linear-attention (GDN) layers yet")
+    problems = []
+    if spec.num_heads % w:
+        problems.append(f"{spec.num_heads} attention heads")
+    kv = spec.num_kv_heads
+    if kv % w and w % kv:
+        problems.append(f"{kv} KV heads (neither divides the other)")
+    if spec.moe_intermediate_size % w:
+        problems.append(f"expert intermediate size {spec.moe_intermediate_size}")
+    if spec.shared_expert_intermediate_size % w:
+        problems.append(f"shared expert intermediate size {spec.shared_expert_intermediate_size}")
+    if spec.intermediate_size % w and len(spec.moe_layers) < spec.num_layers:
+        problems.append(f"dense MLP intermediate size {spec.intermediate_size}")
+    if problems:
+        raise ValueError(f"tensor_parallel_size={w} does not divide {spec.model_type}'s " + ", ".join(problems))
+
+
+def local_heads(spec: ModelSpec, shard: Shard) -> tuple[int, int]:
+    """(query heads, KV heads) on one rank."""
+    return spec.num_heads // shard.world, max(1, spec.num_kv_heads // shard.world)
+
+
+def shard_dense_tensor(name: str, t: torch.Tensor, spec: ModelSpec, shard: Shard) -> torch.Tensor:
+    """This rank's part of one dense (non-routed-expert) tensor, contiguous."""
+    if shard.world == 1:
+        return t
+    if _LINEAR_ATTN.search(name):
+        raise ValueError(f"{name}: linear-attention layers are not tensor-parallel yet")
+    if m := _ATTN.search(name):
+        proj, kind = m.groups()
+        if proj == "q_proj":
+            return t[shard.rows(t.shape[0], f"{name} rows")].contiguous()
+        if proj in ("k_proj", "v_proj"):
+            kv, w = spec.num_kv_heads, shard.world
+            if kv >= w:
+                return t[shard.rows(t.shape[0], f"{name} rows")].contiguous()
+            head = shard.rank // (w // kv)
+            size = t.shape[0] // kv
+            return t[head * size:(head + 1) * size].contiguous()
+        # o_proj: input columns by head; its bias is added once (rank 0)
+        if kind == "bias":
+            return t.clone() if shard.rank == 0 else torch.zeros_like(t)
+        return t[:, shard.rows(t.shape[1], f"{name} columns")].contiguous()
+    if m := _MLP.search(name):
+        if m.group(2) == "down_proj":
+            return t[:, shard.rows(t.shape[1], f"{name} columns")].contiguous()
+        return t[shard.rows(t.shape[0], f"{name} rows")].contiguous()
+    return t

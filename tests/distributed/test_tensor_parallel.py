@@ -1,0 +1,205 @@
+"""Tensor parallelism on the CPU (gloo, 2 processes, tiny fp32 models): greedy outputs identical to one
+process under every memory policy, every rank's pool in the same state, loud failure of a killed rank."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from rimuru.distributed import Shard, TensorParallelError
+from rimuru.engine.llm import LLM
+from rimuru.engine.sampling_params import SamplingParams
+from rimuru.memory import EXPERT, PoolLayout
+
+PROMPTS = [[9707, 11, 1879, 0], [3838, 374, 279, 6722, 315, 9625, 30], [40], [785, 3974, 13876, 38835, 34208, 916],
+           [16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [1986, 374, 264, 1273], [22, 22], [100, 200, 300]]
+MAX_TOKENS = 12
+BASE = dict(device="cpu", dtype=torch.float32, activation_reserve="1MiB")
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3-moe", "tiny-qwen2-moe"])
+def model_dir(request, tmp_path_factory):
+    from rimuru.models.checkpoint import write_synthetic_checkpoint
+
+    out = tmp_path_factory.mktemp("ckpt") / request.param
+    write_synthetic_checkpoint(request.param, out, seed=0, dtype=torch.float32, tokenizer=False)
+    return out
+
+
+def generate(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    llm.check_integrity()  # with TP: every rank's allocator and cache, and every rank's state equal to rank 0's
+    assert not llm.has_unfinished_requests()
+    return [o.output_token_ids for o in outs]
+
+
+def tight_budget(model_dir, tp: int, cached_experts: int = 16) -> int:
+    """Dense weights of one rank + activations + loading buffers + ``cached_experts`` experts + 4 KV blocks."""
+    from rimuru.models.loader import load_checkpoint
+
+    ckpt = load_checkpoint(model_dir, dtype=torch.float32, shard=Shard(0, tp))
+    dense = ckpt.dense_bytes()
+    page = PoolLayout.from_spec(ckpt.spec, tp=tp, weight_dtype=torch.float32).page_bytes(EXPERT)
+    return dense + 2**20 + (6 * ckpt.spec.num_experts + 3 * cached_experts + 4) * page
+
+
+POLICIES = {
+    "static": lambda d, tp: dict(gpu_memory_budget="400MiB", policy="static"),
+    "fixed": lambda d, tp: dict(gpu_memory_budget="400MiB", policy="fixed", initial_cache_experts=4),
+    # the offload limit stops shrinking at 14 cached experts, so the scheduler must preempt too
+    "elastic": lambda d, tp: dict(gpu_memory_budget=tight_budget(d, tp), policy="elastic", initial_cache_experts=16,
+                                  expert_offload_limit=2, max_num_batched_tokens=64),
+}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_greedy_identical_to_one_process(model_dir, policy):
+    # static and fixed: a shorter run (the 2-core CI machine); elastic: the full set, to reach the pressure
+    run = (lambda llm: generate(llm)) if policy == "elastic" else (lambda llm: generate(llm, PROMPTS[:5], 8))
+    single = LLM(model_dir, **BASE, **POLICIES[policy](model_dir, 1))
+    expected = run(single)
+    llm = LLM(model_dir, **BASE, **POLICIES[policy](model_dir, 2), tensor_parallel_size=2)
+    try:
+        assert llm.memory_report["tensor_parallel_size"] == 2
+        assert llm.pool.layout.page_bytes(EXPERT) * 2 == single.pool.layout.page_bytes(EXPERT)
+        assert run(llm) == expected
+        if policy == "elastic":
+            assert any(r.adjust < 0 for r in llm.timeline.records), "the adjuster never shrank"
+            assert llm.stats().preemptions > 0, "the scheduler never preempted"
+        if policy == "fixed":
+            assert llm.loader.experts_loaded > 0
+    finally:
+        llm.close()
+    assert not any(p.is_alive() for p in llm.tp_group.procs)
+
+
+def test_killed_worker_ends_the_engine_naming_the_rank(model_dir):
+    if model_dir.name != "tiny-qwen3-moe":
+        pytest.skip("one model is enough")
+    llm = LLM(model_dir, **BASE, gpu_memory_budget="400MiB", policy="fixed", initial_cache_experts=4,
+              tensor_parallel_size=2)
+    worker = llm.tp_group.procs[0]
+    for i, p in enumerate(PROMPTS):
+        llm.add_request(f"r{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+    llm.step()
+    llm.step()
+    os.kill(worker.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code -9"):
+        while time.monotonic() - t0 < 60:
+            llm.step()
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(TensorParallelError, match="rank 1"):  # the engine stays dead, and says why
+        llm.step()
+    assert not worker.is_alive()
+
+
+def test_bad_sizes_are_clear_errors(model_dir, tmp_path):
+    if model_dir.name != "tiny-qwen3-moe":
+        pytest.skip("one model is enough")
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
+        LLM(model_dir, **BASE, gpu_memory_budget="400MiB", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        LLM(model_dir, **BASE, tensor_parallel_size=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("RIMURU_TP8") != "1", reason="8 processes: opt in with RIMURU_TP8=1")
+def test_eight_ranks_greedy_identical(tmp_path):
+    """The 8-GPU configuration's CPU stand-in: TP=8 (2 KV heads replicated over 8 ranks) on a tiny 8-head model.
+    Opt-in (eight processes on a 2-core CI machine): ``RIMURU_TP8=1 pytest -k eight_ranks``."""
+    from rimuru.models.checkpoint import hub_config, write_synthetic_checkpoint
+
+    config = hub_config("tiny-qwen3-moe")
+    config.update(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    model = write_synthetic_checkpoint(tmp_path / "cfg" / "config.json", tmp_path / "ckpt", dtype=torch.float32,
+                                       tokenizer=False)
+    options = dict(BASE, gpu_memory_budget="400MiB", policy="fixed", initial_cache_experts=6)
+    expected = generate(LLM(model, **options))
+    llm = LLM(model, **options, tensor_parallel_size=8)
+    try:
+        assert generate(llm) == expected
+    finally:
+        llm.close()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(model_dir):
+    """`rimuru serve --tensor-parallel-size 2`: kill rank 1 mid-request -> that request gets 503, the server
+    exits with status 1 within 60 s, and no worker process is left."""
+    if model_dir.name != "tiny-qwen3-moe":
+        pytest.skip("one model is enough")
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+
+    from rimuru.models.spec import ModelSpec
+    from rimuru.models.tokenizer import family_for_vocab, write_tokenizer
+
+    if not (model_dir / "tokenizer.json").exists():
+        write_tokenizer(model_dir, family_for_vocab(ModelSpec.from_pretrained(model_dir).vocab_size))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "rimuru.cli", "serve", str(model_dir), "--port", str(port),
+                               "--device", "cpu", "--policy", "fixed", "--gpu-memory-budget", "400MiB",
+                               "--tensor-parallel-size", "2", "--log-level", "warning",
+                               "--engine-option", "initial_cache_experts=4"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.5)
+        workers = [c for c in _children(server.pid) if "resource_tracker" not in _cmdline(c)]
+        assert len(workers) == 1
+        result = {}
+
+        def long_request():
+            r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": "tiny-qwen3-moe", "prompt": "Hello there", "max_tokens": 3000, "ignore_eos": True})
+            result["status"] = r.status_code
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        time.sleep(3)
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        assert server.wait(timeout=60) == 1
+        assert time.monotonic() - t0 < 60
+        thread.join(30)
+        assert result.get("status") == 503
+        assert "rank 1 exited with code -9" in server.stderr.read().decode()
+        assert not _children(server.pid)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
