@@ -25,7 +25,7 @@ from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import ScheduledChunk, SchedulerOutput
 from rimuru.experts.cache import ExpertCache
 
-Op = tuple  # ("kv_alloc", rid, total_tokens) | ("kv_free", rid) | ("expand", n) | ("shrink", n) | ("reclaim",)
+Op = tuple  # ("kv_alloc", [(rid, total_tokens), ...]) | ("kv_free", rid) | ("expand", n) | ("shrink", n) | ("reclaim",)
 
 
 class RecordingKVCacheManager(KVCacheManager):
@@ -33,10 +33,10 @@ class RecordingKVCacheManager(KVCacheManager):
 
     oplog: list[Op] | None = None
 
-    def allocate(self, request_id: str, total_tokens: int) -> None:
-        super().allocate(request_id, total_tokens)
+    def allocate_many(self, requests: list[tuple[str, int]]) -> None:  # allocate() comes through here too
+        super().allocate_many(requests)
         if self.oplog is not None:
-            self.oplog.append(("kv_alloc", request_id, total_tokens))
+            self.oplog.append(("kv_alloc", list(requests)))
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
@@ -71,8 +71,8 @@ class RecordingExpertCache(ExpertCache):
 def apply_ops(ops: list[Op], kv: KVCacheManager, cache: ExpertCache) -> None:
     for op in ops:
         kind = op[0]
-        if kind == "kv_alloc":
-            kv.allocate(op[1], op[2])
+        if kind == "kv_alloc":  # one allocator call for the batch, as on rank 0: the same page ids
+            kv.allocate_many(op[1])
         elif kind == "kv_free":
             kv.free(op[1])
         elif kind == "expand":
