@@ -4,8 +4,8 @@ Rank 0 runs the scheduler and the adjuster. Every call that changes its allocato
 (scheduler), an expert-cache expand, shrink or reclaim (adjuster, after the forward) — is appended to an
 operation log; the log of a step goes to every other rank with that step's batch, before rank 0's forward.
 Each rank applies the log to its own allocator, KV manager and expert cache, in order, then runs its shard of
-the forward. The allocator is deterministic, every rank's pool has the same page count (rank 0 agrees on the
-smallest pool over ranks at start-up), so every rank holds the same page ids for the same KV blocks and the
+the forward. The allocator is deterministic, every rank's pool has the same page count (the ranks plan with the
+largest dense shard over ranks at start-up), so every rank holds the same page ids for the same KV blocks and the
 same cached experts — each page holding that rank's slice. ``state_digest`` checks exactly that.
 
 Loads completing (``ExpertCache.poll``) are per rank and not logged: a rank whose copy finished later reads
