@@ -235,7 +235,7 @@ def main() -> None:
     # ---- TP=1 static engine: hotset profile, greedy reference, decode-step baseline
     static1 = scaled_budget(full, model_dir, parse_bytes(args.static_budget), args.layers, 1, True, dtype)
     one = LLM(model_dir, gpu_memory_budget=static1, policy="static", record_routing=True, **common)
-    one.warmup()
+    one.warmup(1024)
     cal = [r["prompt_token_ids"][:256] for r in trace[:64]]
     one.generate(cal, [SamplingParams(max_tokens=1 + (i * 37) % 48, ignore_eos=True) for i in range(len(cal))],
                  use_tqdm=False)
@@ -265,7 +265,7 @@ def static_part(args, one, model_dir, full, hotset_path, greedy_prompts, greedy_
     staticn = scaled_budget(full, model_dir, parse_bytes(args.static_budget), args.layers, tp, True, dtype)
     many = LLM(model_dir, gpu_memory_budget=staticn, policy="static", hotset=str(hotset_path),
                tensor_parallel_size=tp, **common)
-    many.warmup()
+    many.warmup(1024)
     got = [o.output_token_ids for o in many.generate(greedy_prompts, greedy_params, use_tqdm=False)]
     many.check_integrity()
     same_tokens = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y))
@@ -322,7 +322,7 @@ def e2e_part(args, model_dir, full, hotset_path, trace, common, out, label, cuda
             llm = LLM(model_dir, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve,
                       hotset=str(hotset_path), tensor_parallel_size=tp, **common)
             try:
-                llm.warmup()
+                llm.warmup(2560)
                 llm.generate([trace[0]["prompt_token_ids"]] * 4, SamplingParams(max_tokens=4, ignore_eos=True),
                              use_tqdm=False)
                 for workload in args.workloads.split(","):
