@@ -47,6 +47,7 @@ include: "workflow/rules/case.smk"
 include: "workflow/rules/eol.smk"
 include: "workflow/rules/timeline.smk"
 include: "workflow/rules/modeled.smk"
+include: "workflow/rules/hybrid.smk"
 
 
 rule all:
@@ -58,4 +59,5 @@ rule all:
         rules.case_all.input,
         rules.eol_all.input,
         rules.timeline_all.input,
+        rules.hybrid_all.input,
         rules.modeled_all.input if config["modeled"].get("enabled", True) else [],

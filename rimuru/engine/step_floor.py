@@ -1,10 +1,11 @@
 """The floor of a decode step (DESIGN.md §6), from an engine timeline.
 
 A decode step must read the dense weights it multiplies (the lm_head, every layer's attention,
-router and norms; the embedding table is only gathered), the experts it routes to and the KV it
-attends over from HBM, and copy the experts it lacks over PCIe. Floor = max of the two times
-(copies hidden behind HBM-bound compute) or their sum (none hidden). One place for the byte model
-so that the GPU run and the figures report the same floor.
+router and norms; the embedding table is only gathered), the experts it routes to, the KV it
+attends over and (hybrids) each request's GDN states, read and written, from HBM, and copy the
+experts it lacks over PCIe. Floor = max of the two times (copies hidden behind HBM-bound compute)
+or their sum (none hidden). One place for the byte model so that the GPU run and the figures
+report the same floor.
 """
 
 from __future__ import annotations
@@ -32,8 +33,14 @@ def decode_floor(timeline: pd.DataFrame, spec: ModelSpec, layers: int | None = N
     per_layer = (spec.dense_bytes(dtype) - tables - spec.hidden_size * elem) / spec.num_layers
     dense_read = table + used * per_layer  # lm_head + the layers'; embeddings are gathered, not read
     kv_token = spec.kv_bytes_per_token(dtype) * used / spec.num_layers
+    # hybrids: each running request's GDN states are read and written once per layer (fp32 SSM, conv in dtype)
+    hv, k, v = spec.ssm_state_shape()
+    rows, conv_dim = spec.conv_state_shape()
+    gdn_layers = len(spec.linear_attention_layers) * used / spec.num_layers
+    state_rw = 2 * (hv * k * v * 4 + rows * conv_dim * elem) * gdn_layers
     d = timeline[timeline["prefill_tokens"] == 0].copy()
-    d["hbm_bytes"] = dense_read + d["experts_touched"] * spec.expert_bytes(dtype) + d["context_tokens"] * kv_token
+    d["hbm_bytes"] = (dense_read + d["experts_touched"] * spec.expert_bytes(dtype) + d["context_tokens"] * kv_token
+                      + d["running"] * state_rw)
     d["hbm_ms"] = d["hbm_bytes"] / HBM_BPS * 1e3
     d["pcie_ms"] = d["expert_bytes_loaded"] / PCIE_BPS * 1e3
     d["floor_overlap_ms"] = np.maximum(d["hbm_ms"], d["pcie_ms"])

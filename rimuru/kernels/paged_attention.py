@@ -366,7 +366,7 @@ def prefill_attention(
         max_query_len = int((cu_query_lens[1:] - cu_query_lens[:-1]).max())
     qk = q if q.dtype == kv.dtype else q.to(kv.dtype)
     head_dim = q.shape[2]
-    if kv.element_size() >= 4:  # fp32 tiles are twice the bytes: keep them within shared memory
+    if kv.element_size() >= 4 or head_dim > 128:  # fp32 or wide heads (Qwen3.5: 256): keep tiles in shared memory
         block_m, block_n = min(block_m, 64), min(block_n, 32)
     block_m = max(16, min(block_m, triton.next_power_of_2(max_query_len * group)))
     grid = (num_req, triton.cdiv(max_query_len * group, block_m), kv_heads)

@@ -1,0 +1,30 @@
+# Hybrid models (Qwen3.5: Gated DeltaNet + gated attention): the KV-waste table (16-token KV pages vs a block
+# forced to the state page, ShareGPT lengths) and the state-page leak check (a 1,000-request burst through
+# the real engine on the tiny hybrid, CPU). GPU kernel timings and the scaled H200 e2e are committed under
+# results/reference/hybrid/ (workflow/scripts/device_hybrid.sh).
+
+HYBRID = config.get("hybrid", {})
+
+
+rule hybrid_kv_waste:
+    output:
+        csv="results/hybrid/kv_waste.csv",
+        md="results/hybrid/kv_waste.md",
+    params:
+        models=",".join(HYBRID.get("models", ["qwen3.5-35b-a3b", "qwen3.5-122b-a10b"])),
+        n=HYBRID.get("waste_requests", 1000),
+    log: "results/logs/hybrid/kv_waste.log"
+    shell: "{PY} {SCRIPTS}/hybrid_kv_waste.py --models {params.models} --num-requests {params.n} --out {output.csv} > {log} 2>&1"
+
+
+rule hybrid_state_burst:
+    output: "results/hybrid/state_burst.json"
+    params: n=HYBRID.get("burst_requests", 1000)
+    log: "results/logs/hybrid/state_burst.log"
+    shell: "{PY} {SCRIPTS}/hybrid_state_burst.py --num-requests {params.n} --out {output} > {log} 2>&1"
+
+
+rule hybrid_all:
+    input:
+        rules.hybrid_kv_waste.output,
+        rules.hybrid_state_burst.output if HYBRID.get("burst", True) else [],
