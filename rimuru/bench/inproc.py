@@ -2,9 +2,11 @@
 
 Arrival times are honoured against the wall clock: a request is added (``add_request``) when it is due,
 and the loop calls ``step()`` while anything is unfinished, sleeping when idle until the next arrival.
-A request's token times are the wall-clock times at which ``step()`` returned its tokens, i.e. what a
-client streaming from the engine would see; a step that returns several tokens of one request counts as
-one chunk (one ITL sample), as a streaming server would send it.
+A request's latencies (TTFT, end-to-end) count from its scheduled arrival, as a client that sent it then
+would: a request that arrives while a step runs waits for that step. Its token times are the wall-clock
+times at which ``step()`` returned its tokens; a step that returns several tokens of one request counts
+as one chunk (one ITL sample), as a streaming server would send it. Requests that carry token ids
+(``TraceRequest.prompt_token_ids``) are not tokenized again.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = T
 
     encode = prompt_encoder(engine)
     ordered = sorted(requests, key=lambda r: r.arrival_time)
-    prompts = [encode(r.prompt) for r in ordered]
+    prompts = [list(r.prompt_token_ids) if r.prompt_token_ids is not None else encode(r.prompt) for r in ordered]
     records = {r.request_id: RequestRecord(r.request_id, len(p), r.output_len) for r, p in zip(ordered, prompts)}
     _warm_up(engine, prompts[0] if prompts else [], ordered[0].output_len if ordered else 1, ignore_eos, num_warmups)
     base = _stats(engine)
@@ -87,7 +89,7 @@ def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = T
         now = time.perf_counter()
         while i < len(ordered) and start + ordered[i].arrival_time * time_scale <= now:
             req, rec = ordered[i], records[ordered[i].request_id]
-            rec.start_time = time.perf_counter()
+            rec.start_time = start + req.arrival_time * time_scale  # the scheduled arrival
             try:
                 engine.add_request(req.request_id, prompts[i],
                                    SamplingParams(max_tokens=req.output_len, ignore_eos=ignore_eos))

@@ -12,6 +12,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default=None, help="override the spec's dataset (a ShareGPT JSON path, ...)")
     parser.add_argument("--tokenizer", default=None,
                         help="override the spec's tokenizer: qwen, qwen3.5, or a HF tokenizer dir / hub name")
+    parser.add_argument("--token-ids", action="store_true",
+                        help="also store each prompt's token ids (spec's tokenizer): a trace for machines without "
+                             "the dataset or tokenizer packages")
     parser.add_argument("--out", default=None, help="trace path (JSONL); default: print a summary only")
     parser.add_argument("--list", action="store_true", help="list the bundled workload specs and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -20,6 +23,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from rimuru.cli import UserError
     from rimuru.workloads import build_trace, list_specs, load_spec, write_trace
+    from rimuru.workloads.trace import with_token_ids
 
     if args.list:
         for name in list_specs():
@@ -32,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--num-requests must be at least 1, got {args.num_requests}")
     spec = load_spec(args.spec).with_overrides(dataset=args.dataset, tokenizer=args.tokenizer)
     trace = build_trace(spec, seed=args.seed, num_requests=args.num_requests, progress=not args.no_progress)
+    if args.token_ids:
+        trace = with_token_ids(spec, trace)
     if args.out:
         write_trace(args.out, trace)
     prompt_tokens = sum(r.prompt_len for r in trace)

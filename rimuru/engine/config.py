@@ -30,6 +30,7 @@ class EngineConfig:
     moe_impl: str = "auto"  # auto (triton on cuda, cpu elsewhere) | triton | cpu | reference (the oracle)
     attention_impl: str = "auto"
     seed: int = 0
+    tokenizer: str = "checkpoint"  # checkpoint: its tokenizer.json | qwen-folded: that, else Qwen ids % vocab
     record_routing: bool = False  # count router selections (for `rimuru profile`)
     # ---- which executor runs the forward pass
     executor: str = "torch"  # torch: the model runs | modeled: a cost model and a routing model stand in for it
@@ -45,6 +46,10 @@ class EngineConfig:
         from rimuru.engine.memory_policy import policy_class
 
         policy_class(self.policy)
+        from rimuru.models.tokenizer import TOKENIZER_CHOICES
+
+        if self.tokenizer not in TOKENIZER_CHOICES:
+            raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got {self.tokenizer!r}")
         if self.prefetch not in ("predict", "none"):
             raise ValueError(f"prefetch must be 'predict' or 'none', got {self.prefetch!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:

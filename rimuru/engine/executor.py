@@ -1,6 +1,6 @@
 """TorchExecutor: turns a SchedulerOutput into model inputs, runs the forward, returns logits.
 
-The one seam between policy and hardware (DESIGN.md §4): the scheduler, allocator and
+The one seam between policy and hardware (docs/architecture.md §4): the scheduler, allocator and
 adjuster above it never touch tensors; a modeled executor can replace this class.
 """
 

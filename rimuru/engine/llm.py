@@ -40,7 +40,7 @@ from rimuru.models.loader import LoadedCheckpoint, load_checkpoint
 from rimuru.models.qwen_moe import QwenMoeModel
 from rimuru.models.spec import ModelSpec
 from rimuru.models.synthetic_memory import SyntheticCheckpoint
-from rimuru.models.tokenizer import load_tokenizer
+from rimuru.models.tokenizer import engine_tokenizer
 
 log = logging.getLogger("rimuru.engine")
 
@@ -114,7 +114,8 @@ class LLM:
             ckpt = load_checkpoint(self.model_dir, device=device, dtype=dtype, shard=shard)
             spec = ckpt.spec
         self.spec = spec
-        self.tokenizer = None if self.model_dir == Path(".") else _load_tokenizer(self.model_dir)
+        self.tokenizer = engine_tokenizer(config.tokenizer, None if self.model_dir == Path(".") else self.model_dir,
+                                          spec.vocab_size)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
 
         # ---- memory: the policy splits the budget, the pool holds what is left after dense weights and activations
@@ -366,6 +367,14 @@ class LLM:
             return self.tokenizer.encode(prompt, add_special_tokens=False)
         return [int(t) for t in prompt]
 
+    def profile_hotset(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> Hotset:
+        """Run calibration prompts to completion and return the hotset their routing gives (the one profiler:
+        `rimuru profile`, the pipeline and the GPU run call this). Needs ``record_routing=True``."""
+        if self.model.routing_counts is None:
+            raise RuntimeError("create the engine with record_routing=True to profile routing")
+        self.generate(prompts, params, use_tqdm=False)
+        return self.routing_hotset()
+
     def routing_hotset(self) -> Hotset:
         """The hotset measured from the routing recorded so far (``record_routing=True``)."""
         counts = self.model.routing_counts if self.model is not None else None
@@ -419,8 +428,3 @@ class LLM:
                 if digest != mine:
                     raise self.tp_group.fail(TensorParallelError(
                         f"tensor-parallel rank {rank}'s pool state differs from rank 0's"))
-
-
-
-def _load_tokenizer(model_dir: Path):
-    return load_tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None

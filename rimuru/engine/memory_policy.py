@@ -105,9 +105,15 @@ class MemoryPolicy:
         self.plan_: MemoryPlan | None = None
 
     # ------------------------------------------------------------------ plan (pure)
-    def buffer_experts(self, spec: ModelSpec) -> int:
+    @classmethod
+    def buffer_experts(cls, spec: ModelSpec) -> int:
         """Experts per loading buffer: one MoE layer's experts, or none."""
-        return spec.num_experts if self.loads_experts else 0
+        return spec.num_experts if cls.loads_experts else 0
+
+    @classmethod
+    def loading_buffer_bytes(cls, spec: ModelSpec, dtype: torch.dtype, tp: int = 1) -> int:
+        """Bytes of the two loading buffers (what a scaled budget keeps at the model's own size)."""
+        return 2 * cls.buffer_experts(spec) * spec.expert_bytes(dtype, tp)
 
     def initial_cache(self, total: int, free_l2: int) -> int:
         c = self.config

@@ -1,4 +1,4 @@
-"""The floor of a decode step (DESIGN.md §6), from an engine timeline.
+"""The floor of a decode step (docs/architecture.md §6), from an engine timeline.
 
 A decode step must read the dense weights it multiplies (the lm_head, every layer's attention,
 router and norms; the embedding table is only gathered), the experts it routes to, the KV it

@@ -1,4 +1,4 @@
-"""Workload-aware expert cache adjuster (DESIGN.md §3, the paper's Algorithm 1).
+"""Workload-aware expert cache adjuster (docs/architecture.md §3, the paper's Algorithm 1).
 
 A pure policy: once per scheduler step, from the scheduler's shortfall R_b and the free L2
 pages F_b, decide how many experts to shrink (negative) or expand (positive). The cache

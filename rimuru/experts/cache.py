@@ -1,6 +1,6 @@
 """Expert cache: which experts are resident in pool pages, and the page table that says where.
 
-The cached set is always a prefix of the hotset's global order (DESIGN.md §3). Shrunk experts
+The cached set is always a prefix of the hotset's global order (docs/architecture.md §3). Shrunk experts
 stay in the page table until ``reclaim()`` runs after the forward pass that may use them;
 expanded experts enter the table only when their copy has completed (``poll()``). This class
 is the only writer of ``page_table`` and of the expert pages it owns.

@@ -1,10 +1,10 @@
-"""Host copies of every routed expert, already in page shape (DESIGN.md §3).
+"""Host copies of every routed expert, already in page shape (docs/architecture.md §3).
 
 One host tensor ``[L, E, 3, f, d]``: projection 0 = W1 (gate_proj ``[f, d]``), 1 = W3 (up_proj
 ``[f, d]``), 2 = W2 (down_proj ``[d, f]`` stored transposed as ``[f, d]``). Every projection
 is then one pool page, and a tensor-parallel shard of any of the three is the row slice
 ``[rank*f/tp : (rank+1)*f/tp]`` — contiguous, so one copy per page. Pinned when CUDA exists:
-pageable host memory copies ~9x slower (DESIGN.md §6). Weights are immutable: eviction never
+pageable host memory copies ~9x slower (docs/architecture.md §6). Weights are immutable: eviction never
 writes back, so the store is read-only after loading.
 """
 

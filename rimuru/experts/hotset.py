@@ -1,7 +1,7 @@
 """Hotset profile: per MoE layer, experts ordered by empirical routing probability.
 
 The cache policy is prefix-based over one global order that interleaves layers by probability
-(DESIGN.md §3). Profiles are JSON so they can be inspected and committed.
+(docs/architecture.md §3). Profiles are JSON so they can be inspected and committed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Page-table-aware fused MoE (DESIGN.md §3): experts read straight from pool pages.
+"""Page-table-aware fused MoE (docs/architecture.md §3): experts read straight from pool pages.
 
 Two launches of one kernel over the expert-grouped schedule of :mod:`rimuru.kernels.moe_align`:
 

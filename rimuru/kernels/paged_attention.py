@@ -1,6 +1,6 @@
 """Paged attention over the pool's KV view: write K/V into pages, varlen (chunked) prefill, split-KV decode.
 
-Layout (DESIGN.md §2): the KV view is ``[num_pages, 2, B, Hkv, D]`` over the pool's bytes, K at index 0
+Layout (docs/architecture.md §2): the KV view is ``[num_pages, 2, B, Hkv, D]`` over the pool's bytes, K at index 0
 and V at index 1 of dim 1; a page holds one block of ``B`` tokens of ONE layer. A request's token ``n``
 sits in page ``block_tables[r, n // B]`` at offset ``n % B``; a slot is ``page_id * B + offset``.
 

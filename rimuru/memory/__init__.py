@@ -1,4 +1,4 @@
-"""One page pool, typed views, and the multi-level allocator (DESIGN.md §2)."""
+"""One page pool, typed views, and the multi-level allocator (docs/architecture.md §2)."""
 
 from rimuru.memory.allocator import AllocatorError, MultiLevelAllocator, OutOfPages
 from rimuru.memory.layout import CONV, EXPERT, KV, PAGES_PER_EXPERT, SSM, W1, W2, W3, PageClass, PoolLayout

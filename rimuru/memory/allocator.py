@@ -1,4 +1,4 @@
-"""Multi-level page allocator over one pool (DESIGN.md §2).
+"""Multi-level page allocator over one pool (docs/architecture.md §2).
 
 Levels: huge pages (L1) split on demand into L2 pages of one class (expert, SSM); L2 pages
 split into L3 units of one class (KV blocks, conv-state runs). Never L1 straight to L3.

@@ -1,4 +1,4 @@
-"""Page classes of the unified pool and their sizes (DESIGN.md §2).
+"""Page classes of the unified pool and their sizes (docs/architecture.md §2).
 
 L1 is the huge page, ``lcm`` of the L2 page sizes. L2 classes (expert, SSM) split huge pages;
 L3 classes (KV, conv) split one L2 parent class. Every size is validated here so the

@@ -1,7 +1,7 @@
 """A synthetic checkpoint built straight into memory (pinned host experts, dense on device).
 
 Same tensors as ``write_synthetic_checkpoint`` (same recipes, same seeds) without the disk:
-paper-scale models on a GPU machine whose disk cannot hold them (DESIGN.md §6). An optional
+paper-scale models on a GPU machine whose disk cannot hold them (docs/architecture.md §6). An optional
 ``num_layers`` keeps the real layer shapes but fewer layers, for runs that must fit a time budget.
 """
 

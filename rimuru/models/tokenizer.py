@@ -104,3 +104,32 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class FoldedQwenTokenizer:
+    """Prompt text -> Qwen BPE ids folded into a small vocabulary (``id % vocab_size``), for synthetic mini
+    models that carry no tokenizer. Token counts are exactly Qwen's, which is all memory behaviour depends on."""
+
+    def __init__(self, vocab_size: int) -> None:
+        from rimuru.workloads.tokens import get_token_counter
+
+        self.vocab_size = vocab_size
+        self._encode = get_token_counter("qwen").encode
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [t % self.vocab_size for t in self._encode(text)]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))  # folded ids have no text
+
+
+TOKENIZER_CHOICES = ("checkpoint", "qwen-folded")
+
+
+def engine_tokenizer(choice: str | None, model_dir: Path | None, vocab_size: int):
+    """The engine's tokenizer: the checkpoint's ``tokenizer.json`` (None without one), or Qwen ids folded into
+    the model's vocabulary when the checkpoint has none (``qwen-folded``)."""
+    own = load_tokenizer(model_dir) if model_dir is not None and (model_dir / "tokenizer.json").exists() else None
+    if own is None and choice == "qwen-folded":
+        return FoldedQwenTokenizer(vocab_size)
+    return own

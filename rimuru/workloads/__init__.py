@@ -1,4 +1,4 @@
-"""Workloads (DESIGN.md §5): ShareGPT sampling as `vllm bench serve` does it, token counting, arrival
+"""Workloads (docs/architecture.md §5): ShareGPT sampling as `vllm bench serve` does it, token counting, arrival
 processes, YAML workload specs and deterministic JSONL request traces."""
 
 from rimuru.workloads.arrivals import ArrivalSpec, arrival_times

@@ -1,10 +1,11 @@
 """Request traces: a workload spec + seed + request count -> a deterministic list of requests, stored
-as JSONL (one request per line: request_id, arrival_time, prompt, prompt_len, output_len)."""
+as JSONL (one request per line: request_id, arrival_time, prompt, prompt_len, output_len, and with
+``with_token_ids`` the prompt's token ids, for machines without the dataset or tokenizer packages)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from rimuru.workloads.arrivals import arrival_times
@@ -22,6 +23,13 @@ class TraceRequest:
     prompt: str
     prompt_len: int  # tokens, as counted by the spec's tokenizer
     output_len: int  # tokens to generate (max_tokens)
+    prompt_token_ids: tuple[int, ...] | None = None  # the prompt tokenized by the spec's tokenizer, when stored
+
+
+def with_token_ids(spec: WorkloadSpec, requests: list[TraceRequest]) -> list[TraceRequest]:
+    """The requests with their prompts tokenized by the spec's tokenizer."""
+    encode = get_token_counter(spec.tokenizer).encode
+    return [replace(r, prompt_token_ids=tuple(encode(r.prompt))) for r in requests]
 
 
 def build_trace(spec: WorkloadSpec, *, seed: int | None = None, num_requests: int | None = None,
@@ -45,7 +53,12 @@ def write_trace(path: str | Path, requests: list[TraceRequest]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as f:
         for r in requests:
-            f.write(json.dumps(asdict(r), ensure_ascii=False) + "\n")
+            row = asdict(r)
+            if r.prompt_token_ids is None:
+                del row["prompt_token_ids"]
+            else:
+                row["prompt_token_ids"] = list(r.prompt_token_ids)
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
@@ -56,10 +69,15 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
                 continue
             try:
                 row = json.loads(line)
-                requests.append(TraceRequest(str(row["request_id"]), float(row["arrival_time"]), str(row["prompt"]),
-                                             int(row["prompt_len"]), int(row["output_len"])))
+                ids = row.get("prompt_token_ids")
+                ids = None if ids is None else tuple(int(t) for t in ids)
+                prompt_len = int(row["prompt_len"]) if ids is None or "prompt_len" in row else len(ids)
+                requests.append(TraceRequest(str(row["request_id"]), float(row["arrival_time"]),
+                                             str(row["prompt"] if ids is None else row.get("prompt", "")),
+                                             prompt_len, int(row["output_len"]), ids))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a trace line with {', '.join(FIELDS)} ({exc})") from exc
+                raise ValueError(f"{path}:{lineno}: not a trace line with {', '.join(FIELDS)} "
+                                 f"(or prompt_token_ids instead of prompt) ({exc})") from exc
     if not requests:
         raise ValueError(f"{path}: empty trace")
     return sorted(requests, key=lambda r: r.arrival_time)

@@ -136,3 +136,23 @@ def test_request_rate_flags_replace_a_traces_arrivals_as_vllm_flags_do(tmp_path)
     assert info["arrival"]["kind"] == "gamma" and len(reqs) == 20
     reqs, info = load_requests(str(path), request_rate=float("inf"))
     assert {r.arrival_time for r in reqs} == {0.0} and info["arrival"]["rate"] == "inf"
+
+
+def test_inproc_times_ttft_from_the_scheduled_arrival_not_from_when_the_loop_got_to_it():
+    # r1 is due at 10 ms, while r0's first step (>= 50 ms) runs: it is added only after that step and
+    # gets its first token a step later, so from its scheduled arrival its TTFT is at least 90 ms
+    engine = FakeLLM(step_delay_s=0.05)
+    reqs = [TraceRequest("r0", 0.0, "a b c", 3, 2), TraceRequest("r1", 0.01, "d e f", 3, 2)]
+    records, _, _ = run_inproc(engine, reqs, progress=False, num_warmups=0)
+    assert records[1].start_time - records[0].start_time == pytest.approx(0.01)
+    assert records[1].ttft >= 0.09
+
+
+def test_inproc_uses_a_traces_token_ids_without_tokenizing():
+    engine = FakeLLM()
+    seen = []
+    add = engine.add_request
+    engine.add_request = lambda rid, ids, params, **kw: (seen.append(list(ids)), add(rid, ids, params, **kw))
+    reqs = [TraceRequest("r0", 0.0, "text that is not tokenized", 3, 2, (5, 6, 7))]
+    records, _, _ = run_inproc(engine, reqs, progress=False, num_warmups=0)
+    assert records[0].success and seen == [[5, 6, 7]]

@@ -64,3 +64,14 @@ def test_plan_does_not_depend_on_the_layout_being_built_twice(spec):
     config = EngineConfig(policy="elastic", **OPTS)
     layout = PoolLayout.from_spec(spec, block_tokens=config.block_tokens, weight_dtype=torch.float32)
     assert make_policy(config).plan(spec, layout) == plan_memory(spec, config)
+
+
+def test_the_folded_tokenizer_is_an_engine_option_not_a_patch(tmp_path):
+    from rimuru.models.tokenizer import FoldedQwenTokenizer, engine_tokenizer
+
+    with pytest.raises(ValueError, match="tokenizer must be one of"):
+        EngineConfig(tokenizer="gpt2")
+    assert engine_tokenizer("checkpoint", tmp_path, 4096) is None  # no tokenizer.json there
+    folded = engine_tokenizer("qwen-folded", tmp_path, 4096)
+    assert isinstance(folded, FoldedQwenTokenizer)
+    assert all(0 <= t < 4096 for t in folded.encode("a longer sentence with some rare words: zygote"))

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -65,3 +66,21 @@ def test_workload_command_bad_input_is_one_line_without_traceback(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no workload spec" in err and "Traceback" not in err
     assert main(["workload", "sharegpt-burst", "--num-requests", "0"]) == 2
+
+
+def test_workload_command_token_ids_round_trip(tiny_spec, tmp_path, capsys):
+    from rimuru.workloads.tokens import get_token_counter
+
+    out = tmp_path / "ids.jsonl"
+    assert main(["workload", str(tiny_spec), "--token-ids", "--out", str(out), "--no-progress"]) == 0
+    trace = read_trace(out)
+    encode = get_token_counter(load_spec(tiny_spec).tokenizer).encode
+    assert all(r.prompt_token_ids == tuple(encode(r.prompt)) and len(r.prompt_token_ids) for r in trace)
+    plain = tmp_path / "plain.jsonl"
+    write_trace(plain, [dataclasses.replace(r, prompt_token_ids=None) for r in trace])
+    assert "prompt_token_ids" not in plain.read_text() and read_trace(plain)[0].prompt_token_ids is None
+    # a trace of token ids alone (no prompt text) reads too
+    ids_only = tmp_path / "ids_only.jsonl"
+    ids_only.write_text(json.dumps({"request_id": "a", "arrival_time": 0, "prompt_token_ids": [1, 2],
+                                    "output_len": 3}) + "\n")
+    assert read_trace(ids_only)[0].prompt_len == 2

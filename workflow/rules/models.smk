@@ -17,8 +17,10 @@ rule models_hotset:
     params: p=config["profile"]
     log: "results/logs/models/{model}.hotset.log"
     shell:
-        "{PY} {SCRIPTS}/profile_hotset.py {input} --out {output} --workload {params.p[workload]} "
-        "--num-prompts {params.p[num_prompts]} --max-tokens {params.p[max_tokens]} > {log} 2>&1"
+        "OMP_NUM_THREADS=1 rimuru profile {input} --out {output} --workload {params.p[workload]} "
+        "--num-prompts {params.p[num_prompts]} --max-tokens {params.p[max_tokens]} --max-prompt-tokens 256 "
+        "--device cpu --dtype float32 --gpu-memory-budget 2GiB --activation-reserve 64MiB --tokenizer qwen-folded "
+        "--seed 0 --calibration-seed 1 --threads 1 --no-progress > {log} 2>&1"
 
 
 rule models_all:

@@ -46,7 +46,7 @@ from rimuru.provenance import provenance
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "rimuru" / "models" / "configs"
 MODELS = ("qwen3-30b-a3b", "qwen3.5-35b-a3b")
-HBM_TBS, BF16_TFLOPS = 4.26, 798.0  # DESIGN.md §6, measured on this H200
+HBM_TBS, BF16_TFLOPS = 4.26, 798.0  # docs/architecture.md §6, measured on this H200
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # --smoke: "cpu" under TRITON_INTERPRET=1, tiny shapes, wall-clock timing
 MODEL_SHAPES: dict[str, tuple[int, int, int, int]] = {}  # overrides (smoke test)

@@ -45,8 +45,8 @@ from rimuru.kernels.paged_attention import (
 )
 from rimuru.provenance import provenance
 
-HBM_BYTES_PER_S = 4.26e12  # measured device-to-device copy, DESIGN.md §6
-BF16_FLOPS = 798e12  # measured bf16 matmul 8192^3, DESIGN.md §6
+HBM_BYTES_PER_S = 4.26e12  # measured device-to-device copy, docs/architecture.md §6
+BF16_FLOPS = 798e12  # measured bf16 matmul 8192^3, docs/architecture.md §6
 TOLERANCE = 1e-2
 
 QWEN3_30B = dict(heads=32, kv_heads=4, head_dim=128, block=16)

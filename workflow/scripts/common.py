@@ -36,15 +36,16 @@ def scaled_budget(model_dir: str | Path, real_config: str, card_gib: float, frac
     """
     import torch
 
+    from rimuru.engine.memory_policy import policy_class
     from rimuru.models.spec import ModelSpec
 
     real, mini = ModelSpec.from_pretrained(real_config), ModelSpec.from_pretrained(model_dir)
     dtype = torch.float32
     s = mini.total_expert_bytes(dtype) / real.total_expert_bytes(torch.bfloat16)
     s_kv = mini.kv_bytes_per_token(dtype) / real.kv_bytes_per_token(torch.bfloat16)
-    buffers = policy in ("fixed", "elastic")
-    real_buffers = 2 * real.num_experts * real.expert_bytes(torch.bfloat16) if buffers else 0
-    mini_buffers = 2 * mini.num_experts * mini.expert_bytes(dtype) if buffers else 0
+    memory_policy = policy_class(policy)
+    real_buffers = memory_policy.loading_buffer_bytes(real, torch.bfloat16)
+    mini_buffers = memory_policy.loading_buffer_bytes(mini, dtype)
     real_budget = fraction * card_gib * GIB
     real_pool = real_budget - real.dense_bytes(torch.bfloat16) - real_activation_gib * GIB
     pool = (real_pool - real_buffers) * s + mini_buffers
@@ -56,24 +57,6 @@ def scaled_budget(model_dir: str | Path, real_config: str, card_gib: float, frac
 
 
 # ---------------------------------------------------------------------------------------------- engines
-class ModVocabTokenizer:
-    """Prompt text -> Qwen BPE ids folded into a small vocabulary (the mini models carry 4096 ids).
-
-    Token counts are exactly Qwen's, which is all the memory behaviour depends on."""
-
-    def __init__(self, vocab_size: int) -> None:
-        from rimuru.workloads.tokens import get_token_counter
-
-        self.vocab_size = vocab_size
-        self._encode = get_token_counter("qwen").encode
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [t % self.vocab_size for t in self._encode(text)]
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))  # folded ids have no text
-
-
 def engine_options(engine_kwargs: dict, overrides: list[str], hotset: str | None) -> dict:
     """A system's LLM(...) options with ``--engine-option KEY=VALUE`` overrides (JSON values; none/null
     -> None) and an optional hotset profile."""
@@ -87,17 +70,15 @@ def engine_options(engine_kwargs: dict, overrides: list[str], hotset: str | None
 
 
 def make_engine(model_dir: str | Path, budget: int, activation_bytes: int, engine_kwargs: dict, **extra):
-    """The real engine on the CPU in fp32; a model without tokenizer gets the folded Qwen tokenizer."""
+    """The real engine on the CPU in fp32; a model without tokenizer gets Qwen ids folded into its vocabulary."""
     import torch
 
     from rimuru.engine.llm import LLM
 
     options = dict(engine_kwargs) | extra
-    llm = LLM(model_dir, gpu_memory_budget=budget, device="cpu", dtype=torch.float32,
-              activation_reserve=activation_bytes, **options)
-    if llm.tokenizer is None:
-        llm.tokenizer = ModVocabTokenizer(llm.spec.vocab_size)
-    return llm
+    options.setdefault("tokenizer", "qwen-folded")
+    return LLM(model_dir, gpu_memory_budget=budget, device="cpu", dtype=torch.float32,
+               activation_reserve=activation_bytes, **options)
 
 
 # ---------------------------------------------------------------------------------------------- tables

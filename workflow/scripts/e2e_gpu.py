@@ -9,81 +9,52 @@ step's time with its floor (HBM bytes / 4.26 TB/s, expert bytes loaded / 55.4 GB
 ``--layers`` keeps the real per-layer shapes but fewer layers so that runs fit a device-time
 budget; the memory budget is scaled so that what the workload competes for — cache + KV, the
 pool minus the two loading buffers (which are per-layer-count independent) — is the same
-fraction of the model as the full model under ``--budget``.
+fraction of the model as the full model under ``--budget`` (rimuru.engine.modeled.reference.e2e_scaled_budget,
+with the loading buffers the policy's plan holds).
+
+The trace is a `rimuru workload --token-ids` file. Requests run through the in-process run loop
+(rimuru.bench.inproc), which times TTFT from each scheduled arrival; Poisson arrivals come from
+rimuru.workloads.arrivals. The committed H200 results in results/reference/e2e/ were measured before
+this script used them (its own loop: TTFT from the same scheduled arrival, but token times taken at
+sampling inside the step rather than when ``step()`` returns, and numpy Poisson gaps with the first
+arrival at 0): the Poisson rows' arrival times differ from what this version draws.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
-from rimuru.bench.metrics import RequestRecord, compute_metrics
-from rimuru.engine.config import EngineConfig
+from rimuru.bench.inproc import run_inproc
+from rimuru.bench.metrics import compute_metrics
 from rimuru.engine.llm import LLM
-from rimuru.engine.memory_policy import activation_estimate
+from rimuru.engine.modeled.reference import e2e_scaled_budget
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.step_floor import decode_floor, floor_summary
 from rimuru.models.spec import ModelSpec
 from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
+from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
+from rimuru.workloads.trace import TraceRequest, read_trace
 
 
-def load_trace(path: str, n: int) -> list[dict]:
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return rows[:n]
-
-
-def scaled_budget(full: ModelSpec, ckpt, budget: int, layers: int, config: EngineConfig, policy_static: bool,
-                  device: torch.device) -> int:
-    page = full.expert_projection_bytes(config.torch_dtype)
-    per_layer_dense = sum(t.numel() * t.element_size() for k, t in ckpt.dense.items()
-                          if k.startswith("model.layers.0."))
-    dense_small = sum(t.numel() * t.element_size() for t in ckpt.dense.values())
-    dense_full = dense_small + (full.num_layers - layers) * per_layer_dense
-    act = activation_estimate(full, config, config.torch_dtype, device)
-    buffers = 0 if policy_static else 6 * full.num_experts * page
-    elastic_full = budget - dense_full - act - buffers
-    return int(dense_small + act + buffers + elastic_full * layers / full.num_layers)
-
-
-def serve(llm: LLM, trace: list[dict], rate: float | None, seed: int) -> tuple[dict, float]:
-    """Arrivals: all at time 0 (rate None) or Poisson at ``rate``; returns metrics and duration."""
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, len(trace)) if rate else np.zeros(len(trace))
-    arrivals = np.cumsum(gaps) - (gaps[0] if rate else 0)
-    records: dict[str, RequestRecord] = {}
-    start = time.perf_counter()
-    nxt = 0
-    while nxt < len(trace) or llm.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while nxt < len(trace) and arrivals[nxt] <= now:
-            row = trace[nxt]
-            rid = f"r{nxt}"
-            t_arr = start + arrivals[nxt]
-            llm.add_request(rid, row["prompt_token_ids"], SamplingParams(max_tokens=row["output_len"], ignore_eos=True),
-                            arrival_time=t_arr)
-            records[rid] = RequestRecord(rid, len(row["prompt_token_ids"]), row["output_len"], start_time=t_arr)
-            nxt += 1
-        if not llm.has_unfinished_requests():
-            time.sleep(max(0.0, min(0.01, start + arrivals[nxt] - time.perf_counter())))
-            continue
-        for out in llm.step():
-            if out.finished:
-                r = records[out.request_id]
-                times = out.token_times
-                r.success, r.output_tokens = True, len(out.output_token_ids)
-                r.ttft, r.latency = times[0] - r.start_time, times[-1] - r.start_time
-                r.itl = list(np.diff(times))
-    duration = time.perf_counter() - start
-    return compute_metrics(list(records.values()), duration), duration
+def serve(llm: LLM, trace: list[TraceRequest], rate: float | None, seed: int) -> tuple[dict, float]:
+    """Arrivals: all at time 0 (rate None) or Poisson at ``rate`` (rimuru.workloads.arrivals); the in-process
+    run loop (rimuru.bench.inproc) times TTFT from each scheduled arrival. Returns metrics and duration."""
+    arrival = ArrivalSpec(kind="poisson", rate=rate) if rate else ArrivalSpec()
+    times = arrival_times(arrival, len(trace), seed)
+    requests = [dataclasses.replace(r, request_id=f"r{i}", arrival_time=float(t))
+                for i, (r, t) in enumerate(zip(trace, times))]
+    records, duration, _ = run_inproc(llm, requests, progress=False, num_warmups=0)
+    return compute_metrics(records, duration), duration
 
 
 def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:
@@ -92,7 +63,7 @@ def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:
     import pstats
 
     for i, row in enumerate(trace[:64]):
-        llm.add_request(f"prof{i}", row["prompt_token_ids"], SamplingParams(max_tokens=steps + 8, ignore_eos=True))
+        llm.add_request(f"prof{i}", list(row.prompt_token_ids), SamplingParams(max_tokens=steps + 8, ignore_eos=True))
     for _ in range(6):
         llm.step()
     prof = cProfile.Profile()
@@ -137,7 +108,9 @@ def main() -> None:
                                           dtype=dtype, num_layers=args.layers, progress=False)
     print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     full = ModelSpec.from_pretrained(args.model)
-    trace = load_trace(args.trace, args.num_requests)
+    trace = read_trace(args.trace)[: args.num_requests]
+    if any(r.prompt_token_ids is None for r in trace):
+        raise SystemExit(f"{args.trace}: write the trace with `rimuru workload --token-ids`")
 
     # hotset: route calibration prompts (the first 64 of the trace, truncated) with every expert resident
     prof = LLM(ckpt, gpu_memory_budget=args.profile_budget, policy="static", record_routing=True, seed=args.seed,
@@ -145,10 +118,8 @@ def main() -> None:
     # staggered output lengths sweep decode batches from n down to 1 and prefill chunk sizes, so every kernel
     # configuration is compiled here, not inside a measured run
     n_cal = min(len(trace), args.calibration_prompts)
-    prof.generate([r["prompt_token_ids"][:256] for r in trace[:n_cal]],
-                  [SamplingParams(max_tokens=1 + (i * 97) % 128, ignore_eos=True) for i in range(n_cal)],
-                  use_tqdm=False)
-    hotset = prof.routing_hotset()
+    hotset = prof.profile_hotset([list(r.prompt_token_ids[:256]) for r in trace[:n_cal]],
+                                 [SamplingParams(max_tokens=1 + (i * 97) % 128, ignore_eos=True) for i in range(n_cal)])
     hotset_path = out / "hotset.json"
     hotset.save(hotset_path)
     top32 = hotset.top_share(32)
@@ -161,8 +132,7 @@ def main() -> None:
     for run in args.runs.split(","):
         policy, workload = run.split(":")
         budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
-        probe_cfg = EngineConfig(policy=policy, device=args.device, dtype=dtype)
-        budget = scaled_budget(full, ckpt, budget_full, args.layers, probe_cfg, policy == "static", device)
+        budget = e2e_scaled_budget(full, ckpt.spec, budget_full, policy, dtype)
         llm = LLM(ckpt, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve, hotset=str(hotset_path),
                   seed=args.seed, device=args.device, dtype=dtype)
         # warm-up: compile kernels for prefill and decode shapes, then drop its steps from the record
@@ -170,7 +140,8 @@ def main() -> None:
             llm.warmup()
         except Exception as exc:  # a missed warm-up only costs compile time inside the run; say so, go on
             print(f"warm-up failed ({type(exc).__name__}: {exc}); kernels compile on first use", flush=True)
-        llm.generate([trace[0]["prompt_token_ids"]] * 4, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.generate([list(trace[0].prompt_token_ids)] * 4, SamplingParams(max_tokens=4, ignore_eos=True),
+                     use_tqdm=False)
         llm.timeline.records.clear()
         base = llm.stats()
         rate = args.rate if workload == "poisson" else None

@@ -2,7 +2,7 @@
 
 The modeled runs need only each request's prompt and output length: columns prompt_len, output_len.
 The first 400 rows of ``sharegpt-all-at-once`` (seed 0) are the token trace of the H200 e2e runs
-(workflow/scripts/make_token_trace.py); the fidelity script checks their output-token sum.
+(`rimuru workload --token-ids`); the fidelity script checks their output-token sum.
 """
 
 from __future__ import annotations

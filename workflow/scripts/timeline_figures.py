@@ -126,9 +126,9 @@ def main() -> None:
         floors = pd.DataFrame([{"run": "gpu timelines", "source": f"{NOT_MEASURED} ({args.reference_dir})"}])
     write_table(floors, args.csv, args.md, "Decode step time vs its floor (GPU)",
                 ["floor = max(HBM bytes touched / 4.26 TB/s, expert bytes loaded / 55.4 GB/s) per decode step "
-                 "(DESIGN.md §6, rimuru/engine/step_floor.py); overlap: copies hidden behind compute, serial: not "
-                 "hidden. Medians per run; ratio_running_*: median step / overlap floor for decode steps with that "
-                 "many running requests (small batches are host-bound, large ones PCIe-bound)."])
+                 "(docs/architecture.md §6, rimuru/engine/step_floor.py); overlap: copies hidden behind compute, "
+                 "serial: not hidden. Medians per run; ratio_running_*: median step / overlap floor for decode "
+                 "steps with that many running requests (small batches are host-bound, large ones PCIe-bound)."])
     print(floors.to_string(index=False))
 
 

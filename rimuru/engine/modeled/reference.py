@@ -35,7 +35,7 @@ def spec_with_layers(name_or_path: str, num_layers: int | None) -> ModelSpec:
 def e2e_scaled_budget(full: ModelSpec, small: ModelSpec, budget: int, policy: str,
                       dtype: torch.dtype = torch.bfloat16) -> int:
     """``e2e_gpu.scaled_budget`` from specs: the elastic part of the pool scaled by layers / full layers."""
-    from rimuru.engine.memory_policy import activation_estimate
+    from rimuru.engine.memory_policy import activation_estimate, policy_class
 
     elem = torch.empty((), dtype=dtype).element_size()
     tables = full.vocab_size * full.hidden_size * elem * (1 if full.tie_word_embeddings else 2)
@@ -44,8 +44,7 @@ def e2e_scaled_budget(full: ModelSpec, small: ModelSpec, budget: int, policy: st
     dense_full = dense_small + (full.num_layers - small.num_layers) * per_layer_dense
     probe = EngineConfig(policy=policy, device="cpu", dtype=dtype)
     act = activation_estimate(full, probe, dtype, torch.device("cuda"))
-    page = full.expert_projection_bytes(dtype)
-    buffers = 0 if policy == "static" else 6 * full.num_experts * page
+    buffers = policy_class(policy).loading_buffer_bytes(full, dtype)  # the policy's plan, not a re-derivation
     elastic_full = budget - dense_full - act - buffers
     return int(dense_small + act + buffers + elastic_full * small.num_layers / full.num_layers)
 
