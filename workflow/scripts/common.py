@@ -69,6 +69,19 @@ def engine_options(engine_kwargs: dict, overrides: list[str], hotset: str | None
     return options
 
 
+def system_budget(args) -> tuple:
+    """(baseline, engine options, activation bytes, scaled budget) of a run script's ``--system``,
+    ``--engine-option``, ``--hotset``, ``--activation-mib`` and real-card arguments."""
+    from rimuru.baselines import load_baseline
+
+    system = load_baseline(args.system)
+    options = engine_options(system.engine_kwargs, args.engine_option, args.hotset)
+    act = int(args.activation_mib * 2**20)
+    scaling = scaled_budget(args.model_dir, args.real_config, args.card_gib, system.memory_fraction,
+                            options["policy"], args.real_activation_gib, act)
+    return system, options, act, scaling
+
+
 def make_engine(model_dir: str | Path, budget: int, activation_bytes: int, engine_kwargs: dict, **extra):
     """The real engine on the CPU in fp32; a model without tokenizer gets Qwen ids folded into its vocabulary."""
     import torch

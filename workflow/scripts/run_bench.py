@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import engine_options, make_engine, scaled_budget, single_thread
+from common import make_engine, single_thread, system_budget
 
 
 def eol_for(args, budget: int, act: int, options: dict) -> int | None:
@@ -48,15 +48,10 @@ def main() -> None:
     ap.add_argument("--out-timeline", default=None)
     args = ap.parse_args()
     single_thread()
-    from rimuru.baselines import load_baseline
     from rimuru.bench.inproc import run_inproc
     from rimuru.bench.runner import load_requests, make_result
 
-    system = load_baseline(args.system)
-    options = engine_options(system.engine_kwargs, args.engine_option, args.hotset)
-    act = int(args.activation_mib * 2**20)
-    scaling = scaled_budget(args.model_dir, args.real_config, args.card_gib, system.memory_fraction,
-                            options["policy"], args.real_activation_gib, act)
+    system, options, act, scaling = system_budget(args)
     if args.eol_extra is not None:
         options["expert_offload_limit"] = eol_for(args, scaling["budget"], act, options)
     llm = make_engine(args.model_dir, scaling["budget"], act, options, max_num_seqs=args.max_num_seqs,

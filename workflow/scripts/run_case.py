@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from common import engine_options, make_engine, scaled_budget, single_thread
+from common import make_engine, single_thread, system_budget
 
 
 class MemoryOnlyExecutor:
@@ -55,17 +55,12 @@ def main() -> None:
     ap.add_argument("--out-timeline", required=True)
     args = ap.parse_args()
     single_thread()
-    from rimuru.baselines import load_baseline
     from rimuru.engine.sampling_params import SamplingParams
     from rimuru.provenance import provenance
     from rimuru.workloads.spec import load_spec
     from rimuru.workloads.trace import build_trace
 
-    system = load_baseline(args.system)
-    options = engine_options(system.engine_kwargs, args.engine_option, args.hotset)
-    act = int(args.activation_mib * 2**20)
-    scaling = scaled_budget(args.model_dir, args.real_config, args.card_gib, system.memory_fraction,
-                            options["policy"], args.real_activation_gib, act)
+    system, options, act, scaling = system_budget(args)
     llm = make_engine(args.model_dir, scaling["budget"], act, options, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens)
     if args.executor == "memory":
