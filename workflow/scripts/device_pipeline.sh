@@ -23,8 +23,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c "import torch, triton, snakemake; print('torch', torch.__version__, 'triton', triton.__version__, 'snakemake', snakemake.__version__)"
 # the CPU jobs use one torch thread each (Snakefile); run as many jobs as there are cores
 # greedy scheduler: the ILP one needs pulp and its solver binaries (16 MB), not worth carrying for ~25 jobs
-snakemake --cores all --scheduler greedy --configfile $CONFIGS --printshellcmds ${TARGETS:-}
+# LIMIT (s): stop snakemake in time to pack what finished when the device call has a hard limit
+timeout "${LIMIT:-3000}" snakemake --cores all --scheduler greedy --configfile $CONFIGS --printshellcmds ${TARGETS:-}
 rc=$?
 echo "snakemake exit $rc after $(( $(date +%s) - t0 )) s"
-tar czf "$OUT/pipeline.tar.gz" results figures --exclude='results/models' --exclude='results/reference' 2>/dev/null
+tar czf "$OUT/pipeline.tar.gz" --exclude='results/models' --exclude='results/reference' results figures 2>/dev/null
 exit $rc
