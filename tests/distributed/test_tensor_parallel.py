@@ -114,7 +114,8 @@ def test_eight_ranks_greedy_identical(tmp_path):
     from rimuru.models.checkpoint import hub_config, write_synthetic_checkpoint
 
     config = hub_config("tiny-qwen3-moe")
-    config.update(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)
+    # f = 128: an expert page of one rank (16 x 64 fp32) must still hold whole KV pages (16 tokens x 1 head x 16)
+    config.update(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2, moe_intermediate_size=128)
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
     model = write_synthetic_checkpoint(tmp_path / "cfg" / "config.json", tmp_path / "ckpt", dtype=torch.float32,
