@@ -39,6 +39,9 @@ class TorchExecutor:
             cursor += n
             if chunk.samples:
                 sample_at.append(cursor - 1)
+        prompt_rows = [cursor_of + p - c.start for c, cursor_of in zip(out.chunks, np.cumsum([0] + q_lens[:-1]))
+                       for p in c.prompt_scored]
+        sample_at.extend(int(r) for r in prompt_rows)  # after the sampling rows (prompt_logprobs)
         pos = np.concatenate(positions)
         layers = self.kv.num_layers
         max_blocks = max(t.shape[1] for t in tables)
@@ -65,6 +68,7 @@ class TorchExecutor:
         return input_ids, meta, torch.tensor(sample_at, dtype=torch.long, device=dev)
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits [S, V] fp32 for the chunks that sample, in chunk order."""
+        """Logits [S + P, V] fp32: the chunks that sample, in chunk order, then the ``prompt_scored`` positions
+        of each chunk (P = 0 unless a request asked for prompt_logprobs)."""
         input_ids, meta, sample_at = self.prepare(out)
         return self.model.forward(input_ids, meta, self.kv_view, self.expert_view, self.experts, sample_at)

@@ -27,7 +27,7 @@ from rimuru.engine.executor import TorchExecutor
 from rimuru.engine.hybrid_executor import build_hybrid
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.memory_policy import MemoryBudgetError, activation_estimate, make_policy
-from rimuru.engine.outputs import EngineStats, RequestOutput
+from rimuru.engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from rimuru.engine.request import Request
 from rimuru.engine.sampler import sample
 from rimuru.engine.sampling_params import SamplingParams
@@ -174,6 +174,7 @@ class LLM:
         self._start = self.clock.now()
         self._generated = 0
         self._failed = 0
+        self._prompt_scores: dict[str, dict[int, TokenLogprob]] = {}  # prompt_logprobs until the first token
         self.memory_report = {**plan.report(), "tensor_parallel_size": tp}
         if self.tp_group is not None:  # rank 0 decides; from now on every allocator change is replayed
             oplog: list = []
@@ -220,6 +221,7 @@ class LLM:
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
         self._generators.pop(request_id, None)
+        self._prompt_scores.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -260,22 +262,55 @@ class LLM:
             self.loader.abandon_step()
             return [self._fail(c.request, exc) for c in out.chunks]
         samplers = [c for c in out.chunks if c.samples]
-        tokens = self._sample(logits, samplers)
-        failed = [self._fail(c.request, t) for c, t in zip(samplers, tokens) if isinstance(t, Exception)]
+        failed = self._score_prompts(out, logits[len(samplers):])
+        logits = logits[:len(samplers)]
+        tokens = self._sample(logits, samplers)  # row i is samplers[i]
+        failed += [self._fail(c.request, t) for c, t in zip(samplers, tokens) if isinstance(t, Exception)]
         if failed:
             out = dataclasses.replace(out, chunks=tuple(c for c in out.chunks if not c.request.is_finished))
-        sampled = {c.request.request_id: t for c, t in zip(samplers, tokens) if not isinstance(t, Exception)}
-        samplers = [c for c in samplers if c.request.request_id in sampled]
+        rows = {c.request.request_id: i for i, c in enumerate(samplers) if not c.request.is_finished}
+        sampled = {rid: tokens[i] for rid, i in rows.items()}
         now = self.clock.now()
         finished = {r.request_id for r in self.scheduler.update(out, sampled, now, self.eos_token_ids)}
         self._generated += len(sampled)
         outputs = failed
         for chunk in samplers:
             req = chunk.request
-            outputs.append(self._output(req, [sampled[req.request_id]], req.request_id in finished))
-            if req.request_id in finished:
-                self._generators.pop(req.request_id, None)
+            rid = req.request_id
+            if rid not in rows:
+                continue
+            output = self._output(req, [sampled[rid]], rid in finished)
+            if req.params.logprobs is not None:
+                output.logprobs = _logprobs(logits[rows[rid]:rows[rid] + 1], [sampled[rid]], req.params.logprobs)
+            if req.params.prompt_logprobs is not None and len(req.output_token_ids) == 1:
+                scores = self._prompt_scores.pop(rid, {})
+                output.prompt_logprobs = [None] + [scores.get(p) for p in range(len(req.prompt_token_ids) - 1)]
+            outputs.append(output)
+            if rid in finished:
+                self._generators.pop(rid, None)
+                self._prompt_scores.pop(rid, None)
         return outputs
+
+    def _score_prompts(self, out: SchedulerOutput, rows: torch.Tensor) -> list[RequestOutput]:
+        """Keep the prompt-token log-probabilities of the chunks that asked for them (the rows after the
+        samples); a request whose scoring fails is failed alone."""
+        failed, i = [], 0
+        for chunk in out.chunks:
+            scored = chunk.prompt_scored
+            if not scored:
+                continue
+            req = chunk.request
+            try:
+                if len(rows) < i + len(scored):
+                    raise RuntimeError("this executor returns no prompt logits: prompt_logprobs are unavailable")
+                nxt = [req.prompt_token_ids[p + 1] for p in scored]
+                entries = _logprobs(rows[i:i + len(scored)], nxt, req.params.prompt_logprobs)
+                self._prompt_scores.setdefault(req.request_id, {}).update(zip(scored, entries))
+            except Exception as exc:  # noqa: BLE001
+                log.exception("prompt scoring failed for request %s", req.request_id)
+                failed.append(self._fail(req, exc))
+            i += len(scored)
+        return failed
 
     def _sample(self, logits: torch.Tensor, samplers: list) -> list[int | Exception]:
         """One token per sampling chunk; a row whose sampling raises gets the exception instead."""
@@ -297,6 +332,7 @@ class LLM:
         """Finish ``req`` with an error and free its pages."""
         self.scheduler.abort(req.request_id, reason="error")
         self._generators.pop(req.request_id, None)
+        self._prompt_scores.pop(req.request_id, None)
         self._failed += 1
         output = self._output(req, [], True)
         output.error = f"{type(exc).__name__}: {exc}"
@@ -428,3 +464,15 @@ class LLM:
                 if digest != mine:
                     raise self.tp_group.fail(TensorParallelError(
                         f"tensor-parallel rank {rank}'s pool state differs from rank 0's"))
+
+
+def _logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Each row's log-softmax: the given token's log-probability and the top ``k`` (raw logits, like vLLM)."""
+    lp = torch.log_softmax(rows.float(), dim=-1)
+    chosen = lp[torch.arange(len(token_ids)), torch.tensor(token_ids)].tolist()
+    if k:
+        values, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(token_ids)
+    return [TokenLogprob(t, c, top) for t, c, top in zip(token_ids, chosen, tops)]

@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model (raw logits, as vLLM reports them) and the ``k`` most
+    likely tokens at that position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -18,6 +28,8 @@ class RequestOutput:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # wall time of each output token
     error: str | None = None  # set when the engine failed this request (finish_reason "error")
+    logprobs: list[TokenLogprob] | None = None  # for new_token_ids, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token: None for prompt token 0
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,14 @@ class ScheduledChunk:
         """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
         return self.start + self.num_tokens == self.request.num_tokens
 
+    @property
+    def prompt_scored(self) -> range:
+        """Positions whose logits score the next prompt token (``prompt_logprobs``), before the first output."""
+        req = self.request
+        if req.params.prompt_logprobs is None or req.output_token_ids:
+            return range(0)
+        return range(self.start, min(self.start + self.num_tokens, len(req.prompt_token_ids) - 1))
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:

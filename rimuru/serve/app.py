@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -96,15 +97,16 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
     async def completions(request: Request):
         req: CompletionRequest = parse_request(CompletionRequest, await _json_body(request))
         _check_common(req, model_name)
-        if req.echo:
-            raise APIError("echo is not supported", param="echo")
-        if req.logprobs is not None:
-            raise APIError("logprobs are not supported", param="logprobs")
+        if req.echo and req.stream:
+            raise APIError("echo is not supported with stream", param="echo")
         prompts = _completion_prompts(req.prompt, engine)
         if req.stream and len(prompts) > 1:
             raise APIError("streaming supports one prompt per request", param="prompt")
-        max_tokens = _max_tokens(req.max_tokens, max(len(p) for p in prompts), engine.max_model_len, "prompt")
-        params = _sampling_params(req, max_tokens)
+        echo_only = req.echo and req.max_tokens == 0  # vLLM: the prompt (and its logprobs), nothing generated
+        max_tokens = _max_tokens(1 if echo_only else req.max_tokens, max(len(p) for p in prompts),
+                                 engine.max_model_len, "prompt")
+        params = _sampling_params(req, max_tokens, logprobs=req.logprobs,
+                                  prompt_logprobs=req.logprobs if req.echo else None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         if req.stream:
             stream = await _add(engine, rid, prompts[0], params)
@@ -121,10 +123,22 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
             finally:
                 for s in streams:
                     s.close()
-            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-                       for i, (text, finish, _) in enumerate(results)]
-            return _response(rid, "text_completion", model_name, choices, sum(map(len, prompts)),
-                             sum(n for _, _, n in results))
+            choices, generated = [], 0
+            texts = req.prompt if isinstance(req.prompt, list) and all(isinstance(p, str) for p in req.prompt) \
+                else [req.prompt] if isinstance(req.prompt, str) else None
+            for i, (prompt, got) in enumerate(zip(prompts, results)):
+                if echo_only:
+                    got = _Collected("", "length", 0, [], got.prompt_logprobs)
+                generated += got.tokens
+                ids = [e.token_id for e in got.logprobs]
+                entries: list = list(got.logprobs)
+                text = got.text
+                if req.echo:
+                    text = (texts[i] if texts else engine.tokenizer.decode(prompt)) + text
+                    ids, entries = prompt + ids, list(got.prompt_logprobs or [None] * len(prompt)) + entries
+                logprobs = _completion_logprobs(engine.tokenizer, ids, entries) if req.logprobs is not None else None
+                choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": got.finish})
+            return _response(rid, "text_completion", model_name, choices, sum(map(len, prompts)), generated)
 
         return await _unless_disconnected(request, run())
 
@@ -132,13 +146,13 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
     async def chat_completions(request: Request):
         req: ChatCompletionRequest = parse_request(ChatCompletionRequest, await _json_body(request))
         _check_common(req, model_name)
-        if req.logprobs or req.top_logprobs is not None:
-            raise APIError("logprobs are not supported", param="logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
         prompt = _chat_prompt(req, engine)
         limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = _max_tokens(limit, len(prompt), engine.max_model_len, "messages", param)
-        params = _sampling_params(req, max_tokens)
+        params = _sampling_params(req, max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await _add(engine, rid, prompt, params)
         text_stream = TextStream(engine.tokenizer, _stops(req))
@@ -147,12 +161,13 @@ def create_app(engine: AsyncEngine, *, served_model_name: str | None = None, mod
 
         async def run() -> dict:
             try:
-                text, finish, n = await _collect(stream, text_stream)
+                got = await _collect(stream, text_stream)
             finally:
                 stream.close()
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-            return _response(rid, "chat.completion", model_name, [choice], len(prompt), n)
+            logprobs = _chat_logprobs(engine.tokenizer, got.logprobs) if req.logprobs else None
+            choice = {"index": 0, "message": {"role": "assistant", "content": got.text}, "logprobs": logprobs,
+                      "finish_reason": got.finish}
+            return _response(rid, "chat.completion", model_name, [choice], len(prompt), got.tokens)
 
         return await _unless_disconnected(request, run())
 
@@ -342,12 +357,14 @@ def _stops(req) -> list[str]:
     return [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
 
 
-def _sampling_params(req, max_tokens: int) -> SamplingParams:
+def _sampling_params(req, max_tokens: int, *, logprobs: int | None = None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
     try:
         return SamplingParams(
             max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0), seed=req.seed,
-            ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()))
+            ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()), logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
     except ValueError as exc:  # SamplingParams' messages start with the parameter's name
         name = str(exc).split(" ", 1)[0]
         raise APIError(str(exc), param=name if name in type(req).model_fields else None) from None
@@ -374,8 +391,8 @@ def _response(rid: str, obj: str, model: str, choices: list[dict], prompt_tokens
             "usage": _usage(prompt_tokens, completion_tokens)}
 
 
-async def _deltas(stream: RequestStream, text: TextStream) -> AsyncIterator[tuple[str, str | None, int]]:
-    """(text delta, finish reason or None, completion tokens so far) per batch of engine outputs."""
+async def _deltas(stream: RequestStream, text: TextStream) -> AsyncIterator[tuple[str, str | None, int, list]]:
+    """(text delta, finish reason or None, completion tokens so far, the outputs) per batch of engine outputs."""
     n = 0
     while True:
         outputs = await stream.next_batch()
@@ -388,25 +405,73 @@ async def _deltas(stream: RequestStream, text: TextStream) -> AsyncIterator[tupl
         if text.stopped and finish is None:
             stream.close()  # a stop string: abort the rest of the generation
             finish = "stop"
-        yield delta, finish, n
+        yield delta, finish, n, outputs
         if finish is not None:
             return
 
 
-async def _collect(stream: RequestStream, text: TextStream) -> tuple[str, str | None, int]:
-    parts, finish, n = [], None, 0
-    async for delta, *state in _deltas(stream, text):
+@dataclasses.dataclass
+class _Collected:
+    text: str
+    finish: str | None
+    tokens: int  # completion tokens
+    logprobs: list  # TokenLogprob per generated token, when asked for
+    prompt_logprobs: list | None
+
+
+async def _collect(stream: RequestStream, text: TextStream) -> _Collected:
+    parts, finish, n, logprobs, prompt_logprobs = [], None, 0, [], None
+    async for delta, finish, n, outputs in _deltas(stream, text):  # noqa: B007 - read after the loop
         parts.append(delta)
-        finish, n = state
-    return "".join(parts), finish, n
+        for out in outputs:
+            logprobs.extend(out.logprobs or ())
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = out.prompt_logprobs
+    return _Collected("".join(parts), finish, n, logprobs, prompt_logprobs)
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def _completion_logprobs(tokenizer, ids: list[int], entries: list) -> dict:
+    """The completions API's logprobs object (vLLM's layout): one entry per token, None where a token has no
+    score (the first prompt token); top_logprobs holds the top k and the token itself."""
+    tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+    for token_id, entry in zip(ids, entries):
+        piece = _token_text(tokenizer, token_id)
+        tokens.append(piece)
+        offsets.append(offset)
+        offset += len(piece)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        token_logprobs.append(entry.logprob)
+        top = {_token_text(tokenizer, t): lp for t, lp in entry.top}
+        top.setdefault(piece, entry.logprob)
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _chat_logprobs(tokenizer, entries: list) -> dict:
+    def item(token_id: int, logprob: float) -> dict:
+        piece = _token_text(tokenizer, token_id)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8", "replace"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
 
 
 async def _completion_chunks(stream, text, req, rid, model, prompt_tokens) -> AsyncIterator[dict]:
     created, n = int(time.time()), 0
-    async for delta, finish, *count in _deltas(stream, text):
-        n = count[0]
+    async for delta, finish, n, outputs in _deltas(stream, text):  # noqa: B007 - read after the loop
+        logprobs = None
+        if req.logprobs is not None:
+            entries = [e for out in outputs for e in (out.logprobs or ())]
+            logprobs = _completion_logprobs(text.tokenizer, [e.token_id for e in entries], entries)
         yield {"id": rid, "object": "text_completion", "created": created, "model": model,
-               "choices": [{"index": 0, "text": delta, "logprobs": None, "finish_reason": finish}]}
+               "choices": [{"index": 0, "text": delta, "logprobs": logprobs, "finish_reason": finish}]}
     if req.stream_options and req.stream_options.include_usage:
         yield {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
                "usage": _usage(prompt_tokens, n)}
@@ -414,12 +479,14 @@ async def _completion_chunks(stream, text, req, rid, model, prompt_tokens) -> As
 
 async def _chat_chunks(stream, text, req, rid, model, prompt_tokens) -> AsyncIterator[dict]:
     created, n, first = int(time.time()), 0, True
-    async for delta, finish, *count in _deltas(stream, text):
-        n = count[0]
+    async for delta, finish, n, outputs in _deltas(stream, text):  # noqa: B007 - read after the loop
         message = {"role": "assistant", "content": delta} if first else {"content": delta}
         first = False
+        logprobs = None
+        if req.logprobs:
+            logprobs = _chat_logprobs(text.tokenizer, [e for out in outputs for e in (out.logprobs or ())])
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": message, "logprobs": None, "finish_reason": finish}]}
+               "choices": [{"index": 0, "delta": message, "logprobs": logprobs, "finish_reason": finish}]}
     if req.stream_options and req.stream_options.include_usage:
         yield {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
                "usage": _usage(prompt_tokens, n)}

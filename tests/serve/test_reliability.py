@@ -156,3 +156,17 @@ def test_fault_injected_into_the_real_engines_forward_fails_only_that_request():
             assert metric(url, "5xx") == 1
     assert engine.kv.num_allocated_pages == 0 and engine.stats().failed_requests == 1
     engine.check_integrity()
+
+
+def test_fuzzed_bad_input_gets_no_5xx_and_fails_no_other_client(server):
+    import asyncio
+
+    from rimuru.serve.fuzz import run_fuzz
+
+    report = asyncio.run(run_fuzz(server, 160, seed=1, concurrency=4, good_clients=2))
+    summary = report.summary()
+    assert summary["fuzzed"] == 160 and summary["transport_errors"] == 0, summary
+    assert summary["answers_5xx"] == 0, report.server_errors[:3]
+    assert summary["good_requests"] > 0 and summary["good_failed"] == 0, report.good_failed[:3]
+    assert sum(v for k, v in summary["status_counts"].items() if 400 <= k < 500) > 100, summary
+    assert httpx.get(f"{server}/health").status_code == 200
