@@ -48,6 +48,7 @@ include: "workflow/rules/eol.smk"
 include: "workflow/rules/timeline.smk"
 include: "workflow/rules/modeled.smk"
 include: "workflow/rules/hybrid.smk"
+include: "workflow/rules/real.smk"
 
 
 rule all:
@@ -61,3 +62,4 @@ rule all:
         rules.timeline_all.input,
         rules.hybrid_all.input,
         rules.modeled_all.input if config["modeled"].get("enabled", True) else [],
+        rules.real_all.input,

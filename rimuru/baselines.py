@@ -15,12 +15,24 @@ from rimuru.engine.memory_policy import POLICIES
 
 BASELINE_DIR = Path(__file__).resolve().parents[1] / "baselines"
 KINDS = ("serving", "offloading", "rimuru")
+# What tables and figures call each engine policy: never a bare system name, since a policy of our engine is
+# not the system it resembles (the real systems run in the pipeline's `real` experiment, labelled as such).
+POLICY_LABELS = {
+    "static": "static policy (vLLM-like)",
+    "fixed": "fixed cache + prediction (Fate-like)",
+    "cpu": "CPU experts (KTransformers/llama.cpp-like)",
+    "elastic": "Rimuru (elastic pool)",
+}
+
+
+def policy_label(policy: str) -> str:
+    return POLICY_LABELS.get(policy, f"{policy} policy")
 
 
 @dataclass(frozen=True)
 class Baseline:
     name: str
-    display: str
+    display: str  # the system's own name (docs only)
     kind: str  # serving | offloading | rimuru
     policy: str  # an engine policy: static | fixed | cpu | elastic
     prefetch: str  # predict | none
@@ -31,6 +43,7 @@ class Baseline:
     references: tuple[str, ...]
     launch: str  # how to start the real system's OpenAI-compatible server
     bench: str  # how to benchmark it with `rimuru bench`
+    label: str = ""  # how tables and figures name this policy (default: policy_label(policy))
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -54,6 +67,7 @@ class Baseline:
         data["references"] = tuple(data.get("references") or ())
         data["why"] = " ".join(str(data.get("why", "")).split())
         data["stands_for"] = " ".join(str(data.get("stands_for", "")).split())
+        data["label"] = data.get("label") or policy_label(data["policy"])
         return cls(**data)
 
 

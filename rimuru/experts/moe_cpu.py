@@ -20,30 +20,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-W1, W3, W2 = 0, 1, 2
+from rimuru.memory import W1, W2, W3
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
 def moe_cpu(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_view: torch.Tensor,
-            page_table: torch.Tensor) -> torch.Tensor:
-    """Routed-expert output ``[T, d]`` in ``hidden.dtype``."""
+            page_table: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed-expert output ``[T, d]`` in ``hidden.dtype``.
+
+    ``keep [T, k]`` (bool, optional): only these routings are computed (the others contribute zero and their
+    experts' pages are not read), as the CPU-experts policy computes only the device cache's misses.
+    """
     num_tokens, d = hidden.shape
     top_k = topk_ids.shape[1]
-    if num_tokens == 0:
-        return hidden.new_zeros(0, d)
     dtype = hidden.dtype
+    flat_ids = topk_ids.reshape(-1).long()  # [T*k]
+    selected = None if keep is None else keep.reshape(-1).nonzero().flatten()  # [N]
+    if num_tokens == 0 or (selected is not None and selected.numel() == 0):
+        return hidden.new_zeros(num_tokens, d)
     # schedule: routings sorted by expert
-    flat_ids = topk_ids.reshape(-1).long()  # [N]
-    order = torch.argsort(flat_ids, stable=True)  # [N]
+    if selected is None:
+        order = torch.argsort(flat_ids, stable=True)  # [N = T*k]
+    else:
+        order = selected[torch.argsort(flat_ids[selected], stable=True)]  # [N]
     experts, counts = torch.unique_consecutive(flat_ids[order], return_counts=True)  # [Ea], [Ea]
     x = hidden[order // top_k]  # [N, d] rows in expert order
     # execute: gather the active experts' pages, grouped matmuls over the sorted rows
-    pages = page_table[experts].long()  # [Ea, 3]
-    w13 = expert_view[pages[:, :2].reshape(-1)]  # [2Ea, f, d]
+    pages = page_table[experts].long()  # [Ea, PAGES_PER_EXPERT]
+    w13 = expert_view[pages[:, [W1, W3]].reshape(-1)]  # [2Ea, f, d]
     f = w13.shape[1]
     w13 = w13.reshape(-1, 2 * f, d).to(dtype)  # [Ea, 2f, d]: W1 rows then W3 rows
-    w2t = expert_view[pages[:, 2]].to(dtype)  # [Ea, f, d]
+    w2t = expert_view[pages[:, W2]].to(dtype)  # [Ea, f, d]
     if _GROUPED_MM is not None:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         gate_up = _GROUPED_MM(x, w13.transpose(1, 2), offs=offs)  # [N, 2f]
@@ -59,6 +67,6 @@ def moe_cpu(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Te
             start += n
     # postprocess: weight, unsort, sum over the k slots
     y = y.float() * topk_weights.reshape(-1)[order, None].float()  # fp32 from here, as the reference
-    out = torch.empty_like(y)
+    out = y.new_empty(num_tokens * top_k, d) if selected is None else y.new_zeros(num_tokens * top_k, d)
     out[order] = y
     return out.view(num_tokens, top_k, d).sum(dim=1).to(dtype)

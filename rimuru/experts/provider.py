@@ -18,8 +18,9 @@ import torch
 
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.moe_cpu import moe_cpu
 from rimuru.experts.router import experts_touched, route
-from rimuru.memory import W1, W2, W3
+from rimuru.memory import PAGES_PER_EXPERT
 
 
 class ExpertProvider(Protocol):
@@ -134,16 +135,13 @@ class CpuComputedExperts:
         on_device = resident[topk_ids.long()]  # [T, k]
         if bool(on_device.all()):
             return topk_weights, None
-        x = hidden.float().cpu()  # [T, d]
-        ids, weights = topk_ids.cpu(), topk_weights.float().cpu()
+        num_experts, f, d = self.host.shape[1], self.host.shape[3], self.host.shape[4]
+        slots = PAGES_PER_EXPERT
+        view = self.host[moe_layer].reshape(num_experts * slots, f, d)  # identity page table over the host copy
+        table = torch.arange(num_experts * slots, dtype=torch.int32).reshape(num_experts, slots)
         miss = ~on_device.cpu()
-        out = torch.zeros_like(x)  # [T, d]
-        for e in torch.unique(ids[miss]).tolist():
-            tok, slot = torch.where((ids == e) & miss)
-            w1, w3, w2t = (self.host[moe_layer, e, p].float() for p in (W1, W3, W2))  # [f, d] each
-            h = torch.nn.functional.silu(x[tok] @ w1.T) * (x[tok] @ w3.T)  # [n, f]
-            out.index_add_(0, tok, (h @ w2t) * weights[tok, slot, None])
-            self.experts_on_cpu += 1
+        out = moe_cpu(hidden.float().cpu(), topk_weights.cpu(), topk_ids.cpu(), view, table, keep=miss)  # [T, d]
+        self.experts_on_cpu += int(torch.unique(topk_ids.cpu()[miss]).numel())
         device_weights = torch.where(on_device, topk_weights, torch.zeros_like(topk_weights))
         return device_weights, out.to(hidden.device, hidden.dtype)
 

@@ -71,3 +71,13 @@ def test_routed_experts_dispatches_cpu_on_cpu_and_keeps_the_reference_selectable
                        moe_reference(hidden, weights, ids, view, table))
     with pytest.raises(ValueError, match="impl must be one of"):
         routed_experts(hidden, weights, ids, view, table, impl="fast")
+
+
+def test_keep_computes_only_the_kept_routings():
+    view, table = paged_experts(num_experts=8, f=24, d=32)
+    hidden, weights, ids = routing(13, 8, 2, 32)
+    keep = torch.rand(13, 2, generator=torch.Generator().manual_seed(3)) < 0.5
+    ref = moe_reference(hidden, torch.where(keep, weights, 0.0), ids, view, table)
+    torch.testing.assert_close(moe_cpu(hidden, weights, ids, view, table, keep=keep), ref, rtol=1e-5, atol=1e-5)
+    none = moe_cpu(hidden, weights, ids, view, table, keep=torch.zeros(13, 2, dtype=torch.bool))
+    assert torch.equal(none, torch.zeros(13, 32))

@@ -18,8 +18,9 @@ import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 from common import read_json, save_figure, write_table  # noqa: E402
 
-POLICY_LABEL = {"static": "static (vLLM)", "fixed": "fixed + prefetch (Fate)", "elastic": "elastic (Rimuru)",
-                "cpu": "CPU experts"}
+from rimuru.baselines import POLICY_LABELS  # noqa: E402
+
+POLICY_LABEL = POLICY_LABELS
 
 
 def main() -> None:

@@ -28,12 +28,14 @@ REF_METRICS = ["request_throughput", "output_throughput", "mean_ttft_ms", "p99_t
 
 
 def measured_rows(paths: list[str], hardware: str) -> list[dict]:
+    from rimuru.baselines import load_baseline
+
     rows = []
     for path in paths:
         r = read_json(path)
         st, eng, prov = r["settings"], r.get("engine", {}), r["provenance"]
         rows.append({
-            "hardware": hardware, "system": st["system"], "policy": st["policy"],
+            "hardware": hardware, "system": load_baseline(st["system"]).label, "policy": st["policy"],
             "budget_gib": round(st["scaling"]["real_budget_gib"], 2), "workload": st["label"],
             "request_rate": st["request_rate"], "num_requests": r["num_prompts"] if "num_prompts" in r
             else len(r["input_lens"]), "request_throughput": r["request_throughput"],
@@ -48,7 +50,7 @@ def measured_rows(paths: list[str], hardware: str) -> list[dict]:
 def reference_rows(default: Path, hardware: dict, systems: list[str], tp_runs: dict[str, str]) -> list[dict]:
     """GPU rows: a multi-GPU run of this pipeline (``tp_runs``), else the configuration's reference file (or
     the default one), matched by model and tensor_parallel_size (a file without that column is TP=1)."""
-    from rimuru.baselines import load_baseline
+    from rimuru.baselines import load_baseline, policy_label
 
     by_policy: dict[str, list[str]] = {}
     for name in systems:
@@ -65,19 +67,20 @@ def reference_rows(default: Path, hardware: dict, systems: list[str], tp_runs: d
             match = match[tp == cfg.get("tensor_parallel_size", 1)]
         if not len(match):
             why = NOT_MEASURED if path.exists() else f"{NOT_MEASURED} ({path} absent)"
-            rows += [{"hardware": hw, "system": s, "policy": load_baseline(s).policy, "source": why} for s in systems]
+            rows += [{"hardware": hw, "system": load_baseline(s).label, "policy": load_baseline(s).policy,
+                      "source": why} for s in systems]
             continue
         for rec in match.to_dict("records"):
             names = by_policy.get(rec["policy"], [rec["policy"]])
-            system = "rimuru" if rec["policy"] == "elastic" else "/".join(n for n in names if n != "rimuru")
-            row = {"hardware": hw, "system": system or rec["policy"], "policy": rec["policy"],
+            labels = [load_baseline(n).label for n in names if n in systems]
+            row = {"hardware": hw, "system": " / ".join(labels) or policy_label(rec["policy"]), "policy": rec["policy"],
                    "budget_gib": rec.get("budget_gib"),
                    "workload": rec.get("workload"), "request_rate": rec.get("request_rate"),
                    "num_requests": rec.get("num_requests"), "source": reference_source(rec, path)}
             row.update({m: rec.get(m) for m in REF_METRICS})
             rows.append(row)
         seen = {load_baseline(s).policy for s in systems} - set(match["policy"])
-        rows += [{"hardware": hw, "system": s, "policy": load_baseline(s).policy,
+        rows += [{"hardware": hw, "system": load_baseline(s).label, "policy": load_baseline(s).policy,
                   "source": f"{NOT_MEASURED} (policy {load_baseline(s).policy} absent from {path.name})"}
                  for s in systems if load_baseline(s).policy in seen]
     return rows
