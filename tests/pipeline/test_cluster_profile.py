@@ -64,14 +64,15 @@ def dry_run(tmp_path_factory):
 
 
 def gpu_rules() -> set[str]:
+    """Rules the profile sends to the GPU partition (their GPU count: the profile's or the rule's own)."""
     profile = yaml.safe_load(PROFILE.read_text())
-    return {r for r, res in profile["set-resources"].items() if int(res.get("gpu", 0)) > 0}
+    return {r for r, res in profile["set-resources"].items() if res.get("slurm_partition") == "gpu"}
 
 
 def test_profile_uses_the_slurm_executor_and_names_gpu_rules():
     profile = yaml.safe_load(PROFILE.read_text())
     assert profile["executor"] == "slurm"
-    assert "kernel_measure" in gpu_rules()
+    assert {"kernel_measure", "e2e_tp_run"} <= gpu_rules()
 
 
 def test_every_rule_that_makes_files_is_planned(dry_run):
@@ -88,7 +89,9 @@ def test_gpu_rules_land_on_gpu_nodes_and_the_rest_on_cpu_nodes(dry_run):
         assert jobs, f"{rule}: no resources in the plan"
         for res in jobs:
             if rule in gpu_rules():
-                assert res.get("gpu") == "1" and res.get("slurm_partition") == "gpu", (rule, res)
+                assert int(res.get("gpu", 0)) >= 1 and res.get("slurm_partition") == "gpu", (rule, res)
             else:
                 assert "gpu" not in res and res.get("slurm_partition") == "cpu", (rule, res)
             assert int(res["mem_mb"]) > 0 and int(res["runtime"]) > 0, (rule, res)
+    # tensor parallelism: all of a configuration's GPUs in one job
+    assert [int(r["gpu"]) for r in plan["e2e_tp_run"]] == [2]

@@ -15,8 +15,10 @@ def visible_gpus() -> int:
         return 0
 
 
-# multi-GPU configurations run here only when this machine has enough GPUs; elsewhere their reference is read
-E2E_TP_RUN = [h for h, c in E2E["hardware"].items() if c.get("tp_run") and c["gpus"] <= visible_gpus()]
+# multi-GPU configurations run here only when a job can get enough GPUs: this machine's, or `gpus_per_node`
+# when jobs go to a cluster's GPU nodes (workflow/profiles/slurm sets it); elsewhere their reference is read
+GPUS_PER_JOB = int(config.get("gpus_per_node") or visible_gpus())
+E2E_TP_RUN = [h for h, c in E2E["hardware"].items() if c.get("tp_run") and c["gpus"] <= GPUS_PER_JOB]
 
 
 rule e2e_tp_trace:
@@ -27,6 +29,7 @@ rule e2e_tp_trace:
 rule e2e_tp_run:
     input: trace=rules.e2e_tp_trace.output
     output: csv="results/e2e/tp/{hardware}/e2e.csv"
+    resources: gpu=lambda w: E2E["hardware"][w.hardware]["gpus"]  # one process per GPU, all on one node
     params:
         c=lambda w: E2E["hardware"][w.hardware],
         r=lambda w: E2E["hardware"][w.hardware]["tp_run"],
