@@ -1,0 +1,17 @@
+"""A smaller version of the 1,000-request burst (rimuru.bench.pressure): nothing lost, greedy unchanged,
+every page back."""
+
+import torch
+
+from rimuru.bench.pressure import pressure_burst
+
+
+def test_burst_under_shrink_and_preemption_loses_nothing(tmp_path):
+    from rimuru.models.checkpoint import write_synthetic_checkpoint
+
+    model = write_synthetic_checkpoint("tiny-qwen3-moe", tmp_path / "tiny", seed=0, dtype=torch.float32)
+    r = pressure_burst(model, 40, max_tokens=6)
+    assert r["finished"] == 40 and r["lost"] == 0 and r["failed"] == 0, r
+    assert r["greedy_mismatches"] == 0, r
+    assert r["preemptions"] > 0 and r["shrink_steps"] > 0, r
+    assert r["kv_pages_left"] == 0 and r["l2_pages_returned"], r
