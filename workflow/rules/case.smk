@@ -40,7 +40,7 @@ rule case_table:
         runs=expand("results/case/runs/{system}.json", system=CASE["systems"]),
         timelines=expand("results/case/runs/{system}.timeline.csv", system=CASE["systems"]),
         checks=expand("results/case/check/{system}.{executor}.json", system=CASE_CHECK["systems"],
-                      executor=["torch", "memory"]),
+                      executor=["torch", "modeled"]),
     output:
         csv="results/case/case.csv",
         md="results/case/case.md",

@@ -12,11 +12,17 @@ def calibration_inputs(w):
             + glob.glob(f"{REF}/e2e/run_*/timeline_*.csv") + glob.glob(f"{REF}/e2e/run_*/hotset.json"))
 
 
+def workload_path(name):
+    """A workload spec name (workloads/) or one of config/workloads/."""
+    return f"config/workloads/{name}.yaml" if Path(f"config/workloads/{name}.yaml").exists() else name
+
+
 rule modeled_lengths:
     output: "results/modeled/lengths_{workload}_{n}.csv"
+    params: path=lambda w: workload_path(w.workload)
     log: "results/logs/modeled/lengths_{workload}_{n}.log"
     shell:
-        "{PY} {SCRIPTS}/modeled_trace.py --workload {wildcards.workload} --num-requests {wildcards.n} "
+        "{PY} {SCRIPTS}/modeled_trace.py --workload {params.path} --num-requests {wildcards.n} "
         "--out {output} > {log} 2>&1"
 
 
@@ -49,7 +55,128 @@ rule modeled_fidelity:
         "--figure {output.figure} > {log} 2>&1"
 
 
+
+
+# ---- the paper's configurations at full scale (MODELED) -----------------------------------------------
+PAPER = MODELED["paper"]
+SPLITS = MODELED["splits"]
+PAPER_LENGTHS = f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv"
+
+
+def split_name(f):
+    return f"split{int(round(100 * f)):02d}"
+
+
+rule modeled_paper_run:
+    input:
+        calibration="results/modeled/calibration.json",
+        lengths=PAPER_LENGTHS,
+        hotset=PAPER["hotset"],
+    output: "results/modeled/paper/{setup}/{system}.json"
+    params:
+        setup=lambda w: json.dumps({"name": w.setup, **PAPER["setups"][w.setup]}),
+        system=lambda w: json.dumps({"name": w.system, **PAPER["systems"][w.system]}),
+        loads=json.dumps(PAPER["loads"]),
+    log: "results/logs/modeled/paper/{setup}/{system}.log"
+    shell:
+        "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' --loads '{params.loads}' "
+        "--lengths {input.lengths} --num-requests {PAPER[num_requests]} --hotset {input.hotset} "
+        "--cost-params {input.calibration} --out {output} > {log} 2>&1"
+
+
+rule modeled_split_run:
+    input:
+        calibration="results/modeled/calibration.json",
+        lengths=PAPER_LENGTHS,
+        hotset=PAPER["hotset"],
+    output: "results/modeled/splits/{setup}/{split}.json"
+    params:
+        setup=lambda w: json.dumps({"name": w.setup, **PAPER["setups"][w.setup]}),
+        system=lambda w: json.dumps({"name": w.split, "baseline": SPLITS["baseline"],
+                                     **({"split": int(w.split.removeprefix("split")) / 100}
+                                        if w.split.startswith("split") else {})}),
+        loads=json.dumps(SPLITS["loads"]),
+    log: "results/logs/modeled/splits/{setup}/{split}.log"
+    shell:
+        "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' --loads '{params.loads}' "
+        "--lengths {input.lengths} --num-requests {PAPER[num_requests]} --hotset {input.hotset} "
+        "--cost-params {input.calibration} --out {output} > {log} 2>&1"
+
+
+rule modeled_paper_tables:
+    input:
+        paper=expand("results/modeled/paper/{setup}/{system}.json", setup=PAPER["setups"], system=PAPER["systems"]),
+        splits=expand("results/modeled/splits/{setup}/{split}.json", setup=SPLITS["setup"],
+                      split=[split_name(f) for f in SPLITS["fractions"]] + ["elastic"]),
+    output:
+        paper_csv="results/modeled/paper.csv",
+        paper_md="results/modeled/paper.md",
+        splits_csv="results/modeled/splits.csv",
+        splits_md="results/modeled/splits.md",
+        paper_fig="figures/modeled_paper.png",
+        splits_fig="figures/modeled_splits.png",
+    shell:
+        "{PY} {SCRIPTS}/modeled_tables.py --paper {input.paper} --splits {input.splits} "
+        "--paper-csv {output.paper_csv} --paper-md {output.paper_md} --splits-csv {output.splits_csv} "
+        "--splits-md {output.splits_md} --paper-figure {output.paper_fig} --splits-figure {output.splits_fig}"
+
+
+# ---- case study and EOL sweep at full scale (MODELED) ---------------------------------------------------
+MCASE, MEOL = MODELED["case"], MODELED["eol"]
+
+
+rule modeled_case_run:
+    input:
+        calibration="results/modeled/calibration.json",
+        lengths=f"results/modeled/lengths_{MCASE['workload']}_{MCASE['num_requests']}.csv",
+        hotset=PAPER["hotset"],
+    output: "results/modeled/case/{system}.json"
+    params:
+        setup=json.dumps(MCASE["setup"]),
+        system=lambda w: json.dumps({"name": w.system, **MCASE["systems"][w.system]}),
+    log: "results/logs/modeled/case/{system}.log"
+    shell:
+        "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' "
+        "--loads '{{\"burst\": \"trace\"}}' --lengths {input.lengths} --num-requests {MCASE[num_requests]} "
+        "--hotset {input.hotset} --cost-params {input.calibration} --out {output} > {log} 2>&1"
+
+
+rule modeled_eol_run:
+    input:
+        calibration="results/modeled/calibration.json",
+        lengths=f"results/modeled/lengths_{MEOL['workload']}_{MEOL['num_requests']}.csv",
+        hotset=PAPER["hotset"],
+    output: "results/modeled/eol/{extra}.json"
+    params:
+        setup=json.dumps(MCASE["setup"]),
+        system=lambda w: json.dumps({"name": f"eol-{w.extra}", "baseline": "rimuru",
+                                     "engine_options": MEOL["engine_options"],
+                                     **({"eol_extra": int(w.extra)} if w.extra != "none" else {})}),
+    log: "results/logs/modeled/eol/{extra}.log"
+    shell:
+        "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' "
+        "--loads '{{\"all-at-once\": \"inf\"}}' --lengths {input.lengths} --num-requests {MEOL[num_requests]} "
+        "--hotset {input.hotset} --cost-params {input.calibration} --out {output} > {log} 2>&1"
+
+
+rule modeled_case_eol_tables:
+    input:
+        case=expand("results/modeled/case/{system}.json", system=MCASE["systems"]),
+        eol=expand("results/modeled/eol/{extra}.json", extra=[str(e) for e in MEOL["extra"]] + ["none"]),
+    output:
+        case_md="results/modeled/case.md",
+        case_csv="results/modeled/case.csv",
+        eol_md="results/modeled/eol.md",
+        eol_csv="results/modeled/eol.csv",
+        figure="figures/modeled_case_eol.png",
+    shell:
+        "{PY} {SCRIPTS}/modeled_case_eol.py --case {input.case} --eol {input.eol} --case-md {output.case_md} "
+        "--case-csv {output.case_csv} --eol-md {output.eol_md} --eol-csv {output.eol_csv} --figure {output.figure}"
+
+
 rule modeled_all:
     input:
         rules.modeled_calibrate.output,
         rules.modeled_fidelity.output,
+        rules.modeled_paper_tables.output,
+        rules.modeled_case_eol_tables.output,

@@ -60,8 +60,9 @@ def main() -> None:
         f"the system's memory fraction) scaled by {s['scale']:.6f} (= expert bytes ratio = KV bytes/token ratio "
         f"{s['kv_scale']:.6f}), so every policy holds the same share of experts and the same KV tokens as on "
         f"the real card (static: {s['real_kv_tokens_if_static']:.0f} KV tokens).",
-        "executor 'memory': scheduler, allocator, adjuster, expert cache and loader run; the forward pass is "
-        "skipped. results/case/case_check.csv shows the same counts with the real forward pass on a smaller burst.",
+        "executor 'modeled' (the engine's modeled executor, constant step): scheduler, allocator, adjuster, expert "
+        "cache and loader run; the forward pass is not. results/case/case_check.csv shows the same counts with the "
+        "real forward pass on a smaller burst.",
         "Paper: Qwen1.5-MoE on one RTX 5090 — vLLM 34 / ~2100, expert offloading 74 / ~1300, Rimuru 90 / ~1000.",
     ]
     write_table(frame, args.csv, args.md, "Case study: peak concurrency and forward steps", notes)

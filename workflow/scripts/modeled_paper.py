@@ -51,7 +51,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setup", required=True, help="JSON: {name, model, hardware, tp, card_gib, label}")
     ap.add_argument("--system", required=True, help="JSON: {name, baseline, split?, host?, engine_options?}")
-    ap.add_argument("--loads", required=True, help="JSON: {load name: request rate (inf = all at once)}")
+    ap.add_argument("--loads", required=True,
+                    help="JSON: {load name: request rate (inf = all at once) or 'trace' (the lengths file's arrivals)}")
     ap.add_argument("--lengths", required=True)
     ap.add_argument("--num-requests", type=int, required=True)
     ap.add_argument("--hotset", required=True, help="measured profile to tile over the full model")
@@ -68,9 +69,16 @@ def main() -> None:
     if len(lengths) < args.num_requests:
         raise SystemExit(f"{args.lengths} has {len(lengths)} requests, {args.num_requests} asked for")
     options, display = engine_options(system, float(setup["card_gib"]))
+    if "eol_extra" in system:  # expert_offload_limit = the minimum (total - initial cache) + this many experts
+        probe = LLM(spec, executor="modeled", hardware=setup["hardware"], tensor_parallel_size=int(setup["tp"]),
+                    cost_params=args.cost_params, hotset=str(hotset_path), seed=args.seed, **options)
+        minimum = probe.memory_report["total_experts"] - probe.memory_report["initial_cache_experts"]
+        options["expert_offload_limit"] = minimum + int(system["eol_extra"])
+        del probe
     rows = []
     for load, rate in loads.items():
-        rate = float(rate)
+        from_trace = rate == "trace"
+        rate = float("nan") if from_trace else float(rate)
         row = {"setup": setup["name"], "setup_label": setup["label"], "system": system["name"], "display": display,
                "policy": options["policy"], "load": load, "request_rate": rate, "num_requests": args.num_requests,
                "source": f"modeled ({setup['hardware']} profile, cost parameters fitted on H200 runs)"}
@@ -79,10 +87,15 @@ def main() -> None:
             llm = LLM(spec, executor="modeled", hardware=setup["hardware"], tensor_parallel_size=int(setup["tp"]),
                       cost_params=args.cost_params, hotset=str(hotset_path), seed=args.seed, **options)
         except MemoryBudgetError as exc:
-            rows.append({**row, "fits": False, "note": str(exc)})
+            rows.append({**row, "fits": False, "note": f"does not fit: {exc}"})
             print(f"{system['name']} {load}: does not fit: {exc}", flush=True)
             continue
-        arr = arrivals(args.num_requests, None if math.isinf(rate) else rate, args.seed)
+        except (NotImplementedError, ValueError) as exc:  # a model the engine cannot hold yet: say so, run nothing
+            rows.append({**row, "fits": None, "note": f"not modeled yet: {exc}"})
+            print(f"{system['name']} {load}: not modeled yet: {exc}", flush=True)
+            continue
+        arr = (lengths["arrival_time"].to_numpy() if from_trace
+               else arrivals(args.num_requests, None if math.isinf(rate) else rate, args.seed))
         trace = [TraceRequest(int(p), int(o), float(a)) for p, o, a in
                  zip(lengths["prompt_len"], lengths["output_len"], arr)]
         metrics = replay(llm, trace)
@@ -92,6 +105,7 @@ def main() -> None:
                      "total_experts": llm.memory_report["total_experts"], "final_cache_experts": llm.cache.num_cached,
                      "load_stall_share": totals.get("load_stall_ms", 0.0) / max(totals.get("total_ms", 1.0), 1e-9),
                      "host_share": totals.get("host_ms", 0.0) / max(totals.get("total_ms", 1.0), 1e-9),
+                     "expert_offload_limit": options.get("expert_offload_limit"),
                      "wall_s": time.perf_counter() - wall})
         print(f"{system['name']} {load}: {metrics['output_throughput']:.1f} tok/s, mean TTFT "
               f"{metrics['mean_ttft_ms']:.0f} ms, peak {metrics['peak_concurrency']}, "

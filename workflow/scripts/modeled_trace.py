@@ -1,6 +1,7 @@
 """Request lengths of a ShareGPT workload (vllm-bench-serve sampling, Qwen token counts) as CSV.
 
-The modeled runs need only each request's prompt and output length: columns prompt_len, output_len.
+The modeled runs need only each request's prompt and output length and the workload's arrival time:
+columns prompt_len, output_len, arrival_time (seconds; the workload spec's arrival process).
 The first 400 rows of ``sharegpt-all-at-once`` (seed 0) are the token trace of the H200 e2e runs
 (`rimuru workload --token-ids`); the fidelity script checks their output-token sum.
 """
@@ -28,7 +29,8 @@ def main() -> None:
     counter = get_token_counter("qwen")
     trace = build_trace(spec, seed=args.seed, num_requests=args.num_requests, progress=False)
     frame = pd.DataFrame({"prompt_len": [len(counter.encode(r.prompt)) for r in trace],
-                          "output_len": [r.output_len for r in trace]})
+                          "output_len": [r.output_len for r in trace],
+                          "arrival_time": [r.arrival_time for r in trace]})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out, index=False)
     print(f"{len(frame)} requests, {frame.prompt_len.sum()} prompt and {frame.output_len.sum()} output tokens")

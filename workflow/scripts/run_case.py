@@ -5,6 +5,12 @@ step (a modelled RTX 5090 decode step) and jumps to the next arrival when the en
 the run is deterministic: the same requests reach the engine at the same step for every policy,
 and peak concurrency and forward-step counts do not depend on how fast this CPU is. Writes a
 JSON summary (engine stats, memory report, scaling) and the per-step timeline CSV.
+
+``--executor``: ``torch`` runs the model's forward pass (the pipeline paces it with its own step
+counter); ``modeled`` is the engine's modeled executor (``LLM(executor="modeled")``) with a constant
+step of ``--step-ms`` (``modeled_step_ms``) — scheduler, allocator, adjuster, cache and loader run, no
+weights are loaded, and the engine's own virtual clock paces the arrivals. Outputs have fixed lengths
+(``ignore_eos``), so both give the same counts (the pipeline's case_check compares them).
 """
 
 from __future__ import annotations
@@ -15,22 +21,6 @@ import time
 from pathlib import Path
 
 from common import make_engine, single_thread, system_budget
-
-
-class MemoryOnlyExecutor:
-    """Stands in for TorchExecutor: the same scheduler output in, logits of the right shape out.
-
-    Peak concurrency and forward steps depend only on the scheduler, the allocator and the
-    adjuster (outputs have fixed lengths, ``ignore_eos``), so they come out exactly as with the real
-    forward pass (the pipeline's case_check compares the two) at a fraction of the CPU time."""
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-
-    def execute(self, out):
-        import torch
-
-        return torch.zeros(sum(1 for c in out.chunks if c.samples), self.vocab_size)
 
 
 def main() -> None:
@@ -48,9 +38,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hotset", default=None, help="hotset profile JSON (default: MODEL_DIR/hotset.json)")
     ap.add_argument("--engine-option", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--executor", choices=("torch", "memory"), default="torch",
-                    help="torch: the model really runs; memory: scheduler, allocator, adjuster, cache and loader "
-                         "run, the forward pass is skipped (zero logits)")
+    ap.add_argument("--executor", choices=("torch", "modeled"), default="torch",
+                    help="torch: the model really runs; modeled: the engine's modeled executor with a constant "
+                         "--step-ms step (scheduler, allocator, adjuster, cache and loader run; no weights)")
     ap.add_argument("--out-json", required=True)
     ap.add_argument("--out-timeline", required=True)
     args = ap.parse_args()
@@ -61,14 +51,17 @@ def main() -> None:
     from rimuru.workloads.trace import build_trace
 
     system, options, act, scaling = system_budget(args)
+    if args.executor == "modeled":
+        options = options | {"executor": "modeled", "modeled_step_ms": args.step_ms}
     llm = make_engine(args.model_dir, scaling["budget"], act, options, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens)
-    if args.executor == "memory":
-        llm.executor = MemoryOnlyExecutor(llm.spec.vocab_size)
     spec = load_spec(args.workload)
     trace = build_trace(spec, seed=spec.seed, num_requests=args.num_requests, progress=False)
     prompts = [llm.tokenizer.encode(r.prompt, add_special_tokens=False) for r in trace]
-    step_s, clock, i, wall = args.step_ms / 1e3, 0.0, 0, time.perf_counter()
+    step_s, i, wall = args.step_ms / 1e3, 0, time.perf_counter()
+    virtual = llm.clock.virtual  # the modeled executor advances the engine's clock by step_ms per step
+    origin = llm.clock.now() if virtual else 0.0
+    clock = 0.0
     clocks: list[float] = []
     print(f"{system.name} ({options['policy']}): {len(trace)} requests, budget {scaling['budget'] / 2**20:.1f} MiB",
           flush=True)
@@ -78,9 +71,11 @@ def main() -> None:
             i += 1
         if not llm.has_unfinished_requests():
             clock = trace[i].arrival_time
+            if virtual:
+                llm.clock.advance_to(origin + clock)
             continue
         llm.step()
-        clock += step_s
+        clock = llm.clock.now() - origin if virtual else clock + step_s
         clocks.append(clock)
         if len(clocks) % 250 == 0:
             s = llm.stats()
