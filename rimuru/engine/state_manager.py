@@ -173,6 +173,21 @@ class HybridCacheManager:
                 self.states.free(request_id)
             raise
 
+    def allocate_many(self, requests: list[tuple[str, int]]) -> None:
+        """The scheduler's batched growth (KVCacheManager.allocate_many): states for requests that hold none
+        yet, then every request's KV in one call; on failure the states taken here are given back."""
+        fresh = [rid for rid, _ in requests if not self.states.holds(rid)]
+        taken = []
+        try:
+            for rid in fresh:
+                self.states.allocate(rid)
+                taken.append(rid)
+            self.kv.allocate_many(requests)
+        except Exception:
+            for rid in taken:
+                self.states.free(rid)
+            raise
+
     def free(self, request_id: str) -> None:
         self.kv.free(request_id)
         self.states.free(request_id)
