@@ -199,3 +199,23 @@ def test_same_steps_and_concurrency_as_the_torch_executor(tiny_dir, policy, one_
     assert peak < len(prompts) and max(running) == peak  # memory, not the request count, bounds concurrency
     if policy == "elastic":
         assert len(set(cached)) > 1  # the adjuster resized the cache during the run
+
+
+def test_modeled_hybrid_tp2_holds_state_pages():
+    """Qwen3.5-35B-A3B on two 24 GB ranks: each running request holds SSM and conv pages (the rank's slices)."""
+    from rimuru.memory import SSM
+
+    llm = LLM("qwen3.5-35b-a3b", executor="modeled", hardware="rtx4090d", tensor_parallel_size=2,
+              gpu_memory_budget=int(0.9 * 23.6 * 2**30), policy="elastic", kv_reserve=0.1)
+    assert llm.pool.layout.page_bytes(SSM) == 16 * 128 * 128 * 4  # 32 value heads / 2 ranks, fp32 state
+    free_ssm = llm.allocator.num_free(SSM)
+    for i in range(6):
+        llm.add_request(f"r{i}", [0] * 100, SamplingParams(max_tokens=5, ignore_eos=True))
+    llm.step()
+    gdn_layers = len(llm.spec.linear_attention_layers)
+    assert free_ssm - llm.allocator.num_free(SSM) >= 6 * gdn_layers
+    assert all(len(llm.kv.states.ssm_pages(f"r{i}")) == gdn_layers for i in range(6))
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.check_integrity()
+    assert not llm.kv.states.requests and llm.executor.totals["allreduce_ms"] > 0  # every state given back

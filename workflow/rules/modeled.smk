@@ -75,8 +75,9 @@ rule modeled_paper_run:
     output: "results/modeled/paper/{setup}/{system}.json"
     params:
         setup=lambda w: json.dumps({"name": w.setup, **PAPER["setups"][w.setup]}),
-        system=lambda w: json.dumps({"name": w.system, **PAPER["systems"][w.system]}),
-        loads=json.dumps(PAPER["loads"]),
+        system=lambda w: json.dumps({"name": w.system, **{k: v for k, v in PAPER["systems"][w.system].items()
+                                                          if k != "loads"}}),
+        loads=lambda w: json.dumps(PAPER["systems"][w.system].get("loads", PAPER["loads"])),
     log: "results/logs/modeled/paper/{setup}/{system}.log"
     shell:
         "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' --loads '{params.loads}' "
