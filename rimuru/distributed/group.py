@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import socket
 import threading
 import time
@@ -34,6 +35,9 @@ from rimuru.distributed.replica import BatchReceiver, BatchSender, apply_ops, st
 _ENV_DEFAULTS = {  # NVLink multicast off: see the device notes of the machines this runs on
     "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
 }
+
+
+START_TIMEOUT_S = 600.0  # spawning a rank, importing torch and loading its shard: not a collective
 
 
 def _free_port() -> int:
@@ -92,7 +96,7 @@ class TensorParallelGroup:
         atexit.register(self._finalizer)
         try:
             for rank, conn in enumerate(self.conns, start=1):
-                self._expect(rank, conn, "hello", timeout_s)
+                self._expect(rank, conn, "hello", max(timeout_s, START_TIMEOUT_S))
             init_process_group(self.backend, port, 0, world, timeout_s)
         except BaseException as exc:
             raise self.fail(exc) from exc
@@ -153,7 +157,7 @@ class TensorParallelGroup:
             what = str(exc)
         elif dead:
             what = "; ".join(f"tensor-parallel rank {r} exited with code {c}" for r, c in sorted(dead.items()))
-        elif exc is not None and "timeout" in str(exc).lower():
+        elif exc is not None and re.search(r"time[sd]? ?out", str(exc), re.IGNORECASE):
             behind = [r for r in range(1, self.world) if self.progress[r] < self.step]
             what = (f"a tensor-parallel collective timed out after {self.timeout_s:.0f} s in step {self.step}; "
                     f"ranks that did not finish it: {behind or 'unknown'}")
@@ -196,10 +200,10 @@ class TensorParallelGroup:
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise self.fail(exc) from exc
 
-    def gather(self, kind: str) -> list:
+    def gather(self, kind: str, timeout_s: float | None = None) -> list:
         """One ``kind`` answer from every worker, in rank order."""
         try:
-            return [self._expect(rank, conn, kind, self.timeout_s)
+            return [self._expect(rank, conn, kind, timeout_s or self.timeout_s)
                     for rank, conn in enumerate(self.conns, start=1)]
         except TensorParallelError as exc:
             raise self.fail(exc) from exc
@@ -278,10 +282,11 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
                 progress) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
-        conn.send(("hello",))
         if options.get("device") in (None, "cpu") and not torch.cuda.is_available():
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        from rimuru.engine.llm import LLM
+        from rimuru.engine.llm import LLM  # the slow imports before "hello": rank 0 then waits in the rendezvous
+
+        conn.send(("hello",))
 
         llm = LLM(source, _tp_rank=rank, _tp_port=port, **options)
         conn.send(("ready",))

@@ -19,7 +19,13 @@ from tqdm.auto import tqdm
 
 from rimuru.distributed.comm import SINGLE, Shard, TorchDistributed
 from rimuru.distributed.errors import FatalEngineError, TensorParallelError
-from rimuru.distributed.group import TensorParallelExecutor, TensorParallelGroup, init_process_group, rank_device
+from rimuru.distributed.group import (
+    START_TIMEOUT_S,
+    TensorParallelExecutor,
+    TensorParallelGroup,
+    init_process_group,
+    rank_device,
+)
 from rimuru.distributed.replica import BatchSender, RecordingExpertCache, RecordingKVCacheManager, state_digest
 from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
@@ -181,7 +187,7 @@ class LLM:
             self.kv.oplog = self.cache.oplog = oplog
             sender = BatchSender(oplog, self._generators.__contains__)
             self.executor = TensorParallelExecutor(self.executor, self.tp_group, sender, device)
-            self.tp_group.gather("ready")
+            self.tp_group.gather("ready", START_TIMEOUT_S)
 
     def _collective(self, fn):
         """Run a start-up collective; on rank 0 a failure becomes the error naming the failed rank."""

@@ -97,6 +97,30 @@ def test_killed_worker_ends_the_engine_naming_the_rank(model_dir):
     assert not worker.is_alive()
 
 
+def test_hung_worker_times_out_naming_the_rank(model_dir):
+    """A rank that stops answering (SIGSTOP) ends the engine after tp_timeout_s, naming it; no process is left."""
+    if model_dir.name != "tiny-qwen3-moe":
+        pytest.skip("one model is enough")
+    llm = LLM(model_dir, **BASE, gpu_memory_budget="400MiB", policy="fixed", initial_cache_experts=4,
+              tensor_parallel_size=2, tp_timeout_s=20)
+    worker = llm.tp_group.procs[0]
+    for i, p in enumerate(PROMPTS):
+        llm.add_request(f"r{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+    llm.step()
+    os.kill(worker.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TensorParallelError, match=r"timed out after 20 s .*did not finish it: \[1\]"):
+            while time.monotonic() - t0 < 60:
+                llm.step()
+        assert time.monotonic() - t0 < 60
+        worker.join(10)
+        assert not worker.is_alive()
+    finally:
+        if worker.is_alive():
+            os.kill(worker.pid, signal.SIGKILL)
+
+
 def test_bad_sizes_are_clear_errors(model_dir, tmp_path):
     if model_dir.name != "tiny-qwen3-moe":
         pytest.skip("one model is enough")
