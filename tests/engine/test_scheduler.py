@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from rimuru.engine.kv_manager import KVCacheManager
@@ -129,4 +130,22 @@ def test_preempting_a_request_already_scheduled_in_this_step_takes_its_chunk_bac
         assert chunk.request.status is Status.RUNNING
         assert kv.num_blocks(chunk.request.request_id) * BLOCK >= chunk.start + chunk.num_tokens
     assert b.status is Status.WAITING and b.num_computed_tokens == 0
+    alloc.check_integrity()
+
+
+def test_allocate_many_is_one_call_and_all_or_nothing():
+    from rimuru.memory import OutOfPages
+
+    alloc, kv, _ = make(huge_pages=2)  # 8 KV pages = 4 blocks over 2 layers
+    kv.allocate_many([("a", 4), ("b", 5)])  # 1 + 2 blocks
+    assert (kv.num_blocks("a"), kv.num_blocks("b"), kv.num_allocated_pages) == (1, 2, 6)
+    before = alloc.num_free(KV)
+    with pytest.raises(OutOfPages):
+        kv.allocate_many([("a", 8), ("c", 8)])  # 1 + 2 more blocks: only 1 free
+    assert alloc.num_free(KV) == before and kv.num_blocks("a") == 1 and kv.num_blocks("c") == 0
+    kv.allocate("a", 8)  # a second block: the table keeps the first
+    assert kv.pages("a").shape == (LAYERS, 2) and len(set(kv.pages("a").ravel().tolist())) == 4
+    kv.free("a")
+    kv.free("b")
+    assert kv.num_allocated_pages == 0 and alloc.free_huge_pages() == 2
     alloc.check_integrity()
