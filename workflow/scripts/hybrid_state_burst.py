@@ -4,8 +4,8 @@ The tiny Qwen3.5-MoE (one Gated DeltaNet + one gated-attention layer, fp32) serv
 that all arrive at once, under the elastic policy at a budget tight enough that the adjuster shrinks the expert
 cache and the scheduler preempts; every ``--abort-every``-th request is aborted (some while waiting, some while
 running). After every step the SSM/conv pages held must be exactly those of the running requests, and every
-``--full-check-every`` steps (and at the end) the allocator's full integrity check runs; at the end every SSM page, conv run and KV page must be back in the pool. Prompt and
-output lengths are ShareGPT's (vllm-bench-serve sampling), capped so that the CPU run stays short; token ids
+``--full-check-every`` steps (and at the end) the allocator's full integrity check runs; at the end every SSM
+page, conv run and KV page must be back in the pool. Prompt and output lengths are ShareGPT's (vllm-bench-serve sampling), capped so that the CPU run stays short; token ids
 are seeded random ids (their content does not matter to page accounting).
 """
 
@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=32)
     ap.add_argument("--max-output", type=int, default=8)
     ap.add_argument("--abort-every", type=int, default=10)
-    ap.add_argument("--cached-experts", type=int, default=16, help="initial cache; the budget leaves --spare more pages")
+    ap.add_argument("--cached-experts", type=int, default=16, help="initial cache size")
     ap.add_argument("--spare", type=int, default=24, help="expert-sized pages beside the initial cache")
     ap.add_argument("--full-check-every", type=int, default=20,
                     help="the allocator's full integrity check every this many steps (the state check runs every step)")
@@ -93,7 +93,8 @@ def main() -> None:
         "aborted_waiting": aborted_waiting, "steps": steps, "preemptions": stats.preemptions,
         "cache_shrink_steps": shrinks, "peak_ssm_pages": peak_ssm, "leaked_ssm_pages": leaked[SSM],
         "leaked_conv_runs": leaked[CONV], "leaked_kv_pages": leaked[KV],
-        "state_checks": steps, "full_integrity_checks": full_checks + 1, "budget_bytes": budget, "wall_s": round(time.perf_counter() - t0, 1),
+        "state_checks": steps, "full_integrity_checks": full_checks + 1, "budget_bytes": budget,
+        "wall_s": round(time.perf_counter() - t0, 1),
         **provenance(),
     }
     out = Path(args.out)
