@@ -5,8 +5,9 @@ that all arrive at once, under the elastic policy at a budget tight enough that 
 cache and the scheduler preempts; every ``--abort-every``-th request is aborted (some while waiting, some while
 running). After every step the SSM/conv pages held must be exactly those of the running requests, and every
 ``--full-check-every`` steps (and at the end) the allocator's full integrity check runs; at the end every SSM
-page, conv run and KV page must be back in the pool. Prompt and output lengths are ShareGPT's (vllm-bench-serve sampling), capped so that the CPU run stays short; token ids
-are seeded random ids (their content does not matter to page accounting).
+page, conv run and KV page must be back in the pool. Prompt and output lengths are ShareGPT's (vllm-bench-serve
+sampling), capped so that the CPU run stays short; token ids are seeded random ids (their content does not matter
+to page accounting).
 """
 
 from __future__ import annotations
