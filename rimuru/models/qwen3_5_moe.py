@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rimuru.experts.moe_block import MoeLayerWeights
 from rimuru.kernels.gdn import causal_conv1d, gated_delta_rule
 from rimuru.kernels.gdn_reference import gated_rms_norm
 from rimuru.kernels.paged_attention import paged_attention, write_kv
@@ -129,7 +130,8 @@ class GatedAttention:
 
 
 class Qwen35MoeModel(QwenMoeModel):
-    """The hybrid decoder. MoE blocks (router, paged routed experts, gated shared expert) are QwenMoeModel's."""
+    """The hybrid decoder (one GPU: no tensor parallelism yet). MoE blocks (router, paged routed experts, gated
+    shared expert) are QwenMoeModel's ``_moe``; this class sets what that method reads (``moe``, ``moe_index``)."""
 
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], device: torch.device,
                  attention_impl: str = "auto", moe_impl: str = "auto", gdn_impl: str = "auto") -> None:
@@ -148,6 +150,7 @@ class Qwen35MoeModel(QwenMoeModel):
             else GatedAttention(spec, dense, i, self.kv_index[i], rope, attention_impl)
             for i in range(spec.num_layers)]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
+        self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
         self.routing_counts = None
 

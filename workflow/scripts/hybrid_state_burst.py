@@ -63,7 +63,7 @@ def main() -> None:
                                                         ignore_eos=True))
         ids.append(f"r{i}")
     to_abort = set(ids[:: args.abort_every])
-    aborted_running = aborted_waiting = finished = steps = peak_ssm = full_checks = 0
+    aborted_running = aborted_waiting = finished = failed = steps = peak_ssm = full_checks = 0
     while llm.has_unfinished_requests():
         running = {q.request_id for q in llm.scheduler.running}
         waiting = {q.request_id for q in llm.scheduler.waiting}
@@ -78,7 +78,9 @@ def main() -> None:
                 llm.abort_request(rid)
                 aborted_waiting += 1
                 to_abort.discard(rid)
-        finished += sum(o.finished for o in llm.step())
+        outs = llm.step()
+        finished += sum(o.finished and o.error is None for o in outs)
+        failed += sum(o.error is not None for o in outs)
         steps += 1
         llm.kv.check({q.request_id for q in llm.scheduler.running})  # states held by exactly the running requests
         if steps % args.full_check_every == 0:
@@ -90,7 +92,8 @@ def main() -> None:
     leaked = {cls: llm.allocator.num_allocated(cls) for cls in (SSM, CONV, KV)}
     shrinks = sum(1 for rec in llm.timeline.records if rec.adjust < 0)
     result = {
-        "model": args.model, "requests": len(ids), "finished": finished, "aborted_running": aborted_running,
+        "model": args.model, "requests": len(ids), "finished": finished, "failed": failed,
+        "aborted_running": aborted_running,
         "aborted_waiting": aborted_waiting, "steps": steps, "preemptions": stats.preemptions,
         "cache_shrink_steps": shrinks, "peak_ssm_pages": peak_ssm, "leaked_ssm_pages": leaked[SSM],
         "leaked_conv_runs": leaked[CONV], "leaked_kv_pages": leaked[KV],
@@ -102,8 +105,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    if any(leaked.values()) or finished + aborted_running + aborted_waiting != len(ids):
-        raise SystemExit(f"state pages leaked or requests lost: {leaked}")
+    if any(leaked.values()) or failed or finished + aborted_running + aborted_waiting != len(ids):
+        raise SystemExit(f"state pages leaked, requests failed or lost: {leaked}, {failed} failed")
 
 
 if __name__ == "__main__":
