@@ -41,7 +41,7 @@ def run_all(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple
 
 
 def pressure_burst(model_dir: str | Path, num_requests: int = 1000, *, max_tokens: int = 8, seed: int = 0,
-                   expert_offload_limit: int = 3, max_num_batched_tokens: int = 64) -> dict:
+                   expert_offload_limit: int = 3, max_num_batched_tokens: int = 64, kv_pages: int = 4) -> dict:
     base = dict(device="cpu", dtype=torch.float32, activation_reserve="1MiB")
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, 1000, size=int(rng.integers(1, 40))).tolist() for _ in range(num_requests)]
@@ -53,7 +53,7 @@ def pressure_burst(model_dir: str | Path, num_requests: int = 1000, *, max_token
     calm_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    llm = LLM(model_dir, **base, gpu_memory_budget=tight_budget(model_dir, **base), policy="elastic",
+    llm = LLM(model_dir, **base, gpu_memory_budget=tight_budget(model_dir, kv_pages=kv_pages, **base), policy="elastic",
               initial_cache_experts=16, expert_offload_limit=expert_offload_limit,
               max_num_batched_tokens=max_num_batched_tokens)
     free_before = llm.allocator.free_l2_pages("expert") + 3 * llm.cache.num_cached
@@ -71,6 +71,7 @@ def pressure_burst(model_dir: str | Path, num_requests: int = 1000, *, max_token
         "steps": info["steps"], "peak_concurrency": stats.peak_concurrency,
         "kv_pages_left": llm.kv.num_allocated_pages,
         "l2_pages_returned": llm.allocator.free_l2_pages("expert") + 3 * llm.cache.num_cached == free_before,
-        "budget_bytes": llm.config.budget_bytes, "pressured_s": round(pressed_s, 1),
+        "budget_bytes": llm.config.budget_bytes, "kv_l2_pages_in_budget": kv_pages,
+        "expert_offload_limit": expert_offload_limit, "max_num_batched_tokens": max_num_batched_tokens, "pressured_s": round(pressed_s, 1),
         "unpressured_s": round(calm_s, 1),
     }

@@ -20,10 +20,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--kv-pages", type=int, default=4, help="L2 pages of KV in the tight budget")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=64)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = write_synthetic_checkpoint("tiny-qwen3-moe", Path(tmp) / "tiny", seed=0, dtype=torch.float32)
-        result = pressure_burst(model, args.requests, max_tokens=args.max_tokens)
+        result = pressure_burst(model, args.requests, max_tokens=args.max_tokens, kv_pages=args.kv_pages,
+                                max_num_batched_tokens=args.max_num_batched_tokens)
     result.update(model="tiny-qwen3-moe (synthetic, fp32, CPU)", **provenance())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
