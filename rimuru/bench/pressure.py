@@ -72,6 +72,7 @@ def pressure_burst(model_dir: str | Path, num_requests: int = 1000, *, max_token
         "kv_pages_left": llm.kv.num_allocated_pages,
         "l2_pages_returned": llm.allocator.free_l2_pages("expert") + 3 * llm.cache.num_cached == free_before,
         "budget_bytes": llm.config.budget_bytes, "kv_l2_pages_in_budget": kv_pages,
-        "expert_offload_limit": expert_offload_limit, "max_num_batched_tokens": max_num_batched_tokens, "pressured_s": round(pressed_s, 1),
+        "expert_offload_limit": expert_offload_limit, "max_num_batched_tokens": max_num_batched_tokens,
+        "pressured_s": round(pressed_s, 1),
         "unpressured_s": round(calm_s, 1),
     }
