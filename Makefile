@@ -102,8 +102,9 @@ test: lint
 bench-regress: install
 	$(BIN)/python -m rimuru.bench.regress check
 
-bench-rebaseline: install
+bench-rebaseline:
 	@test -n "$(REASON)" || { echo 'usage: make bench-rebaseline REASON="why the baselines change" [GROUPS="pipeline ..."]' >&2; exit 2; }
+	$(MAKE) install
 	$(BIN)/python -m rimuru.bench.regress $(foreach g,$(GROUPS),--group $(g)) rebaseline --reason "$(REASON)"
 
 clean:
