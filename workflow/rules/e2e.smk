@@ -23,7 +23,7 @@ E2E_TP_RUN = [h for h, c in E2E["hardware"].items() if c.get("tp_run") and c["gp
 
 rule e2e_tp_trace:
     output: "results/e2e/tp/trace_sharegpt.jsonl"
-    shell: "{PY} {SCRIPTS}/make_token_trace.py --num-requests 400 --out {output}"
+    shell: "rimuru workload sharegpt-all-at-once --token-ids --num-requests 400 --seed 0 --no-progress --out {output}"
 
 
 rule e2e_tp_run:

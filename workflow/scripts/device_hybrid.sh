@@ -2,7 +2,7 @@
 # One device call for the hybrid (issue 12): GDN kernel timings against their bandwidth floors, then the scaled
 # Qwen3.5-35B-A3B end to end (elastic, fixed, static; 24 GiB budget scaled to the layers kept).
 # fla-core is not on the GPU box (no network): carry its wheel in .whl/ (pip download fla-core==0.6.0 --no-deps
-# -d .whl; einops likewise) and the token trace in .device/ (workflow/scripts/make_token_trace.py).
+# -d .whl; einops likewise) and the token trace in .device/ (`rimuru workload --token-ids`).
 # Usage on the GPU box: OUT=/tmp/out [WHL_DIR=.whl TRACE=.device/trace_sharegpt_400.jsonl] bash workflow/scripts/device_hybrid.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=.

@@ -53,7 +53,7 @@ def log(msg: str) -> None:
 
 
 def load_trace(path: str, n: int) -> list[dict]:
-    """JSONL (or .jsonl.gz) rows with prompt_token_ids and output_len (workflow/scripts/make_token_trace.py)."""
+    """JSONL (or .jsonl.gz) rows with prompt_token_ids and output_len (`rimuru workload --token-ids`)."""
     text = gzip.decompress(Path(path).read_bytes()).decode() if path.endswith(".gz") else Path(path).read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()][:n]
 
