@@ -2,8 +2,9 @@
 
 A dry run (`snakemake -n --profile workflow/profiles/slurm --configfile config/gpu.yaml`) in a scratch copy
 of the workflow: it needs snakemake-executor-plugin-slurm installed (the dev extra) but no cluster. Every
-rule that makes files is planned; the profile's GPU rules get a GPU on the GPU partition, every other job
-the CPU partition, and each job states its memory and runtime.
+rule that makes files is planned (the real systems' venvs marked built, as after `make real-venvs`); the
+profile's GPU rules get a GPU on the GPU partition, every other job the CPU partition, and each job states
+its memory and runtime.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def dry_run(tmp_path_factory):
         src = ROOT / name
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
     shutil.copytree(ROOT / "results/reference", work / "results/reference")
+    # as after `make real-venvs`: the real systems' rules are planned only where their venvs are built
+    real = yaml.safe_load((ROOT / "config/default.yaml").read_text()).get("real", {})
+    for system in real.get("systems", {}).values():
+        if system.get("needs"):
+            (work / system["needs"]).mkdir(parents=True, exist_ok=True)
+            (work / system["needs"] / ".installed").touch()
     cmd = [str(SNAKEMAKE), "-n", "--profile", "workflow/profiles/slurm", "--configfile", "config/gpu.yaml"]
     proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
