@@ -44,6 +44,7 @@ rule modeled_fidelity:
     output:
         csv="results/modeled/fidelity.csv",
         steps="results/modeled/fidelity_steps.csv",
+        stalls="results/modeled/fidelity_stalls.csv",
         figure="figures/modeled_fidelity.png",
         timelines=directory("results/modeled/fidelity_timelines"),
     params: fit=",".join(MODELED["fit_runs"])
@@ -51,7 +52,8 @@ rule modeled_fidelity:
     shell:
         "{PY} {SCRIPTS}/modeled_fidelity.py --reference {REF}/e2e --lengths {input.lengths} "
         "--cost-params {input.calibration} --fit-runs {params.fit} --hardware {MODELED[calibration_hardware]} "
-        "--out-csv {output.csv} --out-steps {output.steps} --out-timelines {output.timelines} "
+        "--out-csv {output.csv} --out-steps {output.steps} --out-stalls {output.stalls} "
+        "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
 
 
