@@ -46,7 +46,8 @@ def main() -> None:
     cols = ["system", "eol", "output_throughput", "mean_ttft_ms", "mean_tpot_ms", "peak_concurrency",
             "forward_steps", "preemptions", "final_cache_experts"]
     write_table(eol[cols], args.eol_csv, args.eol_md, f"expert_offload_limit sweep at full scale: {label} — {LABEL}", [
-        "Rimuru (elastic), 1000 ShareGPT requests at once (prompt + output <= 512 tokens), initial cache 97% of "
+        f"Rimuru (elastic), {int(eol['num_requests'].iloc[0])} ShareGPT requests at once (prompt + output <= 512 "
+        "tokens), initial cache 97% of "
         "the pool after the loading buffers; EOL from the minimum (total - initial cache: the cache cannot shrink, "
         "fixed offloading) upwards, and no limit.",
         "Paper: the minimum EOL is slow, ~10 more experts improve throughput a lot, TPOT stays flat."])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 import numpy as np
 import pandas as pd
@@ -128,21 +129,23 @@ def figures(paper: pd.DataFrame, splits: pd.DataFrame, paper_path: str, splits_p
     fig, axes = plt.subplots(2, len(setups), figsize=(5 * len(setups), 8), squeeze=False)
     for j, setup in enumerate(setups):
         g = paper[(paper["setup"] == setup)]
-        loads = list(dict.fromkeys(g["load"]))
+        loads = list(g.sort_values("request_rate").drop_duplicates("load")["load"])  # light to heavy
         ran = g[g["fits"] == True]  # noqa: E712
         for system, s in ran.groupby("system", sort=False):
             x = [loads.index(v) for v in s["load"]]
             style = dict(lw=2.5, color="k") if system == "rimuru" else {}
-            axes[0, j].plot(x, s["output_throughput"], "-o", label=system, **style)
-            axes[1, j].plot(x, s["mean_ttft_ms"] / 1e3, "-o", label=system, **style)
+            s = s.assign(x=x).sort_values("x")
+            axes[0, j].plot(s["x"], s["output_throughput"], "-o", label=system, **style)
+            axes[1, j].plot(s["x"], s["mean_ttft_ms"] / 1e3, "-o", label=system, **style)
         for i, (metric, unit) in enumerate((("output throughput", "tok/s"), ("mean TTFT", "s"))):
             ax = axes[i, j]
             ax.set_xticks(range(len(loads)), loads)
             ax.set_ylabel(f"{metric} ({unit})")
             ax.set_yscale("log")
             if not len(ran):
-                ax.text(0.5, 0.5, "not modeled yet:\nthe engine holds no hybrid state pages", ha="center",
-                        va="center", transform=ax.transAxes)
+                note = str(g["note"].dropna().iloc[0]) if g["note"].notna().any() else "not run"
+                ax.text(0.5, 0.5, "\n".join(textwrap.wrap(note, 40)[:4]), ha="center", va="center",
+                        transform=ax.transAxes, fontsize=8)
         axes[0, j].set_title(f"{g['setup_label'].iloc[0]}\nMODELED", fontsize=10)
         axes[0, j].legend(fontsize=7)
     save_figure(fig, paper_path)
