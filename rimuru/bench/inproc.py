@@ -79,6 +79,8 @@ def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = T
     records = {r.request_id: RequestRecord(r.request_id, len(p), r.output_len) for r, p in zip(ordered, prompts)}
     _warm_up(engine, prompts[0] if prompts else [], ordered[0].output_len if ordered else 1, ignore_eos, num_warmups)
     base = _stats(engine)
+    steps = getattr(engine, "timeline", None)
+    first_step = len(steps.records) if steps is not None else 0
     last_token: dict[str, float] = {}
     timeline: list[dict] = []
     bar = tqdm(total=len(ordered), desc="requests", unit="req", disable=not progress)
@@ -132,4 +134,11 @@ def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = T
     if final is not None:
         info.update(final)
         info["timeline"] = timeline
+    if steps is not None:  # the measured steps only: stalls (slow steps) and JIT compiles
+        from rimuru.engine.timeline import stall_mask
+
+        frame = steps.frame().iloc[first_step:]
+        info["stalls"] = int(stall_mask(frame).sum())
+        info["compiles"] = int(frame["compiles"].sum())
+        info["cuda_graph_steps"] = int(frame["cuda_graph"].sum())
     return [records[r.request_id] for r in ordered], duration, info

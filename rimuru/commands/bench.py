@@ -59,6 +59,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
                        help="split the model over this many processes and devices")
     local.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                        help="extra LLM(...) keyword option (value parsed as JSON when it parses)")
+    ab = parser.add_argument_group("A/B comparison (inproc backend)")
+    ab.add_argument("--ab", default=None, metavar="KEY=A,B",
+                    help="compare engine variants, e.g. policy=elastic,fixed or enforce_eager=true,false: a fresh "
+                         "engine per run, warm-up pass discarded, ABBA order, median and spread per variant")
+    ab.add_argument("--repeats", type=int, default=2, help="runs of each variant with --ab (at least 2 to trust)")
+    ab.add_argument("--warmup-requests", type=int, default=32,
+                    help="with --ab: a discarded pass of the workload's first N requests through each fresh engine "
+                         "(after LLM.warmup()); -1 = the whole workload")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--num-warmups must be >= 0, got {args.num_warmups}")
     if args.time_scale < 0 or math.isnan(args.time_scale):
         raise UserError("--time-scale must be non-negative")
+    if args.ab and args.backend != "inproc":
+        raise UserError("--ab compares in-process engine variants: use it with --backend inproc")
     if args.backend == "inproc" and not args.model:
         raise UserError("--backend inproc needs --model DIR (a checkpoint directory)")
     requests, workload = load_requests(args.workload, seed=args.seed, num_requests=args.num_requests,
@@ -95,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency, count_tokens=_count_qwen_tokens,
             ready_timeout_s=args.ready_timeout, progress=not args.no_progress, time_scale=args.time_scale,
             num_warmups=args.num_warmups)
+    elif args.ab:
+        return _run_ab(args, requests, workload, goodput, percentiles, settings)
     else:
         from rimuru.bench.inproc import run_inproc
 
@@ -119,6 +131,61 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
+def _run_ab(args: argparse.Namespace, requests, workload: dict, goodput, percentiles, settings: dict) -> int:
+    """ABBA runs of each variant (rimuru.bench.ab); one JSON with every run and the per-variant summary."""
+    import gc
+
+    from rimuru.bench.ab import abba_order, parse_variants, summarize, summary_table
+    from rimuru.bench.inproc import run_inproc
+    from rimuru.bench.runner import make_result
+    from rimuru.cli import UserError
+
+    try:
+        key, values = parse_variants(args.ab)
+    except ValueError as exc:
+        raise UserError(f"--ab: {exc}") from exc
+    if args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    warm = requests if args.warmup_requests < 0 else requests[: args.warmup_requests]
+    runs, results = [], []
+    for order, (value, repeat) in enumerate(abba_order([str(v) for v in values], args.repeats)):
+        option = values[[str(v) for v in values].index(value)]
+        engine = _make_engine(args, **{key: option})
+        warmup = getattr(engine, "warmup", None)
+        if warmup is not None:
+            warmup()
+        if warm:
+            run_inproc(engine, warm, ignore_eos=args.ignore_eos, progress=False, time_scale=0.0, num_warmups=0)
+        records, duration, info = run_inproc(engine, requests, ignore_eos=args.ignore_eos,
+                                             progress=not args.no_progress, time_scale=args.time_scale,
+                                             num_warmups=0)
+        result = make_result(records, duration, backend="inproc", model=getattr(engine, "model_name", args.model),
+                             workload=workload, goodput=goodput, percentiles=percentiles, engine=info,
+                             settings=settings | {key: option})
+        row = {"variant": f"{key}={value}", "repeat": repeat, "order": order,
+               "stalls": info.get("stalls", 0), "compiles": info.get("compiles", 0),
+               **{k: result.get(k) for k in ("output_throughput", "request_throughput", "mean_ttft_ms",
+                                             "median_ttft_ms", "mean_tpot_ms", "mean_itl_ms", "mean_e2el_ms",
+                                             "duration", "completed", "failed")}}
+        runs.append(row)
+        results.append(result)
+        print(f"[{order}] {row['variant']} repeat {repeat}: {row['output_throughput']:.1f} tok/s, mean TTFT "
+              f"{row['mean_ttft_ms']:.1f} ms, stalls {row['stalls']}, compiles {row['compiles']}")
+        del engine
+        gc.collect()
+    summary = summarize(runs)
+    print("\n".join(summary_table(summary)))
+    if args.out:
+        from rimuru.provenance import provenance
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        out = {"ab": key, "repeats": args.repeats, "warmup_requests": len(warm), "runs": runs, "summary": summary,
+               "results": results, "settings": settings, "provenance": provenance()}
+        Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"result -> {args.out}")
+    return 0 if all(r["completed"] for r in runs) else 1
+
+
 def _count_qwen_tokens(text: str) -> int:
     """Output tokens of a server that reports no usage: Qwen BPE counts (tiktoken), loaded only if needed."""
     from rimuru.workloads.tokens import get_token_counter
@@ -126,7 +193,7 @@ def _count_qwen_tokens(text: str) -> int:
     return get_token_counter("qwen")(text)
 
 
-def _make_engine(args: argparse.Namespace):
+def _make_engine(args: argparse.Namespace, **override):
     from rimuru.cli import UserError
 
     if not Path(args.model).is_dir():
@@ -135,6 +202,11 @@ def _make_engine(args: argparse.Namespace):
         from rimuru.engine.llm import LLM
     except ImportError as exc:
         raise UserError(f"the in-process engine is not available ({exc})") from exc
-    return LLM(args.model, gpu_memory_budget=args.gpu_memory_budget, policy=args.policy, device=args.device,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               seed=args.engine_seed, tensor_parallel_size=args.tensor_parallel_size, **dict(args.engine_option))
+    options = dict(gpu_memory_budget=args.gpu_memory_budget, policy=args.policy, device=args.device,
+                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                   seed=args.engine_seed, tensor_parallel_size=args.tensor_parallel_size) \
+        | dict(args.engine_option) | override
+    try:
+        return LLM(args.model, **options)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"engine options {override or ''}: {exc}") from exc

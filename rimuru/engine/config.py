@@ -41,6 +41,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (one process and one device each; modeled: one process) the layers are
     # sharded over; the budget is per rank
     tp_timeout_s: float = 300.0  # a rank silent this long in a collective ends the engine
+    enforce_eager: bool = False  # no CUDA graphs: every step runs the eager forward
 
     def __post_init__(self) -> None:
         from rimuru.engine.memory_policy import policy_class

@@ -2,6 +2,11 @@
 
 The one seam between policy and hardware (docs/architecture.md §4): the scheduler, allocator and
 adjuster above it never touch tensors; a modeled executor can replace this class.
+
+Inputs go up in one pinned host-to-device copy per step (:class:`~rimuru.engine.cuda_graphs.PinnedUpload`).
+Pure decode steps replay a captured CUDA graph of their batch-size bucket when ``graphs`` is given
+(:class:`~rimuru.engine.cuda_graphs.DecodeGraphs`); prefill and mixed steps, and every step with
+``enforce_eager``, run the eager forward.
 """
 
 from __future__ import annotations
@@ -9,66 +14,78 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rimuru.engine.cuda_graphs import DecodeGraphs, PinnedUpload
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.scheduler import SchedulerOutput
+from rimuru.experts.provider import ExpertProvider
 from rimuru.models.attention_layer import AttentionMetadata
-from rimuru.models.qwen_moe import ExpertProvider, QwenMoeModel
+from rimuru.models.qwen_moe import QwenMoeModel
 
 
 class TorchExecutor:
     def __init__(self, model: QwenMoeModel, kv: KVCacheManager, kv_view, expert_view: torch.Tensor,
-                 experts: ExpertProvider, device: torch.device) -> None:
+                 experts: ExpertProvider, device: torch.device, graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv = kv
         self.kv_view = kv_view
         self.expert_view = expert_view
         self.experts = experts
         self.device = device
+        self.graphs = graphs
+        self._upload = PinnedUpload(device)
+        self.graph_steps = 0
+        self.eager_steps = 0
 
+    # ------------------------------------------------------------------ eager inputs
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         block = self.kv.block_tokens
-        ids, positions, q_lens, seq_lens, tables, sample_at = [], [], [], [], [], []
-        cursor = 0
-        for chunk in out.chunks:
-            req, start, n = chunk.request, chunk.start, chunk.num_tokens
-            ids.extend(req.all_token_ids[start:start + n])
-            positions.append(np.arange(start, start + n))
-            q_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(self.kv.pages(req.request_id))  # [L, blocks]
-            cursor += n
-            if chunk.samples:
-                sample_at.append(cursor - 1)
-        prompt_rows = [cursor_of + p - c.start for c, cursor_of in zip(out.chunks, np.cumsum([0] + q_lens[:-1]))
-                       for p in c.prompt_scored]
-        sample_at.extend(int(r) for r in prompt_rows)  # after the sampling rows (prompt_logprobs)
-        pos = np.concatenate(positions)
         layers = self.kv.num_layers
+        n_req = len(out.chunks)
+        q_lens = np.fromiter((c.num_tokens for c in out.chunks), dtype=np.int64, count=n_req)
+        starts = np.fromiter((c.start for c in out.chunks), dtype=np.int64, count=n_req)
+        cu = np.zeros(n_req + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        total = int(cu[-1])
+        ids = np.empty(total, dtype=np.int32)
+        pos = np.empty(total, dtype=np.int64)
+        tables = [self.kv.pages(c.request.request_id) for c in out.chunks]  # [L, blocks] each
         max_blocks = max(t.shape[1] for t in tables)
-        block_tables = np.zeros((layers, len(tables), max_blocks), dtype=np.int32)
-        slots = np.empty((layers, len(pos)), dtype=np.int64)
-        offset = 0
-        for r, (table, n) in enumerate(zip(tables, q_lens)):
+        block_tables = np.zeros((layers, n_req, max_blocks), dtype=np.int32)
+        slots = np.empty((layers, total), dtype=np.int64)
+        for r, (chunk, table) in enumerate(zip(out.chunks, tables)):
+            req, start, n, lo = chunk.request, chunk.start, chunk.num_tokens, cu[r]
+            prompt, m = req.prompt_token_ids, len(req.prompt_token_ids)
+            if start >= m:  # slices of the two lists: no prompt + output concatenation per step
+                ids[lo: lo + n] = req.output_token_ids[start - m: start - m + n]
+            elif start + n <= m:
+                ids[lo: lo + n] = prompt[start: start + n]
+            else:
+                ids[lo: lo + m - start] = prompt[start:]
+                ids[lo + m - start: lo + n] = req.output_token_ids[: start + n - m]
+            p = np.arange(start, start + n)
+            pos[lo: lo + n] = p
             block_tables[:, r, : table.shape[1]] = table
-            p = pos[offset : offset + n]
-            slots[:, offset : offset + n] = table[:, p // block] * block + p % block
-            offset += n
-        dev = self.device
+            slots[:, lo: lo + n] = table[:, p // block] * block + p % block
+        seq_lens = starts + q_lens
+        sample_at = (cu[1:] - 1)[np.fromiter((c.samples for c in out.chunks), dtype=bool, count=n_req)]
+        prompt_rows = [cu[r] + p - c.start for r, c in enumerate(out.chunks) for p in c.prompt_scored]
+        if prompt_rows:  # after the sampling rows (prompt_logprobs)
+            sample_at = np.concatenate([sample_at, np.asarray(prompt_rows, dtype=np.int64)])
+        ids_t, pos_t, slots_t, cu_t, seq_t, bt_t, sample_t = self._upload.upload(
+            [ids, pos, slots, cu, seq_lens, block_tables, sample_at])
         meta = AttentionMetadata(
-            positions=torch.from_numpy(pos).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            cu_query_lens=torch.from_numpy(np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            max_query_len=max(q_lens),
-            is_pure_decode=max(q_lens) == 1,
-            max_seq_len=max(seq_lens),
+            positions=pos_t, slot_mapping=slots_t, cu_query_lens=cu_t, seq_lens=seq_t, block_tables=bt_t,
+            max_query_len=int(q_lens.max()), is_pure_decode=bool(q_lens.max() == 1),
+            max_seq_len=int(seq_lens.max()),
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, meta, torch.tensor(sample_at, dtype=torch.long, device=dev)
+        return ids_t, meta, sample_t
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [S + P, V] fp32: the chunks that sample, in chunk order, then the ``prompt_scored`` positions
         of each chunk (P = 0 unless a request asked for prompt_logprobs)."""
+        if self.graphs is not None and self.graphs.can_run(out):
+            self.graph_steps += 1
+            return self.graphs.run(out)
+        self.eager_steps += 1
         input_ids, meta, sample_at = self.prepare(out)
         return self.model.forward(input_ids, meta, self.kv_view, self.expert_view, self.experts, sample_at)

@@ -29,6 +29,7 @@ from rimuru.distributed.group import (
 from rimuru.distributed.replica import BatchSender, RecordingExpertCache, RecordingKVCacheManager, state_digest
 from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
+from rimuru.engine.cuda_graphs import OFFLOAD_GRAPH_MAX_BATCH, DecodeGraphs
 from rimuru.engine.executor import TorchExecutor
 from rimuru.engine.hybrid_executor import build_hybrid
 from rimuru.engine.kv_manager import KVCacheManager
@@ -41,6 +42,9 @@ from rimuru.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from rimuru.engine.state_manager import HybridCacheManager
 from rimuru.engine.timeline import StepRecord, Timeline
 from rimuru.experts.hotset import Hotset
+from rimuru.experts.provider import DeviceTableExperts
+from rimuru.kernels.compiles import compile_count
+from rimuru.kernels.compiles import install as install_compile_counter
 from rimuru.memory import EXPERT, KV, PAGES_PER_EXPERT, PagePool, PoolLayout
 from rimuru.models.loader import LoadedCheckpoint, load_checkpoint
 from rimuru.models.qwen_moe import QwenMoeModel
@@ -158,22 +162,25 @@ class LLM:
         if config.modeled:
             from rimuru.engine.modeled import build_modeled_executor
 
-            self.model = None
+            self.model = self.graphs = None
             self.clock = VirtualClock()
             self.executor = build_modeled_executor(self, config)
             self.provider = self.executor  # counts experts_touched as the torch providers do
         else:
             self.clock = WallClock()
-            if spec.is_hybrid:
+            if spec.is_hybrid:  # no decode graphs for the hybrid model yet
+                self.graphs = None
                 self.model, self.executor = build_hybrid(spec, ckpt.dense, config, self.pool, self.kv, self.provider,
                                                          device)
             else:
                 self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl,
                                           self.comm)
+                self.graphs = self._decode_graphs(ckpt.experts.weights)
                 self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV),
-                                              self.pool.view(EXPERT).tensor, self.provider, device)
+                                              self.pool.view(EXPERT).tensor, self.provider, device, self.graphs)
             if config.record_routing:
                 self.model.record_routing()
+        install_compile_counter()
         self.timeline = Timeline()
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[str, torch.Generator | None] = {}
@@ -202,6 +209,23 @@ class LLM:
         """Stop the tensor-parallel workers (a no-op on one device)."""
         if self.tp_group is not None:
             self.tp_group.close()
+
+    def _decode_graphs(self, host_weights: torch.Tensor) -> DecodeGraphs | None:
+        """CUDA graphs for decode steps, or None: ``enforce_eager``, no CUDA, the ``cpu`` policy (it computes
+        misses on the host), routing recording (a host-side count per layer), or an offloading policy whose
+        host experts are not pinned (the graphs read misses in place from pinned memory)."""
+        config, policy = self.config, self.policy
+        if (config.enforce_eager or self.device.type != "cuda" or policy.name == "cpu" or config.record_routing
+                or config.tensor_parallel_size > 1):  # tensor parallelism: collectives stay outside graphs for now
+            return None
+        resident = policy.all_experts_resident
+        if not resident and not host_weights.is_pinned():
+            return None
+        experts = DeviceTableExperts(lambda: self.cache.page_table, lambda: self.cache.version,
+                                     None if resident else host_weights, self.device)
+        max_batch = config.max_num_seqs if resident else min(config.max_num_seqs, OFFLOAD_GRAPH_MAX_BATCH)
+        return DecodeGraphs(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor, experts,
+                            self.device, max_batch, self.max_model_len)
 
     # ------------------------------------------------------------------ streaming API
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -238,6 +262,8 @@ class LLM:
         A forward pass that raises fails only the requests in this step (their pages are freed); a request
         whose sampling raises fails alone. Either way the engine keeps serving."""
         t0 = self.clock.now()
+        compiles_before = compile_count()
+        replays_before = self.graphs.replays if self.graphs is not None else 0
         self.policy.begin_step()
         before = self._io_counters()
         out = self.scheduler.schedule()  # asks policy.releasable_l2_pages() when KV runs short
@@ -251,9 +277,8 @@ class LLM:
         finally:
             self.policy.after_forward()  # shrunk experts go back to the pool even when the step failed
         if not out.is_empty:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            self._record(out, t0, change, before, decode_tokens)
+            graphed = self.graphs is not None and self.graphs.replays > replays_before
+            self._record(out, t0, change, before, decode_tokens, compile_count() - compiles_before, graphed)
         return outputs
 
     def _execute_and_postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
@@ -270,7 +295,11 @@ class LLM:
         samplers = [c for c in out.chunks if c.samples]
         failed = self._score_prompts(out, logits[len(samplers):])
         logits = logits[:len(samplers)]
-        tokens = self._sample(logits, samplers)  # row i is samplers[i]
+        tokens = self._sample(logits, samplers)  # row i is samplers[i]; its argmax().tolist() synchronises
+        if not samplers and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing sampled: wait for the forward so the step is timed whole
+        if self.graphs is not None:
+            self.graphs.settle()  # the replay's device counters, now that the step has synchronised
         failed += [self._fail(c.request, t) for c, t in zip(samplers, tokens) if isinstance(t, Exception)]
         if failed:
             out = dataclasses.replace(out, chunks=tuple(c for c in out.chunks if not c.request.is_finished))
@@ -345,15 +374,24 @@ class LLM:
         return output
 
     def _io_counters(self) -> tuple[int, int, int]:
-        return self.loader.bytes_loaded, self.loader.experts_loaded, self.provider.experts_touched
+        """(expert bytes over PCIe, experts loaded or read in place, experts touched) so far; graphed decode
+        steps read misses in place from pinned host memory instead of loading them."""
+        if self.graphs is None:
+            return self.loader.bytes_loaded, self.loader.experts_loaded, self.provider.experts_touched
+        graphed = self.graphs.experts
+        in_place = graphed.experts_missed
+        return (self.loader.bytes_loaded + in_place * self.loader.expert_bytes, self.loader.experts_loaded + in_place,
+                self.provider.experts_touched + graphed.experts_touched)
 
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, finished,
                              req.finish_reason if finished else None, None, req.arrival_time, req.first_token_time,
                              list(req.token_times))
 
-    def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int], decode: int) -> None:
+    def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int], decode: int,
+                compiles: int = 0, graphed: bool = False) -> None:
         now = self.clock.now()
+        loaded = self._io_counters()
         kv_pages = self.kv.num_allocated_pages
         self.timeline.add(StepRecord(
             step=self.scheduler.forward_steps, time_s=now - self._start, step_ms=(now - t0) * 1e3,
@@ -362,10 +400,9 @@ class LLM:
             kv_l2_pages=self.kv.l2_pages_for(kv_pages), cached_experts=self.cache.num_cached,
             free_l2_pages=self.allocator.free_l2_pages(EXPERT),
             context_tokens=sum(c.start + c.num_tokens for c in out.chunks),
-            experts_touched=self.provider.experts_touched - loaded_before[2],
-            expert_bytes_loaded=self.loader.bytes_loaded - loaded_before[0],
-            experts_loaded=self.loader.experts_loaded - loaded_before[1], r_b=out.kv_short_l2, adjust=change,
-            preempted=len(out.preempted)))
+            experts_touched=loaded[2] - loaded_before[2], expert_bytes_loaded=loaded[0] - loaded_before[0],
+            experts_loaded=loaded[1] - loaded_before[1], r_b=out.kv_short_l2, adjust=change,
+            preempted=len(out.preempted), compiles=compiles, cuda_graph=int(graphed)))
 
     def stats(self) -> EngineStats:
         kv_pages = self.kv.num_allocated_pages
@@ -374,7 +411,7 @@ class LLM:
             cached_experts=self.cache.num_cached, free_l2_pages=self.allocator.free_l2_pages(EXPERT),
             peak_concurrency=self.scheduler.peak_concurrency, forward_steps=self.scheduler.forward_steps,
             preemptions=self.scheduler.num_preemptions, generated_tokens=self._generated,
-            expert_bytes_loaded=self.loader.bytes_loaded, failed_requests=self._failed)
+            expert_bytes_loaded=self._io_counters()[0], failed_requests=self._failed)
 
     # ------------------------------------------------------------------ offline API
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -425,26 +462,39 @@ class LLM:
         tokens = int(counts[0].sum()) // self.spec.top_k
         return Hotset.from_counts(counts.numpy().astype(np.float64), tokens, self.model_name)
 
-    def warmup(self, max_seq_len: int = 4096) -> None:
-        """Compile every kernel variant a run can hit (decode split counts, MoE tile configs) before serving,
-        so that no request pays a JIT compile. Reads pool pages as dummy inputs and discards the results."""
-        if self.device.type != "cuda":
-            return
+    def warmup(self, max_seq_len: int | None = None) -> dict[str, int]:
+        """Compile every kernel variant a run can launch and capture the decode CUDA graphs, so that no request
+        pays a JIT compile: decode with and without KV splits, each prefill tile height, each fused-MoE tile
+        config (eager loads and, for graphs, in-place host reads), then one graph per batch bucket. Reads pool
+        pages as dummy inputs and discards the results; writes no KV. Returns what it did (compiles, graphs).
+        ``max_seq_len`` is accepted for compatibility; every split count shares two kernel variants now."""
+        if self.device.type != "cuda" or self.model is None:
+            return {"compiles": 0, "graphs": 0}
         from rimuru.kernels.fused_moe import fused_moe, warmup_token_counts
-        from rimuru.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_attention
+        from rimuru.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_attention, prefill_attention
 
         if self.tp_group is not None:
             self.tp_group.send(("warmup", max_seq_len))
+        before = compile_count()
         spec, dev, dtype = self.spec, self.device, self.config.torch_dtype
-        heads = self.model.attention_config.num_heads
-        longest = min(self.max_model_len, max_seq_len)
+        attn = self.model.attention_config  # this rank's heads (tensor parallelism shards them)
+        heads = attn.num_heads
         block = self.config.block_tokens
-        for splits in range(1, min(64, -(-longest // MIN_TOKENS_PER_SPLIT)) + 1):
+        kv = self.pool.view(KV)
+        scale = spec.head_dim**-0.5
+        for splits in (1, 2):  # SPLIT=False / True: the only two decode variants
             seq = splits * MIN_TOKENS_PER_SPLIT
             q = torch.randn(1, heads, spec.head_dim, device=dev, dtype=dtype)
             table = torch.zeros(1, -(-seq // block), dtype=torch.int32, device=dev)
-            decode_attention(q, self.pool.view(KV), table, torch.tensor([seq], dtype=torch.int32, device=dev),
-                             spec.head_dim**-0.5, max_seq_len=seq, num_splits=splits)
+            decode_attention(q, kv, table, torch.tensor([seq], dtype=torch.int32, device=dev), scale,
+                             max_seq_len=seq, num_splits=splits)
+        group = heads // attn.num_kv_heads
+        for q_len in sorted({max(1, -(-rows // group)) for rows in (16, 32, 64, 128)} | {2}):  # each tile height
+            q = torch.randn(q_len, heads, spec.head_dim, device=dev, dtype=dtype)
+            table = torch.zeros(1, -(-q_len // block), dtype=torch.int32, device=dev)
+            cu = torch.tensor([0, q_len], dtype=torch.int32, device=dev)
+            prefill_attention(q, kv, table, cu, torch.tensor([q_len], dtype=torch.int32, device=dev), scale,
+                              max_query_len=q_len)
         experts, k = spec.num_experts, spec.top_k
         table = torch.zeros(experts, PAGES_PER_EXPERT, dtype=torch.int32, device=dev)
         for m in warmup_token_counts(experts, k, spec.moe_intermediate_size // self.comm.world_size, spec.hidden_size):
@@ -452,9 +502,12 @@ class LLM:
             weights = torch.full((m, k), 1.0 / k, device=dev)
             fused_moe(torch.randn(m, spec.hidden_size, device=dev, dtype=dtype), weights, ids,
                       self.pool.view(EXPERT).tensor, table)
+        if self.graphs is not None and not self.graphs.graphs:
+            self.graphs.capture()
         torch.cuda.synchronize(dev)
         if self.tp_group is not None:
             self.tp_group.gather("warm")
+        return {"compiles": compile_count() - before, "graphs": len(self.graphs.graphs) if self.graphs else 0}
 
     def check_integrity(self) -> None:
         """Allocator and cache invariants; with tensor parallelism on every rank, and every rank's allocator

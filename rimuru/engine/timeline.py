@@ -30,6 +30,8 @@ class StepRecord:
     r_b: int
     adjust: int  # experts expanded (+) or shrunk (-) this step
     preempted: int
+    compiles: int = 0  # Triton JIT compilations during the step (0 after a complete warm-up)
+    cuda_graph: int = 0  # 1: the step was one CUDA-graph replay
 
 
 class Timeline:
@@ -58,3 +60,21 @@ class Timeline:
             frame.to_parquet(path, index=False)
         else:
             frame.to_csv(path, index=False)
+
+
+STALL_FACTOR = 3.0
+
+
+def batch_bucket(tokens: int) -> int:
+    """A step's size class: its token count rounded up to a power of two."""
+    return 1 << max(0, int(tokens) - 1).bit_length()
+
+
+def stall_mask(frame: pd.DataFrame, factor: float = STALL_FACTOR) -> pd.Series:
+    """Steps slower than ``factor`` x the median of their bucket: same kind (decode-only or with prefill) and
+    token count rounded up to a power of two. A JIT compile or a host hiccup shows up here."""
+    if frame.empty:
+        return pd.Series([], dtype=bool)
+    key = [(frame["prefill_tokens"] > 0).to_numpy(), frame["tokens"].map(batch_bucket).to_numpy()]
+    median = frame.groupby(key)["step_ms"].transform("median")
+    return frame["step_ms"] > factor * median

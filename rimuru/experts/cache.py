@@ -37,6 +37,7 @@ class ExpertCache:
     _pages: dict[int, np.ndarray] = field(init=False, default_factory=dict)  # slot -> pages
     _loading: list[_Load] = field(init=False, default_factory=list)
     _evicting: list[int] = field(init=False, default_factory=list)
+    version: int = field(init=False, default=0)  # bumps whenever page_table changes (the decode graphs' tables)
 
     def __post_init__(self) -> None:
         self.page_table = np.full((self.num_layers, self.num_experts, PAGES_PER_EXPERT), ABSENT, dtype=np.int32)
@@ -86,6 +87,8 @@ class ExpertCache:
             self.page_table[layer, expert] = load.pages
             entered += 1
         self._loading = still
+        if entered:
+            self.version += 1
         return entered
 
     # ------------------------------------------------------------------ shrink
@@ -111,6 +114,8 @@ class ExpertCache:
             self.page_table[layer, expert] = ABSENT
             self.allocator.free(EXPERT, pages)
             freed += len(pages)
+        if self._evicting:
+            self.version += 1
         self._evicting = []
         return freed
 

@@ -1,4 +1,4 @@
-"""Expert loading: host-to-pool copies on a side stream, and the two loading buffers.
+"""Expert loading: host-to-pool copies on side streams, and the two loading buffers.
 
 Buffers are expert pages of the pool, so the fused MoE kernel sees one address space and one
 page table. Layer ``l`` uses buffer ``l % 2``: while layer ``l`` computes from one buffer, the
@@ -27,7 +27,11 @@ class ExpertLoader:
         self.view = expert_view
         self.device = expert_view.device
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # on-demand loads (misses, prefetches) on a high-priority stream; expansions of the cache on their own
+        # low-priority stream, so a step's layers never wait behind expansion copies queued before them
+        low, high = torch.cuda.Stream.priority_range() if self.cuda else (0, 0)
+        self.stream = torch.cuda.Stream(self.device, priority=high) if self.cuda else None
+        self.expand_stream = torch.cuda.Stream(self.device, priority=low) if self.cuda else None
         self.capacity = buffer_experts
         self.buffers = (allocator.allocate(EXPERT, 2 * PAGES_PER_EXPERT * buffer_experts)
                         .reshape(2, buffer_experts, PAGES_PER_EXPERT)
@@ -57,8 +61,12 @@ class ExpertLoader:
         if self.host is None:
             self.account_loads(1)
             return
-        for proj in range(PAGES_PER_EXPERT):
-            self.view[int(pages[proj])].copy_(self.host[layer, expert, proj], non_blocking=self.cuda)
+        first = int(pages[0])
+        if all(int(pages[p]) == first + p for p in range(PAGES_PER_EXPERT)):  # consecutive: one transfer
+            self.view[first: first + PAGES_PER_EXPERT].copy_(self.host[layer, expert], non_blocking=self.cuda)
+        else:
+            for proj in range(PAGES_PER_EXPERT):
+                self.view[int(pages[proj])].copy_(self.host[layer, expert, proj], non_blocking=self.cuda)
         self.bytes_loaded += self.expert_bytes
         self.experts_loaded += 1
 
@@ -67,10 +75,10 @@ class ExpertLoader:
         if not self.cuda:
             self._copy(layer, expert, pages)
             return None
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.expand_stream):
             self._copy(layer, expert, pages)
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(self.expand_stream)
         return done
 
     def _fill(self, layer: int, experts: np.ndarray, assigned: dict[int, int]) -> torch.cuda.Event | None:

@@ -71,19 +71,23 @@ def shared_expert_forward(hidden: torch.Tensor, shared: SharedExpertWeights) -> 
 
 
 def routed_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   expert_view: torch.Tensor, page_table: torch.Tensor, impl: str = "auto") -> torch.Tensor:
-    """Routed part only: [T, d] through the page table [E, 3] into expert_view [P, f, d]."""
+                   expert_view: torch.Tensor, page_table: torch.Tensor, impl: str = "auto",
+                   host_pages: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed part only: [T, d] through the page table [E, 3] into expert_view [P, f, d] (negative ids:
+    pages of ``host_pages``, read in place)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = "triton" if hidden.is_cuda else "cpu"
     if impl == "reference":
-        return moe_reference(hidden, topk_weights, topk_ids, expert_view, page_table)
+        return moe_reference(hidden, topk_weights, topk_ids, expert_view, page_table, host_pages)
     if impl == "cpu":
+        if host_pages is not None:  # negative page ids: the reference reads host pages
+            return moe_reference(hidden, topk_weights, topk_ids, expert_view, page_table, host_pages)
         return moe_cpu(hidden, topk_weights, topk_ids, expert_view, page_table)
     from rimuru.kernels.fused_moe import fused_moe
 
-    return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table)
+    return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table, host_pages=host_pages)
 
 
 def moe_forward(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch.Tensor, experts: ExpertProvider,
@@ -102,7 +106,7 @@ def moe_forward(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch
     host_out = None
     if experts.computes_on_host:  # misses computed on the CPU (KTransformers-style policy)
         topk_weights, host_out = experts.split(moe_layer, x, topk_weights, topk_ids)
-    out = routed_experts(x, topk_weights, topk_ids, expert_view, table, impl)
+    out = routed_experts(x, topk_weights, topk_ids, expert_view, table, impl, experts.host_pages)
     if host_out is not None:
         out = out + host_out
     experts.layer_done(moe_layer)  # its loading buffer may be refilled once the routed part is queued

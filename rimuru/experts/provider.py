@@ -11,6 +11,7 @@ on the host: the one provider whose ``computes_on_host`` capability is set.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -27,6 +28,7 @@ class ExpertProvider(Protocol):
     num_experts: int
     experts_touched: int  # (layer, expert) pairs computed, summed over steps
     computes_on_host: bool  # True: the model must call ``split`` and add the host-computed part
+    host_pages: torch.Tensor | None  # [J, f, d] pinned host pages that negative table ids point at (zero-copy)
 
     def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Page table [E, PAGES_PER_EXPERT] for this layer's routed tokens (may start the next layer's prefetch)."""
@@ -43,8 +45,16 @@ def _device_only_split(topk_weights: torch.Tensor) -> tuple[torch.Tensor, None]:
     return topk_weights, None
 
 
+def touched_mask(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] bool: experts at least one token routes to. No host sync (unlike ``bincount`` on CUDA), so it
+    can run inside a captured graph."""
+    mask = torch.zeros(num_experts, dtype=torch.bool, device=topk_ids.device)
+    return mask.index_fill_(0, topk_ids.reshape(-1).long(), True)
+
+
 class PagedExperts:
     computes_on_host = False
+    host_pages = None  # misses are loaded into buffer pages, never read in place
 
     def __init__(self, cache: ExpertCache, loader: ExpertLoader, gate_weights: list[torch.Tensor], top_k: int,
                  norm_topk_prob: bool, prefetch: bool) -> None:
@@ -83,6 +93,7 @@ class ResidentExperts:
     """Every expert resident (static policy): one device page table, no loading."""
 
     computes_on_host = False
+    host_pages = None
 
     def __init__(self, page_table: np.ndarray, device: torch.device, num_experts: int) -> None:
         self.tables = torch.from_numpy(page_table).to(device)
@@ -94,7 +105,7 @@ class ResidentExperts:
         return int(self._touched)
 
     def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        self._touched += (torch.bincount(topk_ids.reshape(-1).long(), minlength=self.num_experts) > 0).sum()
+        self._touched += touched_mask(topk_ids, self.num_experts).sum()
         return self.tables[moe_layer]
 
     def split(self, moe_layer, hidden, topk_weights, topk_ids):
@@ -109,6 +120,7 @@ class CpuComputedExperts:
     (KTransformers; llama.cpp ``--n-cpu-moe``). Nothing is loaded over PCIe but activations."""
 
     computes_on_host = True
+    host_pages = None
 
     def __init__(self, cache: ExpertCache, host_weights: torch.Tensor, device: torch.device) -> None:
         self.cache = cache
@@ -147,3 +159,105 @@ class CpuComputedExperts:
 
     def layer_done(self, moe_layer: int) -> None:
         pass
+
+
+def host_pages(host_weights: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+    """The host store ``[L, E, 3, f, d]`` as pages ``[J, f, d]`` over its own memory (no copy, also for a
+    store whose layers share storage, as a benchmark's expanded one does) and each (layer, expert, proj)'s
+    page index ``[L, E, 3]``."""
+    layers, experts, _, f, d = host_weights.shape
+    page = f * d
+    s0, s1, s2, s3, s4 = host_weights.stride()
+    if s3 != d or s4 != 1 or any(s % page for s in (s0, s1, s2)):
+        raise ValueError("host expert pages must be contiguous [f, d] blocks")
+    index = (np.arange(layers)[:, None, None] * (s0 // page) + np.arange(experts)[None, :, None] * (s1 // page)
+             + np.arange(3)[None, None, :] * (s2 // page))
+    pages = torch.as_strided(host_weights, (int(index.max()) + 1, f, d), (page, d, 1), host_weights.storage_offset())
+    return pages, index
+
+
+class DeviceTableExperts:
+    """The decode CUDA graphs' provider: page tables live on the device, a miss reads host memory in place.
+
+    ``tables`` [L, E, 3] int32 holds the cache's pages; an expert that is not resident gets
+    ``-(1 + j)``, page ``j`` of the pinned host store ``host_pages`` [L*E*3, f, d], which the fused MoE
+    kernel reads over PCIe (zero-copy). So a decode step needs no host decision per layer and runs as
+    one graph replay whatever the cache holds. :meth:`refresh` (outside the graph, before a replay)
+    re-uploads the tables from the cache's host page table when it changed. Experts touched and
+    missed are counted on the device and read after the step (:meth:`settle`).
+    """
+
+    computes_on_host = False
+
+    def __init__(self, page_table: Callable[[], np.ndarray], version: Callable[[], int],
+                 host_weights: torch.Tensor | None, device: torch.device) -> None:
+        self._page_table, self._version = page_table, version
+        table = page_table()
+        layers, experts = table.shape[:2]
+        self.num_experts = experts
+        self.host_pages, self._host_index = None, None
+        if host_weights is not None:
+            self.host_pages, index = host_pages(host_weights)
+            self._host_index = (-1 - index).astype(np.int32)
+        pin = device.type == "cuda"
+        self._staging = torch.empty(layers, experts, 3, dtype=torch.int32, pin_memory=pin)
+        self.tables = torch.empty(layers, experts, 3, dtype=torch.int32, device=device)
+        self._counts = torch.zeros(2, dtype=torch.int64, device=device)  # touched, missed (this step)
+        self._counts_host = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self._seen_version: int | None = None
+        self._step_ids: list[tuple[int, torch.Tensor]] = []
+        self.experts_touched = 0
+        self.experts_missed = 0  # read in place over PCIe
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Upload the page table if the cache changed since the last upload; True when it did."""
+        if self._version() == self._seen_version:
+            return False
+        table = self._page_table()
+        if self.host_pages is None and (table[..., 0] < 0).any():
+            raise RuntimeError("an expert is not resident and there is no host store to read it from")
+        merged = table if self._host_index is None else np.where(table >= 0, table, self._host_index)
+        self._staging.copy_(torch.from_numpy(merged))
+        self.tables.copy_(self._staging, non_blocking=True)
+        self._seen_version = self._version()
+        return True
+
+    def begin_step(self) -> None:
+        self._step_ids: list[tuple[int, torch.Tensor]] = []
+
+    def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        self._step_ids.append((moe_layer, topk_ids))  # counted once per step in finish_step(), not per layer
+        return self.tables[moe_layer]
+
+    def finish_step(self) -> None:
+        """Count the step's touched and missed (layer, expert) pairs in a few launches (inside the graph)."""
+        if not self._step_ids:
+            self._counts.zero_()
+            return
+        layers = [m for m, _ in self._step_ids]
+        ids = torch.stack([t.reshape(-1).long() for _, t in self._step_ids])  # [M, T*k]
+        used = torch.zeros(len(layers), self.num_experts, dtype=torch.bool, device=ids.device)
+        used.scatter_(1, ids, True)
+        first, last = layers[0], layers[-1]
+        rows = self.tables[first: last + 1] if layers == list(range(first, last + 1)) else self.tables[layers]
+        absent = rows[:, :, 0] < 0
+        torch.stack([used.sum(), (used & absent).sum()], out=self._counts)
+        self._step_ids = []
+
+    def split(self, moe_layer, hidden, topk_weights, topk_ids):
+        return _device_only_split(topk_weights)
+
+    def layer_done(self, moe_layer: int) -> None:
+        pass
+
+    def end_step(self) -> None:
+        """Queue the counters' copy to the host (read by :meth:`settle` once the step has synchronised)."""
+        self._counts_host.copy_(self._counts, non_blocking=True)
+
+    def settle(self) -> tuple[int, int]:
+        """After the step's sync: (experts touched, experts read in place) this step, added to the totals."""
+        touched, missed = (int(v) for v in self._counts_host.tolist())
+        self.experts_touched += touched
+        self.experts_missed += missed
+        return touched, missed

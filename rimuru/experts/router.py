@@ -14,7 +14,11 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
     Logits in the hidden dtype (HF's ``F.linear``), softmax in fp32, top-k, optional renormalisation.
     Unlike HF the weights stay fp32: the kernel combines in fp32 anyway.
     """
-    logits = F.linear(hidden, gate_weight.to(hidden.dtype))  # [T, E]
+    logits = F.linear(hidden, gate_weight if gate_weight.dtype == hidden.dtype else gate_weight.to(hidden.dtype))
+    if logits.is_cuda:  # softmax, top-k, renormalisation and the id cast in one launch
+        from rimuru.kernels.norm_rope import topk_softmax
+
+        return topk_softmax(logits, top_k, norm_topk_prob)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
     if norm_topk_prob:

@@ -26,22 +26,24 @@ import triton.language as tl
 from rimuru.kernels.moe_align import MoeAlignment, moe_align
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"],
+            do_not_specialize_on_alignment=["num_pairs"])
 def fused_moe_kernel(
     # pointers
-    a_ptr, w_ptr, c_ptr, page_table_ptr, topk_weights_ptr,
+    a_ptr, w_ptr, host_ptr, c_ptr, page_table_ptr, topk_weights_ptr,
     sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
     # sizes and strides (elements)
     N, K, F, D, num_pairs, stride_am, stride_cm,
     # meta-parameters
     TOP_K: tl.constexpr, GATE_UP: tl.constexpr, PAGED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, HOST_PAGES: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile of one expert's rows. Grid ``(max_blocks * cdiv(N, BLOCK_N),)``.
 
     w: the expert view ``[P, F, D]`` (PAGED) or contiguous ``[E, 3, F, D]`` (= ``[3E, F, D]``);
-    page_table: ``[E, 3]`` int32 (W1, W3, W2^T) page ids (PAGED only).
+    page_table: ``[E, 3]`` int32 (W1, W3, W2^T) page ids (PAGED only). With ``HOST_PAGES`` a negative id
+    ``-(1 + j)`` is page ``j`` of ``host_ptr`` (pinned host ``[J, F, D]``, read over PCIe: zero-copy).
     GATE_UP: a = hidden ``[T, D]`` (row = pair // TOP_K), c = h ``[T*TOP_K, F]``; N = F, K = D.
     DOWN:    a = h ``[T*TOP_K, F]`` (row = pair), c = y ``[T*TOP_K, D]``; N = D, K = F.
     sorted_token_ids ``[max_padded]`` pair ids (padding = num_pairs); expert_ids ``[max_blocks]`` (-1 = none).
@@ -80,8 +82,15 @@ def fused_moe_kernel(
             p1 = expert * 3
             p3 = expert * 3 + 1
         # page [F, D] row-major: W[n, t] at n * D + t; tile [BLOCK_K, BLOCK_N]
-        w1_ptrs = w_ptr + p1 * page_elems + offs_wn[None, :] * D + offs_k[:, None]
-        w3_ptrs = w_ptr + p3 * page_elems + offs_wn[None, :] * D + offs_k[:, None]
+        w1_base = w_ptr + p1 * page_elems
+        w3_base = w_ptr + p3 * page_elems
+        if HOST_PAGES:
+            if p1 < 0:
+                w1_base = host_ptr + (-1 - p1) * page_elems
+            if p3 < 0:
+                w3_base = host_ptr + (-1 - p3) * page_elems
+        w1_ptrs = w1_base + offs_wn[None, :] * D + offs_k[:, None]
+        w3_ptrs = w3_base + offs_wn[None, :] * D + offs_k[:, None]
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, tl.cdiv(K, BLOCK_K)):
@@ -106,7 +115,11 @@ def fused_moe_kernel(
         else:
             p2 = expert * 3 + 2
         # W2^T page [F, D]: element (j, n) at j * D + n; tile [BLOCK_K, BLOCK_N]
-        w2_ptrs = w_ptr + p2 * page_elems + offs_k[:, None] * D + offs_wn[None, :]
+        w2_base = w_ptr + p2 * page_elems
+        if HOST_PAGES:
+            if p2 < 0:
+                w2_base = host_ptr + (-1 - p2) * page_elems
+        w2_ptrs = w2_base + offs_k[:, None] * D + offs_wn[None, :]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
@@ -230,23 +243,27 @@ def warmup_token_counts(num_experts: int, top_k: int, f: int, d: int) -> list[in
 
 # ---------------------------------------------------------------------------------------------- launch
 def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment, *, N, K, F, D, top_k, gate_up, paged,
-            cfg: MoeKernelConfig) -> None:
+            cfg: MoeKernelConfig, host=None) -> None:
     grid = (align.max_blocks * triton.cdiv(N, cfg.block_n),)
     fused_moe_kernel[grid](
-        a, w, c, page_table, topk_weights,
+        a, w, w if host is None else host, c, page_table, topk_weights,
         align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
         N, K, F, D, align.num_pairs, a.stride(0), c.stride(0),
         TOP_K=top_k, GATE_UP=gate_up, PAGED=paged, MUL_ROUTED_WEIGHT=not gate_up,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=K % cfg.block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=K % cfg.block_k == 0, HOST_PAGES=host is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
 def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                       weights: torch.Tensor, page_table: torch.Tensor | None, *,
                       configs: MoeConfigs | None = None, align: MoeAlignment | None = None,
-                      out: torch.Tensor | None = None, intermediate: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, intermediate: torch.Tensor | None = None,
+                      host_pages: torch.Tensor | None = None) -> torch.Tensor:
     """Both passes; returns the per-routing rows ``[T * k, d]`` (already scaled by their weights).
+
+    ``host_pages`` [J, f, d] (pinned host memory, device-addressable): page-table entries ``-(1 + j)``
+    read page ``j`` from it directly (zero-copy), so a miss needs no load and no host decision.
 
     ``page_table`` None: ``weights`` is contiguous ``[E, 3, f, d]``; else ``weights`` is the
     expert view ``[P, f, d]`` and ``page_table`` ``[E, 3]`` int32. ``out`` [T*k, d] and
@@ -273,7 +290,7 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
     h = intermediate if intermediate is not None else torch.empty(T * k, f, dtype=hidden.dtype, device=hidden.device)
     y = out if out is not None else torch.empty(T * k, d, dtype=hidden.dtype, device=hidden.device)
-    common = dict(F=f, D=d, top_k=k, paged=paged)
+    common = dict(F=f, D=d, top_k=k, paged=paged, host=host_pages)
     _launch(hidden, weights, h, page_table, w_flat, align, N=f, K=d, gate_up=True, cfg=configs.gate_up, **common)
     _launch(h, weights, y, page_table, w_flat, align, N=d, K=f, gate_up=False, cfg=configs.down, **common)
     return y
@@ -281,9 +298,10 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
 
 def fused_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_view: torch.Tensor,
               page_table: torch.Tensor | None, *, configs: MoeConfigs | None = None,
-              align: MoeAlignment | None = None) -> torch.Tensor:
+              align: MoeAlignment | None = None, host_pages: torch.Tensor | None = None) -> torch.Tensor:
     """Routed-expert MoE output ``[T, d]``: hidden [T, d], topk_weights [T, k] fp32, topk_ids [T, k],
     expert_view [P, f, d] with page_table [E, 3] (or contiguous [E, 3, f, d] with page_table None)."""
     T, d = hidden.shape
-    y = fused_moe_experts(hidden, topk_weights, topk_ids, expert_view, page_table, configs=configs, align=align)
+    y = fused_moe_experts(hidden, topk_weights, topk_ids, expert_view, page_table, configs=configs, align=align,
+                          host_pages=host_pages)
     return y.view(T, -1, d).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

@@ -39,7 +39,8 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + min(num_pairs, num_experts) * (block_m - 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_blocks"],
+            do_not_specialize_on_alignment=["num_pairs", "max_padded", "max_blocks"])
 def moe_align_kernel(
     # pointers
     topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, cursor_ptr,
@@ -78,7 +79,8 @@ def moe_align_kernel(
         tl.store(expert_ids_ptr + b, e, mask=b < max_blocks)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"],
+            do_not_specialize_on_alignment=["num_pairs"])
 def moe_scatter_kernel(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, CHUNK: tl.constexpr):
     """Scatter pass, grid ``(cdiv(n, CHUNK),)``: each pair takes the next free row of its expert."""
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)

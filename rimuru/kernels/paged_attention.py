@@ -31,10 +31,11 @@ from rimuru.kernels.attention_reference import (
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a decode split's fixed cost dominates its KV reads
+MAX_SPLITS = 64  # the heuristic's cap; the merge kernel is compiled once for up to this many splits
 
 
 # ---------------------------------------------------------------------------------------------- kernels
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr", "k_ptr", "v_ptr"])
 def write_kv_kernel(
     # pointers
     k_ptr, v_ptr, kv_ptr, slot_mapping_ptr,
@@ -121,7 +122,8 @@ def _online_softmax_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "cu_query_lens_ptr", "seq_lens_ptr", "stride_bt"])
 def prefill_attention_kernel(
     # pointers
     q_ptr, kv_ptr, out_ptr, block_tables_ptr, cu_query_lens_ptr, seq_lens_ptr,
@@ -183,7 +185,9 @@ def prefill_attention_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "stride_bt", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "tokens_per_split", "stride_bt",
+                                            "stride_pr", "stride_ph", "stride_lr", "stride_lh"])
 def decode_attention_kernel(
     # pointers
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
@@ -193,15 +197,15 @@ def decode_attention_kernel(
     stride_page, stride_kv, stride_tok, stride_head, stride_bt,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
     # meta-parameters
-    GROUP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One query token per request over its KV range ``split``. Grid ``(R, Hkv, NUM_SPLITS)``.
+    """One query token per request over its KV range ``split``. Grid ``(R, Hkv, num_splits)``.
 
     q, out: [R, H, D]; kv: [num_pages, 2, B, Hkv, D]; block_tables: [R, max_blocks]; seq_lens: [R].
     The G query heads of a KV head are the rows of one program (padded to ``BLOCK_G >= 16`` for the dot).
-    With ``NUM_SPLITS == 1`` the normalised result goes straight to ``out``; otherwise each split writes
+    Without ``SPLIT`` (one split) the normalised result goes straight to ``out``; otherwise each split writes
     its partial ``part_out [R, H, S, D]`` (fp32, normalised within the split) and
     ``part_lse [R, H, S]`` (log2 domain) for :func:`decode_reduce_kernel`. Splits past ``seq_len`` write nothing.
     ``tokens_per_split`` is a multiple of ``BLOCK_N``, so only a split's last tile needs masks.
@@ -236,7 +240,7 @@ def decode_attention_kernel(
             stride_page, stride_kv, stride_tok, stride_head,
             BLOCK_TOKENS, BLOCK_N, BLOCK_D, True, False, DOT_PRECISION, UPCAST)
         acc = acc / l_i[:, None]
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             tl.store(out_ptr + req.to(tl.int64) * stride_or + head[:, None] * stride_oh + offs_d[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
@@ -244,9 +248,18 @@ def decode_attention_kernel(
             tl.store(part_out_ptr + base[:, None] + offs_d[None, :], acc, mask=mask)
             tl.store(part_lse_ptr + req.to(tl.int64) * stride_lr + head * stride_lh + split,
                      m_i + tl.log2(l_i), mask=g_valid)
+    elif not SPLIT:  # an empty request (a padding row of a captured batch): a defined zero output
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, BLOCK_D)
+        head = kv_head * GROUP + offs_g
+        tl.store(out_ptr + req.to(tl.int64) * stride_or + head[:, None] * stride_oh + offs_d[None, :],
+                 tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=(offs_g < GROUP)[:, None] & (offs_d < head_dim)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens_per_split", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
+            do_not_specialize_on_alignment=["seq_lens_ptr", "tokens_per_split", "stride_pr", "stride_ph", "stride_lr",
+                                            "stride_lh"])
 def decode_reduce_kernel(
     # pointers
     part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
@@ -276,7 +289,8 @@ def decode_reduce_kernel(
     parts = tl.load(part_out_ptr + req.to(tl.int64) * stride_pr + head * stride_ph
                     + offs_s[:, None] * stride_ps + offs_d[None, :],
                     mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    total = tl.sum(weight, 0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)  # empty request: zeros
     tl.store(out_ptr + req.to(tl.int64) * stride_or + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=d_valid)
 
@@ -389,7 +403,7 @@ def choose_num_splits(num_req: int, kv_heads: int, max_seq_len: int, device: tor
         return 1
     target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     want = triton.cdiv(target, max(1, num_req * kv_heads))
-    return max(1, min(want, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), 64))
+    return max(1, min(want, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
 
 
 def decode_attention(
@@ -439,7 +453,7 @@ def decode_attention(
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, BLOCK_TOKENS=block_tokens, NUM_SPLITS=num_splits,
+        GROUP=group, BLOCK_TOKENS=block_tokens, SPLIT=num_splits > 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION=_dot_precision(kv.dtype), UPCAST=_upcast_dots(kv.dtype),
         num_warps=num_warps, num_stages=num_stages,
@@ -450,7 +464,7 @@ def decode_attention(
             head_dim, tokens_per_split,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
         )
     return out
 

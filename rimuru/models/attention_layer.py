@@ -35,7 +35,7 @@ class AttentionMetadata:
     """
 
     positions: torch.Tensor  # [T] int64: position of each query token in its sequence
-    slot_mapping: torch.Tensor  # [T] or [L, T] int64: page_id * B + offset where the token's K/V go (<0 skips)
+    slot_mapping: torch.Tensor  # [T] or [L, T] int32/int64: page_id * B + offset where the token's K/V go (<0 skips)
     cu_query_lens: torch.Tensor  # [R+1] int32
     seq_lens: torch.Tensor  # [R] int32: KV length after this step's tokens are written
     block_tables: torch.Tensor  # [R, max_blocks] or [L, R, max_blocks] int32 page ids
@@ -130,21 +130,33 @@ class Attention:
             if got != shape:
                 raise ValueError(f"layer {layer_idx}: {name}_proj.weight is {got}, expected {shape}")
 
-    def __call__(self, hidden_states: torch.Tensor, meta: AttentionMetadata, kv_view) -> torch.Tensor:
-        return self.forward(hidden_states, meta, kv_view)
+    def __call__(self, hidden_states: torch.Tensor, meta: AttentionMetadata, kv_view,
+                 cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        return self.forward(hidden_states, meta, kv_view, cos_sin)
 
-    def forward(self, hidden_states: torch.Tensor, meta: AttentionMetadata, kv_view) -> torch.Tensor:
-        """``hidden_states [T, d]`` → ``[T, d]``; writes this step's K/V into ``kv_view`` first."""
+    def forward(self, hidden_states: torch.Tensor, meta: AttentionMetadata, kv_view,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``hidden_states [T, d]`` → ``[T, d]``; writes this step's K/V into ``kv_view`` first.
+
+        ``cos_sin``: RoPE tables at ``meta.positions`` gathered once per step (else gathered here)."""
         c = self.config
         meta = meta.for_layer(self.layer_idx)
         num_tokens = hidden_states.shape[0]
         q = F.linear(hidden_states, self.q_proj, self.q_bias).view(num_tokens, c.num_heads, c.head_dim)
         k = F.linear(hidden_states, self.k_proj, self.k_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
         v = F.linear(hidden_states, self.v_proj, self.v_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, c.rms_norm_eps)
-            k = rms_norm(k, self.k_norm, c.rms_norm_eps)
-        q, k = self.rope(meta.positions, q, k)
+        cos_sin = cos_sin if cos_sin is not None else self.rope.cos_sin(meta.positions)
+        if q.is_cuda and self.impl in ("auto", "triton") and (self.q_norm is None or self.q_norm.dtype == q.dtype):
+            from rimuru.kernels.norm_rope import norm_rope  # q/k norm + RoPE: one launch per tensor
+
+            rot = self.rope.rotary_dim
+            q = norm_rope(q, self.q_norm, *cos_sin, c.rms_norm_eps, rot)
+            k = norm_rope(k, self.k_norm, *cos_sin, c.rms_norm_eps, rot)
+        else:
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, c.rms_norm_eps)
+                k = rms_norm(k, self.k_norm, c.rms_norm_eps)
+            q, k = self.rope.apply(q, k, cos_sin)
         write_kv(k, v, kv_view, meta.slot_mapping, impl=self.impl)
         attn = paged_attention(q, kv_view, meta.block_tables, meta.cu_query_lens, meta.seq_lens, c.scale,
                                impl=self.impl, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)

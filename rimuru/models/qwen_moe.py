@@ -7,6 +7,8 @@ to (cache pages or loading-buffer pages) and computes them from the pool's exper
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +25,16 @@ SUPPORTED = ("qwen2_moe", "qwen3_moe")
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+@dataclass(frozen=True)
+class _LayerWeights:
+    """One decoder layer's dense tensors, looked up once at construction (no names formatted per step)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    moe: int | None  # MoE layer index (routing, experts and shared expert: ``self.moe[moe]``), None: dense MLP
+    mlp: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # dense layers' (gate_proj, up_proj, down_proj)
 
 
 class QwenMoeModel:
@@ -45,39 +57,64 @@ class QwenMoeModel:
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
+        self.embed = dense["model.embed_tokens.weight"]
+        self.final_norm = dense["model.norm.weight"]
+        self.rope = rope
+        self.layers = [self._resolve(layer) for layer in range(spec.num_layers)]
         self.routing_counts: torch.Tensor | None = None  # [moe_layers, E] when recording
+
+    def _resolve(self, layer: int) -> _LayerWeights:
+        w, p = self.w, f"model.layers.{layer}"
+        moe = self.moe_index.get(layer)
+        mlp = None if moe is not None else tuple(w[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
+        return _LayerWeights(w[f"{p}.input_layernorm.weight"], w[f"{p}.post_attention_layernorm.weight"], moe, mlp)
 
     def record_routing(self) -> None:
         self.routing_counts = torch.zeros(len(self.spec.moe_layers), self.spec.num_experts, dtype=torch.int64)
 
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """A dense MLP by weight-name prefix (subclasses); this model's layers use :meth:`_dense_mlp`."""
         w = self.w
-        gate = F.linear(x, w[f"{prefix}.gate_proj.weight"])
-        up = F.linear(x, w[f"{prefix}.up_proj.weight"])
-        return F.linear(F.silu(gate) * up, w[f"{prefix}.down_proj.weight"])
+        return self._dense_mlp(tuple(w[f"{prefix}.{n}_proj.weight"] for n in ("gate", "up", "down")), x)
 
-    def _moe(self, layer: int, x: torch.Tensor, experts: ExpertProvider, expert_view: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _dense_mlp(weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = weights
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+    def _moe(self, layer: int, x: torch.Tensor, experts: ExpertProvider, expert_view: torch.Tensor,
+             row_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder layer ``layer``'s MoE block. ``row_valid`` [T, 1]: padding rows of a captured batch take
+        row 0's experts, so they read no extra expert weights."""
         m = self.moe_index[layer]
-        routing = route_layer(x, self.moe[m])
+        topk_weights, topk_ids = route_layer(x, self.moe[m])
+        if row_valid is not None:
+            topk_ids = torch.where(row_valid, topk_ids, topk_ids[:1])
         if self.routing_counts is not None:
-            ids = routing[1].reshape(-1).long().cpu()
+            ids = topk_ids.reshape(-1).long().cpu()
             self.routing_counts[m] += torch.bincount(ids, minlength=self.spec.num_experts)
-        return moe_forward(x, self.moe[m], expert_view, experts, m, routing=routing, impl=self.moe_impl)
+        return moe_forward(x, self.moe[m], expert_view, experts, m, routing=(topk_weights, topk_ids),
+                           impl=self.moe_impl)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_view, expert_view: torch.Tensor,
-                experts: ExpertProvider, sample_index: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> logits [S, V] fp32 for the tokens at ``sample_index`` [S]."""
-        spec, w = self.spec, self.w
-        eps = spec.rms_norm_eps
-        h = F.embedding(input_ids, w["model.embed_tokens.weight"])  # [T, d]
-        for layer in range(spec.num_layers):
-            p = f"model.layers.{layer}"
-            h = h + self._reduce(self.attn[layer](rms_norm(h, w[f"{p}.input_layernorm.weight"], eps), meta, kv_view))
-            x = rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], eps)
-            if layer in self.moe_index:
-                h = h + self._reduce(self._moe(layer, x, experts, expert_view))
+                experts: ExpertProvider, sample_index: torch.Tensor | None,
+                row_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [T] -> logits [S, V] fp32 for the tokens at ``sample_index`` [S] (None: every token).
+
+        ``row_valid`` [T, 1] bool marks real tokens of a padded (captured) batch; padding rows are computed
+        but routed like row 0 so that they read no extra experts."""
+        eps = self.spec.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)  # [T, d]
+        cos_sin = self.rope.cos_sin(meta.positions)  # once per step, shared by every layer
+        for layer, lw in enumerate(self.layers):
+            h = h + self._reduce(self.attn[layer](rms_norm(h, lw.input_norm, eps), meta, kv_view, cos_sin))
+            x = rms_norm(h, lw.post_norm, eps)
+            if lw.moe is not None:
+                h = h + self._reduce(self._moe(layer, x, experts, expert_view, row_valid))
             else:
-                h = h + self._reduce(self._mlp(f"{p}.mlp", x))
-        h = rms_norm(h[sample_index], w["model.norm.weight"], eps)
+                h = h + self._reduce(self._dense_mlp(lw.mlp, x))
+        if sample_index is not None:
+            h = h[sample_index]
+        h = rms_norm(h, self.final_norm, eps)
         return F.linear(h, self.lm_head).float()

@@ -58,7 +58,12 @@ class RotaryEmbedding(torch.nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` at ``positions [T]``; fp32 math, result in the input dtype."""
-        cos, sin = self.cos_sin(positions)
+        return self.apply(q, k, self.cos_sin(positions))
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor,
+              cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate with ``cos_sin`` from :meth:`cos_sin` (gathered once per step, shared by every layer)."""
+        cos, sin = cos_sin
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rotary_dim]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -141,3 +141,31 @@ def test_alignment_puts_every_pair_once_in_single_expert_blocks(impl, T, E, k, b
         block = block[block < n]
         assert len(block) > 0 and (flat[block.long()] == a.expert_ids[b]).all()
     assert (a.expert_ids[used // bm:] == -1).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 5])
+def test_negative_page_ids_read_host_pages_zero_copy(T):
+    """A page-table entry -(1 + j) reads page j of the host store: the decode graph's miss path."""
+    gen = torch.Generator().manual_seed(17 + T)
+    E, f, d, k = 8, 32, 64, 2
+    view, table = _pool(E, f, d, "cache", gen)
+    host = torch.randn(3 * E, f, d, generator=gen) / d**0.5  # [L*E*3, f, d] with L = 1
+    missing = torch.tensor([1, 4, 6])
+    for e in missing.tolist():  # these experts live only on the host: the table points there
+        table[e] = -(1 + torch.arange(3 * e, 3 * e + 3, dtype=torch.int32))
+    w, ids = _routing(T, E, k, gen)
+    ids[0, 0] = 4 if ids[0, 1] != 4 else 1  # at least one miss
+    ref_in = torch.randn(T, d, generator=gen)
+    got = fused_moe(ref_in, w, ids, view, table, host_pages=host)
+    ref = moe_reference(ref_in, w, ids, view, table, host_pages=host)
+    assert torch.isfinite(got).all()
+    assert _rel(got, ref) < 1e-4
+    with_host_copy = view.clone()
+    # the same weights copied into pool pages give the same answer
+    free = torch.arange(view.shape[0] - 3 * len(missing), view.shape[0]).reshape(-1, 3)
+    table2 = table.clone()
+    for row, e in zip(free, missing.tolist()):
+        with_host_copy[row] = host[3 * e:3 * e + 3]
+        table2[e] = row.to(torch.int32)
+    assert _rel(fused_moe(ref_in, w, ids, with_host_copy, table2), ref) < 1e-4

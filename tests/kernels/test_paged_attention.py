@@ -147,6 +147,20 @@ def test_triton_decode_matches_reference_for_any_split_count(num_splits):
 
 
 @needs_triton
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_decode_writes_zeros_for_an_empty_padding_row(num_splits):
+    """A captured decode batch pads to its bucket with seq_len-0 rows: they must come out finite (zero)."""
+    seq_lens = [7, 33]
+    batch = PagedBatch(q_lens=[1] * 3, seq_lens=seq_lens + [1], group=4, seed=3)
+    batch.seq_lens_t[2] = 0  # the padding row
+    out = decode_attention(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale,
+                           max_seq_len=64, out=batch.poisoned_out(), num_splits=num_splits, block_n=16)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    ref = decode_attention_reference(batch.q[:2], batch.kv, batch.block_tables[:2], batch.seq_lens_t[:2], batch.scale)
+    assert rel_err(out[:2], ref) <= 1e-5
+
+
+@needs_triton
 def test_decode_without_max_seq_len_uses_block_table_capacity():
     batch = PagedBatch(q_lens=[1, 1], seq_lens=[10, 3], group=2)
     out = decode_attention(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale, num_splits=2,

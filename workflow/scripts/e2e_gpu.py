@@ -26,11 +26,15 @@ import argparse
 import dataclasses
 import gc
 import json
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import pandas as pd
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rimuru.bench.inproc import run_inproc
 from rimuru.bench.metrics import compute_metrics
@@ -38,6 +42,7 @@ from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.reference import e2e_scaled_budget
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.step_floor import decode_floor, floor_summary
+from rimuru.engine.timeline import stall_mask
 from rimuru.models.spec import ModelSpec
 from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory
 from rimuru.provenance import provenance
@@ -96,6 +101,12 @@ def main() -> None:
     ap.add_argument("--profile-budget", default="100GiB")
     ap.add_argument("--calibration-prompts", type=int, default=256)
     ap.add_argument("--cprofile-steps", type=int, default=0, help="host-profile this many steps of the first run")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs of each policy:workload, in ABBA order over --runs (A B B A ...)")
+    ap.add_argument("--warmup-requests", type=int, default=32,
+                    help="a discarded pass of the trace's first N requests through each engine before measuring")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (today's eager path)")
+    ap.add_argument("--fast-synth", action="store_true", help="decode_floor_gpu.fast_checkpoint (layer-0 copies)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -104,8 +115,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()
-    ckpt = synthetic_checkpoint_in_memory(args.model, seed=args.seed, routing_skew=args.skew, device=device,
-                                          dtype=dtype, num_layers=args.layers, progress=False)
+    if args.fast_synth:
+        from decode_floor_gpu import fast_checkpoint
+
+        ckpt = fast_checkpoint(args.model, args.layers, args.seed, args.skew, device, dtype)
+    else:
+        ckpt = synthetic_checkpoint_in_memory(args.model, seed=args.seed, routing_skew=args.skew, device=device,
+                                              dtype=dtype, num_layers=args.layers, progress=False)
     print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     full = ModelSpec.from_pretrained(args.model)
     trace = read_trace(args.trace)[: args.num_requests]
@@ -129,19 +145,27 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     rows, floors = [], []
-    for run in args.runs.split(","):
+    runs = args.runs.split(",")
+    schedule = []  # ABBA: forward, backward, forward, ...
+    for r in range(args.repeats):
+        schedule += [(run, r) for run in (runs if r % 2 == 0 else runs[::-1])]
+    for order, (run, repeat) in enumerate(schedule):
         policy, workload = run.split(":")
         budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
         budget = e2e_scaled_budget(full, ckpt.spec, budget_full, policy, dtype)
         llm = LLM(ckpt, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve, hotset=str(hotset_path),
-                  seed=args.seed, device=args.device, dtype=dtype)
-        # warm-up: compile kernels for prefill and decode shapes, then drop its steps from the record
+                  seed=args.seed, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager)
+        # warm-up: compile every kernel variant and capture the decode graphs, then a discarded pass of the same
+        # workload's first requests; its steps are dropped from the record
         try:
-            llm.warmup()
-        except Exception as exc:  # a missed warm-up only costs compile time inside the run; say so, go on
-            print(f"warm-up failed ({type(exc).__name__}: {exc}); kernels compile on first use", flush=True)
-        llm.generate([list(trace[0].prompt_token_ids)] * 4, SamplingParams(max_tokens=4, ignore_eos=True),
-                     use_tqdm=False)
+            info = llm.warmup()
+        except Exception:  # a failed capture must not cost the whole device call: serve eager, say so
+            traceback.print_exc()
+            llm.graphs = llm.executor.graphs = None
+            info = "FAILED: eager only"
+        print(f"{run} repeat {repeat}: warm-up {info}", flush=True)
+        if args.warmup_requests:
+            serve(llm, trace[: args.warmup_requests], None, args.seed)
         llm.timeline.records.clear()
         base = llm.stats()
         rate = args.rate if workload == "poisson" else None
@@ -152,8 +176,10 @@ def main() -> None:
         metrics, duration = serve(llm, trace, rate, args.seed)
         stats = llm.stats()
         frame = llm.timeline.frame()
-        frame.to_csv(out / f"timeline_{policy}_{workload}.csv", index=False)
-        floors.append({"policy": policy, "workload": workload, **floor_summary(decode_floor(frame, llm.spec))})
+        frame.to_csv(out / f"timeline_{policy}_{workload}_r{repeat}.csv", index=False)
+        floors.append({"policy": policy, "workload": workload, "repeat": repeat, "order": order,
+                       **floor_summary(decode_floor(frame, llm.spec))})
+        stalls = int(stall_mask(frame).sum())
         rows.append({
             "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew})", "policy": policy,
             "budget_gib": budget_full / 2**30, "scaled_budget_gib": round(budget / 2**30, 3), "workload": workload,
@@ -166,11 +192,14 @@ def main() -> None:
             "expert_gb_loaded": (stats.expert_bytes_loaded - base.expert_bytes_loaded) / 1e9,
             "initial_cache_experts": llm.memory_report["initial_cache_experts"],
             "total_experts": llm.memory_report["total_experts"], "top32_share": round(top32, 4),
-            "duration_s": duration, **provenance(),
+            "duration_s": duration, "repeat": repeat, "order": order, "stalls": stalls,
+            "compiles": int(frame["compiles"].sum()), "cuda_graph_steps": int(frame["cuda_graph"].sum()),
+            **provenance(),
         })
-        print(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "request_throughput", "output_throughput",
-                                                     "mean_ttft_ms", "mean_tpot_ms", "peak_concurrency",
-                                                     "forward_steps")}), flush=True)
+        print(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "order", "request_throughput",
+                                                     "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
+                                                     "peak_concurrency", "forward_steps", "stalls", "compiles")}),
+              flush=True)
         print(json.dumps(floors[-1]), flush=True)
         pd.DataFrame(rows).to_csv(out / "e2e.csv", index=False)
         pd.DataFrame(floors).to_csv(out / "step_floor.csv", index=False)

@@ -1,0 +1,216 @@
+"""Step inputs through one pinned upload, and decode steps as CUDA-graph replays per batch-size bucket.
+
+:class:`PinnedUpload` packs a step's integer metadata (token ids, positions, slot mapping, block
+tables, ...) into one pinned host buffer and sends it with one asynchronous host-to-device copy:
+no pageable copies, no stream sync.
+
+:class:`DecodeGraphs` captures the whole decode forward (embedding → every layer → logits) once
+per batch-size bucket, as vLLM does, over persistent device buffers: a decode step of ``n``
+requests fills the first ``n`` rows of the pinned mirror, uploads it, scatters the block tables
+into their persistent ``[L, Bmax, W]`` buffer and replays the bucket's graph. Padding rows have
+``seq_len`` 0 (attention writes zeros), slot -1 (no KV write) and take row 0's experts (no extra
+expert reads). Experts come from :class:`~rimuru.experts.provider.DeviceTableExperts`: device page
+tables whose misses point into pinned host memory, so every policy's decode step is one replay with
+no host decision per layer (docs/engine.md, "CUDA graphs"). Prefill and mixed steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+
+from rimuru.engine.kv_manager import KVCacheManager
+from rimuru.engine.scheduler import SchedulerOutput
+from rimuru.experts.provider import DeviceTableExperts
+from rimuru.models.attention_layer import AttentionMetadata
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Offloading policies replay graphs up to this batch: above it a step misses so many experts that reading them
+# in place over PCIe is slower than the eager path's bulk copies. H200, 4 layers (results/reference/engine/
+# decode_floor_detail.csv): graphed faster at 1, 4 and 16 running requests, ~5% slower at 64 (docs/engine.md).
+OFFLOAD_GRAPH_MAX_BATCH = 16
+
+
+def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Captured batch sizes: the standard buckets up to ``max_num_seqs``, which is always one of them."""
+    return tuple(b for b in BUCKETS if b < max_num_seqs) + (max_num_seqs,)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``n`` rows (None: larger than every bucket)."""
+    return next((b for b in buckets if b >= n), None)
+
+
+class PinnedUpload:
+    """int32 arrays → device tensors with one host-to-device copy from a reused pinned buffer.
+
+    The buffer is rewritten only after the previous copy completed (an event guards it; the engine's
+    step synchronises anyway when it samples)."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.int32)
+        self._dev = torch.empty(0, dtype=torch.int32, device=device)
+        self._done: torch.cuda.Event | None = None
+        self._grow(capacity)
+
+    def _grow(self, n: int) -> None:
+        self._host = torch.empty(n, dtype=torch.int32, pin_memory=self.cuda)
+        self._dev = torch.empty(n, dtype=torch.int32, device=self.device) if self.cuda else self._host
+
+    def upload(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        sizes = [a.size for a in arrays]
+        total = sum(sizes)
+        if not self.cuda:  # no device: the arrays themselves, as tensors (copied: callers may reuse them)
+            return [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).clone() for a in arrays]
+        if self._done is not None:
+            self._done.synchronize()  # the last copy out of the host buffer has run
+        if total > self._host.numel():
+            self._grow(max(total, 2 * self._host.numel()))
+        host = self._host.numpy()
+        offsets = np.cumsum([0, *sizes])
+        for a, lo, hi in zip(arrays, offsets[:-1], offsets[1:]):
+            host[lo:hi] = a.reshape(-1)
+        dev = self._dev[:total]
+        dev.copy_(self._host[:total], non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+        return [dev[lo:hi].view(a.shape) for a, lo, hi in zip(arrays, offsets[:-1], offsets[1:])]
+
+
+def decode_rows(out: SchedulerOutput, kv: KVCacheManager) -> tuple[np.ndarray, ...]:
+    """Per-request arrays of a pure decode step: token ids, positions, seq lens [n], slots [L, n],
+    block tables [L, n, w] (w = the widest request's blocks)."""
+    block = kv.block_tokens
+    n = len(out.chunks)
+    tables = [kv.pages(c.request.request_id) for c in out.chunks]
+    width = max(t.shape[1] for t in tables)
+    ids = np.empty(n, dtype=np.int32)
+    pos = np.empty(n, dtype=np.int32)
+    bt = np.zeros((kv.num_layers, n, width), dtype=np.int32)
+    slots = np.empty((kv.num_layers, n), dtype=np.int32)
+    for r, (chunk, table) in enumerate(zip(out.chunks, tables)):
+        req, p = chunk.request, chunk.start
+        ids[r] = req.output_token_ids[p - len(req.prompt_token_ids)] if p >= len(req.prompt_token_ids) \
+            else req.prompt_token_ids[p]
+        pos[r] = p
+        bt[:, r, : table.shape[1]] = table
+        slots[:, r] = table[:, p // block] * block + p % block
+    return ids, pos, pos + 1, slots, bt
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv: KVCacheManager, kv_view, expert_view: torch.Tensor, experts: DeviceTableExperts,
+                 device: torch.device, max_num_seqs: int, max_model_len: int) -> None:
+        self.model, self.kv, self.kv_view, self.expert_view, self.experts = model, kv, kv_view, expert_view, experts
+        self.device = device
+        self.buckets = graph_buckets(max_num_seqs)
+        self.max_model_len = max_model_len
+        layers, bmax = kv.num_layers, self.buckets[-1]
+        self.width = triton.cdiv(max_model_len, kv.block_tokens)
+        self.bmax = bmax
+        # one pinned header, captured in place: ids | positions | seq_lens | num_valid (+pad) | slots [L, Bmax]
+        self._off = {"ids": 0, "pos": bmax, "seq": 2 * bmax, "valid": 3 * bmax, "slots": 3 * bmax + 4}
+        self._cuda = device.type == "cuda"  # elsewhere the buffers work (tests run _fill/_forward), capture does not
+        self._host = torch.zeros(3 * bmax + 4 + layers * bmax, dtype=torch.int32, pin_memory=self._cuda)
+        self._dev = torch.zeros_like(self._host, device=device) if self._cuda else self._host.clone()
+        self._tables_up = PinnedUpload(device, layers * bmax * 8)  # this step's block tables, compact [L, n, w]
+        self.block_tables = torch.zeros(layers, bmax, self.width, dtype=torch.int32, device=device)
+        self._cu = torch.arange(bmax + 1, dtype=torch.int32, device=device)
+        self._rows = torch.arange(bmax, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self._header_done: torch.cuda.Event | None = None
+        self.replays = 0
+        self._pending = False
+
+    # ------------------------------------------------------------------ inputs
+    def _view(self, name: str, n: int) -> torch.Tensor:
+        o = self._off[name]
+        if name == "slots":
+            return self._dev[o: o + self.kv.num_layers * self.bmax].view(self.kv.num_layers, self.bmax)[:, :n]
+        return self._dev[o: o + n]
+
+    def _fill(self, rows: tuple[np.ndarray, ...] | None, bucket: int) -> None:
+        """Write ``rows`` (None: all padding) into the pinned header, upload it, scatter the block tables."""
+        if self._header_done is not None:
+            self._header_done.synchronize()
+        host, o, layers = self._host.numpy(), self._off, self.kv.num_layers
+        n = 0 if rows is None else len(rows[0])
+        for name in ("ids", "pos", "seq"):
+            host[o[name]: o[name] + bucket] = 0
+        slots = host[o["slots"]:].reshape(layers, self.bmax)
+        slots[:, :bucket] = -1
+        host[o["valid"]] = n
+        if rows is not None:
+            ids, pos, seq, slot, bt = rows
+            host[o["ids"]: o["ids"] + n] = ids
+            host[o["pos"]: o["pos"] + n] = pos
+            host[o["seq"]: o["seq"] + n] = seq
+            slots[:, :n] = slot
+        self._dev.copy_(self._host, non_blocking=True)
+        if self._cuda:
+            self._header_done = torch.cuda.Event()
+            self._header_done.record()
+        if rows is not None:
+            (compact,) = self._tables_up.upload([rows[4]])
+            self.block_tables[:, :n, : compact.shape[2]].copy_(compact)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        self.experts.begin_step()
+        meta = AttentionMetadata(
+            positions=self._view("pos", bucket), slot_mapping=self._view("slots", bucket),
+            cu_query_lens=self._cu[: bucket + 1], seq_lens=self._view("seq", bucket),
+            block_tables=self.block_tables[:, :bucket], max_query_len=1, is_pure_decode=True,
+            max_seq_len=self.width * self.kv.block_tokens)
+        valid = (self._rows[:bucket] < self._view("valid", 1))[:, None]  # [B, 1]
+        logits = self.model.forward(self._view("ids", bucket), meta, self.kv_view, self.expert_view, self.experts,
+                                    None, row_valid=valid)
+        self.experts.finish_step()
+        return logits
+
+    # ------------------------------------------------------------------ capture / replay
+    def capture(self) -> None:
+        """Capture every bucket, largest first (later graphs reuse the first one's memory pool)."""
+        self.experts.refresh()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bucket in sorted(self.buckets, reverse=True):
+                self._fill(None, bucket)
+                self._forward(bucket)  # eager once: compiles and autotunes outside the capture
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    logits = self._forward(bucket)
+                if self._pool is None:
+                    self._pool = graph.pool()
+                self.graphs[bucket] = (graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+
+    def can_run(self, out: SchedulerOutput) -> bool:
+        return (bool(self.graphs) and 0 < len(out.chunks) <= self.bmax
+                and all(c.num_tokens == 1 and c.samples and not c.prompt_scored and c.start < self.max_model_len
+                        for c in out.chunks))
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits [n, V] fp32 of a pure decode step (valid until the next replay)."""
+        n = len(out.chunks)
+        bucket = bucket_for(n, self.buckets)
+        self._fill(decode_rows(out, self.kv), bucket)
+        self.experts.refresh()
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        self.experts.end_step()
+        self.replays += 1
+        self._pending = True
+        return logits[:n]
+
+    def settle(self) -> None:
+        """After the step synchronised: fold the last replay's device counters into the provider's totals."""
+        if self._pending:
+            self.experts.settle()
+            self._pending = False

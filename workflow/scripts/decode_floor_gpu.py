@@ -1,0 +1,193 @@
+"""Decode step vs its floor on one GPU, eager against CUDA-graphed, per policy and batch size.
+
+For each policy an engine is built once (``--layers`` of the real shapes), warmed up (kernels compiled,
+graphs captured), then for each batch size ``b``: ``b`` requests of ``--prompt-len`` random tokens are
+prefilled and decoded. Eager and graphed decode segments (``--steps`` steps each, after ``--discard``
+discarded steps) alternate in ABBA order (``--repeats`` of each) on the same running batch; the eager
+segments use the very path ``enforce_eager=True`` takes. Per segment: median step time, the floor of
+each step (rimuru.engine.step_floor: HBM bytes / 4.26 TB/s, PCIe bytes / 55.4 GB/s, overlapped), stalls
+(steps over 3x the segment's median) and Triton compiles.
+
+Writes ``decode_floor.csv`` (model, layers, policy, batch, step_ms, floor_ms, ratio, cuda_graphs, device,
+commit, date: medians over the repeats) and ``decode_floor_detail.csv`` (every segment, with order,
+repeat, spread, stalls, compiles, experts read in place).
+
+``--fast-synth`` builds one layer with the synthetic recipe and repeats its dense tensors (cloned, so
+every layer reads its own HBM) and its experts (one pinned host copy viewed L times; the pool still
+holds L distinct copies): a 48-layer model in seconds instead of minutes of CPU synthesis.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rimuru.engine.llm import LLM  # noqa: E402
+from rimuru.engine.modeled.reference import e2e_scaled_budget  # noqa: E402
+from rimuru.engine.sampling_params import SamplingParams  # noqa: E402
+from rimuru.engine.step_floor import decode_floor  # noqa: E402
+from rimuru.experts.host_store import HostExpertStore  # noqa: E402
+from rimuru.kernels.compiles import compile_count  # noqa: E402
+from rimuru.models.checkpoint import hub_config  # noqa: E402
+from rimuru.models.loader import LoadedCheckpoint  # noqa: E402
+from rimuru.models.spec import ModelSpec  # noqa: E402
+from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory  # noqa: E402
+from rimuru.provenance import provenance  # noqa: E402
+from rimuru.units import parse_bytes  # noqa: E402
+
+
+def fast_checkpoint(model: str, layers: int, seed: int, skew: float, device: torch.device,
+                    dtype: torch.dtype) -> LoadedCheckpoint:
+    one = synthetic_checkpoint_in_memory(model, seed=seed, routing_skew=skew, device=device, dtype=dtype,
+                                         num_layers=1, progress=False)
+    if layers == 1:
+        return one
+    config = hub_config(model)
+    config["num_hidden_layers"] = layers
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        spec = ModelSpec.from_pretrained(tmp)
+    dense = {}
+    for name, t in one.dense.items():
+        if name.startswith("model.layers.0."):
+            for layer in range(layers):
+                dense[name.replace("model.layers.0.", f"model.layers.{layer}.", 1)] = t if layer == 0 else t.clone()
+        else:
+            dense[name] = t
+    host = one.experts.weights.expand(layers, *one.experts.weights.shape[1:])
+    return LoadedCheckpoint(spec, dense, HostExpertStore(host, spec.moe_layers))
+
+
+def segment(llm: LLM, steps: int, discard: int) -> pd.DataFrame:
+    for _ in range(discard):
+        llm.step()
+    first = len(llm.timeline.records)
+    for _ in range(steps):
+        llm.step()
+    return llm.timeline.frame().iloc[first:]
+
+
+def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: int, discard: int, repeats: int,
+            rng: np.random.Generator) -> list[dict]:
+    graphs = llm.executor.graphs  # toggled per segment: the eager segments take enforce_eager's path
+    modes = ["eager", "graph"] if graphs is not None else ["eager"]
+    rows = []
+    for b in batches:
+        need = discard + steps
+        total_steps = len(modes) * repeats * need + 8
+        for i in range(b):
+            ids = rng.integers(0, llm.spec.vocab_size, prompt_len).tolist()
+            llm.add_request(f"b{b}-{i}", ids, SamplingParams(max_tokens=total_steps + 16, ignore_eos=True))
+        while llm.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
+                                           for r in llm.scheduler.running):
+            llm.step()
+        order = []
+        for r in range(repeats):  # ABBA: A B B A A B ...
+            order += modes if r % 2 == 0 else modes[::-1]
+        for k, mode in enumerate(order):
+            llm.executor.graphs = graphs if mode == "graph" else None
+            before = compile_count()
+            frame = segment(llm, steps, discard)
+            llm.executor.graphs = graphs
+            floors = decode_floor(frame, llm.spec)
+            med = float(frame["step_ms"].median())
+            rows.append({**label, "batch": b, "mode": mode, "order": k, "repeat": order[:k + 1].count(mode) - 1,
+                         "running": int(frame["running"].median()), "step_ms": med,
+                         "step_ms_p10": float(frame["step_ms"].quantile(0.1)),
+                         "step_ms_p90": float(frame["step_ms"].quantile(0.9)),
+                         "floor_ms": float(floors["floor_overlap_ms"].median()),
+                         "hbm_ms": float(floors["hbm_ms"].median()), "pcie_ms": float(floors["pcie_ms"].median()),
+                         "stalls": int((frame["step_ms"] > 3 * med).sum()), "compiles": compile_count() - before,
+                         "graphed_steps": int(frame["cuda_graph"].sum()), "steps": len(frame),
+                         "experts_touched": float(frame["experts_touched"].median()),
+                         "experts_loaded": float(frame["experts_loaded"].median()),
+                         "cached_experts": int(frame["cached_experts"].iloc[-1])})
+            print(json.dumps({k2: rows[-1][k2] for k2 in ("policy", "layers", "batch", "mode", "order", "step_ms",
+                                                          "floor_ms", "stalls", "compiles", "experts_loaded")}),
+                  flush=True)
+        for i in range(b):
+            llm.abort_request(f"b{b}-{i}")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--skew", type=float, default=0.7)
+    ap.add_argument("--policies", default="static,fixed,elastic")
+    ap.add_argument("--batches", default="1,4,16,64,256")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--discard", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--static-budget", default="80GiB", help="for the full model; scaled by layers/48")
+    ap.add_argument("--budget", default="32GiB", help="offloading policies, full model; scaled as e2e_gpu does")
+    ap.add_argument("--hotset", default=None)
+    ap.add_argument("--fast-synth", action="store_true")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    build = fast_checkpoint if args.fast_synth else (
+        lambda m, n, seed, skew, dev, dt: synthetic_checkpoint_in_memory(m, seed=seed, routing_skew=skew, device=dev,
+                                                                          dtype=dt, num_layers=n, progress=False))
+    ckpt = build(args.model, args.layers, args.seed, args.skew, device, dtype)
+    print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
+    full = ModelSpec.from_pretrained(args.model)
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    for policy in args.policies.split(","):
+        budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
+        budget = e2e_scaled_budget(full, ckpt.spec, budget_full, policy, dtype)
+        llm = LLM(ckpt, gpu_memory_budget=budget, policy=policy, device="cuda", dtype=dtype, seed=args.seed,
+                  max_num_seqs=max(int(b) for b in args.batches.split(",")), kv_reserve=0.1,
+                  **({"hotset": args.hotset} if args.hotset else {}))
+        t1 = time.perf_counter()
+        try:
+            info = llm.warmup()
+        except Exception:  # a failed capture must not cost the whole device call: measure eager, say so
+            traceback.print_exc()
+            llm.graphs = llm.executor.graphs = None
+            info = "FAILED: eager only"
+        print(f"{policy}: warm-up {time.perf_counter() - t1:.1f} s, {info}", flush=True)
+        label = {"model": args.model, "layers": args.layers, "policy": policy}
+        rows += measure(llm, label, [int(b) for b in args.batches.split(",")], args.prompt_len, args.steps,
+                        args.discard, args.repeats, rng)
+        detail = pd.DataFrame(rows)
+        detail.assign(**provenance()).to_csv(out / "decode_floor_detail.csv", index=False)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    detail = pd.DataFrame(rows)
+    summary = (detail.groupby(["model", "layers", "policy", "batch", "mode"], as_index=False)
+               .agg(step_ms=("step_ms", "median"), floor_ms=("floor_ms", "median")))
+    summary["ratio"] = summary["step_ms"] / summary["floor_ms"]
+    summary["cuda_graphs"] = summary.pop("mode").eq("graph")
+    prov = provenance()
+    for key in ("device", "commit", "date"):
+        summary[key] = prov[key]
+    cols = ["model", "layers", "policy", "batch", "step_ms", "floor_ms", "ratio", "cuda_graphs", "device", "commit",
+            "date"]
+    summary[cols].to_csv(out / "decode_floor.csv", index=False)
+    print(summary[cols[:8]].to_string(index=False), flush=True)
+
+
+if __name__ == "__main__":
+    main()
