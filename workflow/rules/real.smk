@@ -15,7 +15,9 @@ def _real_status(key, sysc):
         return ""
     if Path(venv, "FAILED").exists():
         lines = Path(venv, "FAILED").read_text(errors="replace").strip().splitlines()
-        return f"does not install here ({lines[-1][:200] if lines else 'see ' + venv + '/FAILED'})"
+        cause = [line.strip() for line in lines if "depends on" in line or "requested" in line]
+        why = "; ".join(cause) or (lines[-1] if lines else f"see {venv}/FAILED")
+        return f"does not install here ({why[:300]}; docs/real_systems.md)"
     if not Path(venv, ".installed").exists():
         return f"its venv {venv} is not built (make real-venvs)"
     return ""
