@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = agreement_prompts(args.agreement_workload, args.agreement_prompts)
     with server_log.open("w") as log:
         proc = subprocess.Popen(command, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    info = {"system": args.system, "kind": args.kind, "label": args.label, "version": version, "serve": command}
     try:
         startup_s = wait_healthy(proc, base_url, args.ready_timeout, server_log)
         print(f"{args.system}: healthy after {startup_s:.1f} s on {base_url}", flush=True)
@@ -147,11 +148,23 @@ def main(argv: list[str] | None = None) -> int:
             bench(base_url, workload, name, out / f"{name}.json", bench_log)
             print(f"{args.system}: {name} done", flush=True)
         texts = greedy_texts(base_url, model, prompts, args.agreement_tokens)
+    except (RuntimeError, httpx.HTTPError) as exc:
+        if args.kind != "real":
+            raise  # our own server failing is a bug: fail the pipeline
+        # a real system that starts but cannot serve this checkpoint here is a result, not a crash: the table
+        # lists it as not run, with the reason (the server log's tail is in server.log)
+        info["error"] = str(exc).strip().splitlines()[0][:300]
+        server_errors = [line for line in server_log.read_text(errors="replace").splitlines()
+                         if "RuntimeError:" in line or "Error:" in line and "ERROR" in line]
+        if server_errors:
+            info["error"] += " | server: " + server_errors[0].split("] ")[-1][:300]
+        (out / "system.json").write_text(json.dumps(info, indent=1) + "\n")
+        print(f"{args.system}: did not run: {info['error']}", flush=True)
+        return 0
     finally:
         stop(proc)
     (out / "agreement.json").write_text(json.dumps(texts, indent=1) + "\n")
-    info = {"system": args.system, "kind": args.kind, "label": args.label, "version": version, "serve": command,
-            "startup_s": round(startup_s, 2), "served_model": model}
+    info.update(startup_s=round(startup_s, 2), served_model=model)
     (out / "system.json").write_text(json.dumps(info, indent=1) + "\n")
     return 0
 

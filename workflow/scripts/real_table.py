@@ -31,6 +31,8 @@ def rows(run_dirs: list[Path], workloads: dict, prov: dict) -> list[dict]:
     out = []
     for run in run_dirs:
         info = read_json(run / "system.json")
+        if info.get("error"):
+            continue
         for name, w in workloads.items():
             res = read_json(run / f"{name}.json")
             rate = w["request_rate"]
@@ -61,9 +63,9 @@ def agreement(run_dirs: list[Path], reference: str) -> pd.DataFrame:
     ref = json.loads((runs[reference] / "agreement.json").read_text())
     table = []
     for key, run in runs.items():
-        if key == reference:
-            continue
         info = read_json(run / "system.json")
+        if key == reference or info.get("error"):
+            continue
         texts = json.loads((run / "agreement.json").read_text())
         diffs = [first_difference(a["text"], b["text"]) for a, b in zip(ref, texts)]
         same = sum(d is None for d in diffs)
@@ -115,6 +117,10 @@ def main() -> int:
              "cores and was driven by `rimuru bench --backend openai` with the same requests.",
              "kind `real`: the system itself; kind `policy`: a memory policy of our engine served by `rimuru serve`."]
     notes += [f"{key} did not run: {why}" for key, why in skipped.items()]
+    for run in run_dirs:
+        info = read_json(run / "system.json")
+        if info.get("error"):
+            notes.append(f"{info['label']} started but did not serve: {info['error']}")
     ref_rows = frame[frame["key"] == args.reference]
     for _, r in frame[frame["kind"] == "real"].iterrows():
         ours = ref_rows[ref_rows["workload"] == r["workload"]]
