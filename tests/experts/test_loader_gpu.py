@@ -38,10 +38,11 @@ def pages_of(view, pages) -> torch.Tensor:
 
 def test_copies_run_on_the_side_stream_and_return_events():
     _, host, view, loader, _ = setup(buffer_experts=0)
-    assert loader.cuda and loader.stream is not None and loader.stream != torch.cuda.current_stream()
+    assert loader.cuda and loader.expand_stream is not None and loader.expand_stream != torch.cuda.current_stream()
+    assert loader.expand_stream != loader.stream, "expansions share the on-demand load stream"
     pages = np.arange(PAGES_PER_EXPERT)
-    with torch.cuda.stream(loader.stream):
-        torch.cuda._sleep(SLEEP_CYCLES)  # the copy queues behind this on the side stream
+    with torch.cuda.stream(loader.expand_stream):
+        torch.cuda._sleep(SLEEP_CYCLES)  # the copy queues behind this on the expansion stream
     done = loader.copy_expert(1, 2, pages)
     assert isinstance(done, torch.cuda.Event)
     assert not done.query(), "the copy finished before the busy side stream reached it: not on the side stream"
@@ -52,7 +53,7 @@ def test_copies_run_on_the_side_stream_and_return_events():
 
 def test_an_expanded_expert_is_published_only_after_its_copy_completes():
     pool, host, view, loader, cache = setup(buffer_experts=0)
-    with torch.cuda.stream(loader.stream):
+    with torch.cuda.stream(loader.expand_stream):
         torch.cuda._sleep(SLEEP_CYCLES)
     assert cache.expand(2) == 2
     assert cache.poll() == 0, "published while the copy was still queued"
@@ -68,12 +69,12 @@ def test_an_expanded_expert_is_published_only_after_its_copy_completes():
 def test_reclaiming_an_expert_still_loading_waits_for_its_copy():
     pool, host, _, loader, cache = setup(buffer_experts=0)
     free_before = pool.allocator.free_l2_pages()
-    with torch.cuda.stream(loader.stream):
+    with torch.cuda.stream(loader.expand_stream):
         torch.cuda._sleep(SLEEP_CYCLES)
     cache.expand(1)
     cache.shrink(1)
     assert cache.reclaim() == PAGES_PER_EXPERT
-    assert loader.stream.query(), "pages were freed while their copy could still write them"
+    assert loader.expand_stream.query(), "pages were freed while their copy could still write them"
     assert pool.allocator.free_l2_pages() == free_before
     cache.check()
     pool.allocator.check_integrity()

@@ -125,6 +125,8 @@ def test_unknown_impl_is_a_clear_error():
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[1, 1, 1, 1], [200, 1, 37, 64]])
 def test_gpu_gdn_matches_reference(lens):
+    if max(lens) > 1:  # prefill goes through fla-core's chunked kernel (a project dependency; absent if not carried)
+        pytest.importorskip("fla.ops.gated_delta_rule")
     dev = "cuda"
     q, k, v, decay, beta, cu = packed(lens, device=dev, dtype=torch.bfloat16)
     ssm = states(8, device=dev)
