@@ -20,7 +20,6 @@ import gc
 import gzip
 import json
 import os
-import signal
 import statistics
 import subprocess
 import time
@@ -30,7 +29,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from rimuru.distributed import Shard, TensorParallelError, TorchDistributed
+from rimuru.distributed import Shard, TorchDistributed
+from rimuru.distributed.faults import kill_rank_under_load
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.llm import LLM
 from rimuru.engine.memory_policy import activation_estimate
@@ -159,20 +159,8 @@ def write_e2e(rows: list[dict], out: Path) -> None:
 
 def kill_check(llm: LLM, trace: list[dict], out: Path, backend: str) -> None:
     """SIGKILL rank 1 with requests running: seconds until the engine raises the error naming it."""
-    for i, row in enumerate(trace[:32]):
-        llm.add_request(f"k{i}", row["prompt_token_ids"], SamplingParams(max_tokens=400, ignore_eos=True))
-    for _ in range(3):
-        llm.step()
-    os.kill(llm.tp_group.procs[0].pid, signal.SIGKILL)
-    t = time.perf_counter()
-    error = None
-    try:
-        while time.perf_counter() - t < 90:
-            llm.step()
-    except TensorParallelError as exc:
-        error = str(exc)
-    kill = {"seconds_to_error": time.perf_counter() - t, "error": error, "backend": backend,
-            "workers_alive_after": sum(p.is_alive() for p in llm.tp_group.procs), **provenance()}
+    kill = {**kill_rank_under_load(llm, [row["prompt_token_ids"] for row in trace[:32]], timeout_s=90),
+            "backend": backend, **provenance()}
     (out / "kill.json").write_text(json.dumps(kill, indent=1))
     log(json.dumps(kill))
 

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
 import torch
 
-from rimuru.distributed import TensorParallelError
+from rimuru.distributed.faults import kill_rank_under_load
 from rimuru.engine.llm import LLM
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.models.checkpoint import write_synthetic_checkpoint
@@ -52,20 +50,9 @@ def main() -> None:
               "identical_sequences": sum(a == b for a, b in zip(ref, got)), "prompts": len(ref),
               "integrity": "every rank checked, states equal"}
     print(json.dumps(result), flush=True)
-    for i, p in enumerate(PROMPTS):
-        llm.add_request(f"k{i}", p, SamplingParams(max_tokens=400, ignore_eos=True))
-    for _ in range(3):
-        llm.step()
-    os.kill(llm.tp_group.procs[0].pid, signal.SIGKILL)
-    t = time.perf_counter()
-    error = None
-    try:
-        while time.perf_counter() - t < 60:
-            llm.step()
-    except TensorParallelError as exc:
-        error = str(exc)
-    result.update({"kill_seconds_to_error": time.perf_counter() - t, "kill_error": error,
-                   "workers_alive_after": sum(p.is_alive() for p in llm.tp_group.procs),
+    kill = kill_rank_under_load(llm, PROMPTS, timeout_s=60)
+    result.update({"kill_seconds_to_error": kill["seconds_to_error"], "kill_error": kill["error"],
+                   "workers_alive_after": kill["workers_alive_after"],
                    "rank0_alive_after": True, "wall_s": time.perf_counter() - t0, **provenance()})
     (out / "checks.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result), flush=True)
