@@ -462,6 +462,11 @@ class LLM:
         tokens = int(counts[0].sum()) // self.spec.top_k
         return Hotset.from_counts(counts.numpy().astype(np.float64), tokens, self.model_name)
 
+    def fall_back_to_eager(self) -> None:
+        """Serve every later step eagerly (after a failed graph capture, say): the engine drops its decode graphs,
+        as ``enforce_eager`` would have from the start."""
+        self.graphs = self.executor.graphs = None
+
     def warmup(self, max_seq_len: int | None = None) -> dict[str, int]:
         """Compile every kernel variant a run can launch and capture the decode CUDA graphs, so that no request
         pays a JIT compile: decode with and without KV splits, each prefill tile height, each fused-MoE tile

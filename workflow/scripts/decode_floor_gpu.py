@@ -164,7 +164,7 @@ def main() -> None:
             info = llm.warmup()
         except Exception:  # a failed capture must not cost the whole device call: measure eager, say so
             traceback.print_exc()
-            llm.graphs = llm.executor.graphs = None
+            llm.fall_back_to_eager()
             info = "FAILED: eager only"
         print(f"{policy}: warm-up {time.perf_counter() - t1:.1f} s, {info}", flush=True)
         label = {"model": args.model, "layers": args.layers, "policy": policy}

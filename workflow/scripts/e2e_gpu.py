@@ -161,7 +161,7 @@ def main() -> None:
             info = llm.warmup()
         except Exception:  # a failed capture must not cost the whole device call: serve eager, say so
             traceback.print_exc()
-            llm.graphs = llm.executor.graphs = None
+            llm.fall_back_to_eager()
             info = "FAILED: eager only"
         print(f"{run} repeat {repeat}: warm-up {info}", flush=True)
         if args.warmup_requests:
