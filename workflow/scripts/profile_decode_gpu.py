@@ -1,0 +1,221 @@
+"""Where a graphed decode step's time goes (issue 11): per-kernel-class device time against its HBM floor.
+
+Builds the ``--layers``-layer synthetic model (``decode_floor_gpu.fast_checkpoint``), a ``static`` engine,
+warms it up (kernels compiled, decode graphs captured), then per batch size ``b``:
+
+1. ``step``: median wall time of ``LLM.step()`` (a graph replay plus the host work around it);
+2. ``replay``: median device time of the bucket's graph replayed back to back (CUDA events), so
+   ``step - replay`` is host time the GPU waits for (schedule, upload, sampling sync, postprocess);
+3. a torch.profiler trace of a few replays: each kernel's device time, by kernel class, per step,
+   beside the bytes that class must read (weights of the experts touched, attention/router/lm_head
+   weights, KV) over the measured copy bandwidth; the sum of kernel times vs the replay time is the
+   launch/idle gap inside the graph;
+4. cProfile of the host side of a few steps (top functions by own time).
+
+Also measures the ceilings once: a device-to-device copy (read + write bytes) and a read-only
+reduction over 4 GiB. Writes ``profile_kernels.csv`` (batch, class, kernel, calls/step, us/step),
+``profile_summary.csv`` and prints short tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_floor_gpu import fast_checkpoint  # noqa: E402
+
+from rimuru.engine.llm import LLM  # noqa: E402
+from rimuru.engine.modeled.reference import e2e_scaled_budget  # noqa: E402
+from rimuru.engine.sampling_params import SamplingParams  # noqa: E402
+from rimuru.engine.step_floor import HBM_BPS, decode_floor  # noqa: E402
+from rimuru.models.spec import ModelSpec  # noqa: E402
+from rimuru.provenance import provenance  # noqa: E402
+from rimuru.units import parse_bytes  # noqa: E402
+
+CLASSES = (  # (class, substrings of the kernel name), first match wins
+    ("moe", ("fused_moe",)),
+    ("moe_align", ("moe_align", "moe_scatter")),
+    ("attention", ("decode_attention", "decode_reduce")),
+    ("kv_write", ("write_kv",)),
+    ("norm_rope", ("rms_norm", "norm_rope", "add_rms")),
+    ("routing", ("topk_softmax",)),
+    ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "sm90", "splitk", "Kernel2")),
+    ("reduce", ("reduce", "sum")),
+    ("copy", ("copy", "Memcpy", "Memset", "fill")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k.lower() in low for k in keys):
+            return cls
+    return "elementwise/other"
+
+
+def ceilings(device: torch.device) -> dict[str, float]:
+    n = 1 << 31  # 2 Gi bf16 elements = 4 GiB
+    a = torch.randn(n // 4, 4, device=device, dtype=torch.bfloat16).view(-1)
+    b = torch.empty_like(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = {}
+    for name, fn, nbytes in (("copy_rw_TBps", lambda: b.copy_(a), 2 * a.numel() * 2),
+                             ("sum_read_TBps", lambda: a.sum(dtype=torch.float32), a.numel() * 2)):
+        fn()
+        times = []
+        for _ in range(5):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        out[name] = nbytes / (float(np.median(times)) * 1e-3) / 1e12
+    return out
+
+
+def class_bytes(spec: ModelSpec, experts_touched: float, context_tokens: float) -> dict[str, float]:
+    """Bytes each kernel class must read per decode step (bf16)."""
+    e = 2
+    d, L = spec.hidden_size, spec.num_layers
+    qkv = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * d * e
+    o = spec.num_heads * spec.head_dim * d * e
+    router = spec.num_experts * d * e
+    lm_head = spec.vocab_size * d * e
+    kv = spec.kv_bytes_per_token(torch.bfloat16) * context_tokens
+    return {"moe": experts_touched * spec.expert_bytes(torch.bfloat16), "gemm": L * (qkv + o + router) + lm_head,
+            "attention": kv}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--batches", default="1,4,16,64,256")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--static-budget", default="80GiB")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ceil = ceilings(device)
+    torch.cuda.empty_cache()
+    print("ceilings", json.dumps({k: round(v, 3) for k, v in ceil.items()}), flush=True)
+    ckpt = fast_checkpoint(args.model, args.layers, args.seed, 0.7, device, dtype)
+    spec = ckpt.spec
+    budget = e2e_scaled_budget(ModelSpec.from_pretrained(args.model), spec, parse_bytes(args.static_budget),
+                               "static", dtype)
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM(ckpt, gpu_memory_budget=budget, policy="static", device="cuda", dtype=dtype, seed=args.seed,
+              max_num_seqs=max(batches), kv_reserve=0.1)
+    t0 = time.perf_counter()
+    info = llm.warmup()
+    print(f"warm-up {time.perf_counter() - t0:.1f} s {info}", flush=True)
+    rng = np.random.default_rng(args.seed)
+    kernel_rows, summary = [], []
+    for b in batches:
+        for i in range(b):
+            llm.add_request(f"b{b}-{i}", rng.integers(0, spec.vocab_size, args.prompt_len).tolist(),
+                            SamplingParams(max_tokens=400, ignore_eos=True))
+        while llm.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
+                                           for r in llm.scheduler.running):
+            llm.step()
+        for _ in range(5):
+            llm.step()
+        first = len(llm.timeline.records)
+        for _ in range(args.replays):
+            llm.step()
+        frame = llm.timeline.frame().iloc[first:]
+        floors = decode_floor(frame, spec)
+        step_ms = float(frame["step_ms"].median())
+        bucket = min(k for k in llm.graphs.graphs if k >= b)
+        graph = llm.graphs.graphs[bucket][0]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(args.replays):  # replays the last step's inputs: same bytes, same kernels
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        replay_ms = float(np.median(times))
+        start.record()
+        for _ in range(args.replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        back_to_back_ms = start.elapsed_time(end) / args.replays
+        n_prof = 5
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(n_prof):
+                graph.replay()
+            torch.cuda.synchronize()
+        per_kernel: dict[str, list[float]] = {}
+        for ev in prof.events():
+            t = getattr(ev, "device_time_total", 0) or getattr(ev, "device_time", 0)
+            if ev.device_type == torch.autograd.DeviceType.CUDA and t > 0:
+                per_kernel.setdefault(ev.name, []).append(t)
+        kernel_us = 0.0
+        for name, ts in per_kernel.items():
+            us = sum(ts) / n_prof
+            kernel_us += us
+            kernel_rows.append({"batch": b, "class": kernel_class(name), "kernel": name[:120],
+                                "calls_per_step": len(ts) / n_prof, "us_per_step": us,
+                                "us_per_call": float(np.median(ts))})
+        touched = float(frame["experts_touched"].median())
+        need = class_bytes(spec, touched, float(frame["context_tokens"].median()))
+        by_class = (pd.DataFrame([r for r in kernel_rows if r["batch"] == b]).groupby("class")
+                    [["calls_per_step", "us_per_step"]].sum())
+        for cls, row in by_class.iterrows():
+            floor_us = need.get(cls, 0.0) / HBM_BPS * 1e6
+            summary.append({"batch": b, "class": cls, "calls_per_step": row["calls_per_step"],
+                            "us_per_step": row["us_per_step"], "floor_us": floor_us,
+                            "ratio": row["us_per_step"] / floor_us if floor_us else float("nan")})
+        summary.append({"batch": b, "class": "TOTAL kernels", "calls_per_step": by_class["calls_per_step"].sum(),
+                        "us_per_step": kernel_us, "floor_us": float(floors["floor_overlap_ms"].median()) * 1e3,
+                        "ratio": kernel_us / (float(floors["floor_overlap_ms"].median()) * 1e3)})
+        for label, ms in (("replay (events)", replay_ms), ("replay back-to-back", back_to_back_ms),
+                          ("step (wall)", step_ms)):
+            summary.append({"batch": b, "class": label, "calls_per_step": 0, "us_per_step": ms * 1e3,
+                            "floor_us": float(floors["floor_overlap_ms"].median()) * 1e3,
+                            "ratio": ms / float(floors["floor_overlap_ms"].median())})
+        print(f"batch {b} (bucket {bucket}): step {step_ms:.3f} ms, replay {replay_ms:.3f} ms "
+              f"(back-to-back {back_to_back_ms:.3f}), kernels {kernel_us / 1e3:.3f} ms, floor "
+              f"{float(floors['floor_overlap_ms'].median()):.3f} ms, experts touched {touched:.0f}", flush=True)
+        host = cProfile.Profile()
+        host.enable()
+        for _ in range(10):
+            llm.step()
+        host.disable()
+        buf = io.StringIO()
+        pstats.Stats(host, stream=buf).sort_stats("tottime").print_stats(14)
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[-2500:], flush=True)
+        for i in range(b):
+            llm.abort_request(f"b{b}-{i}")
+    prov = provenance()
+    pd.DataFrame(kernel_rows).assign(**prov, **ceil).to_csv(out / "profile_kernels.csv", index=False)
+    table = pd.DataFrame(summary)
+    table.assign(**prov, **ceil).to_csv(out / "profile_summary.csv", index=False)
+    pd.set_option("display.width", 200)
+    top = pd.DataFrame(kernel_rows).sort_values(["batch", "us_per_step"], ascending=[True, False])
+    print(top.groupby("batch").head(12).to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
+
+
+if __name__ == "__main__":
+    main()
