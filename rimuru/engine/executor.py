@@ -6,10 +6,15 @@ adjuster above it never touch tensors; a modeled executor can replace this class
 Inputs go up in one pinned host-to-device copy per step (:class:`~rimuru.engine.cuda_graphs.PinnedUpload`).
 Pure decode steps replay a captured CUDA graph of their batch-size bucket when ``graphs`` is given
 (:class:`~rimuru.engine.cuda_graphs.DecodeGraphs`); prefill and mixed steps, and every step with
-``enforce_eager``, run the eager forward.
+``enforce_eager``, run the eager forward. The executor is the one owner of its graphs: the engine reads
+them, :meth:`TorchExecutor.use_graphs` turns replay off for a block of steps, :meth:`TorchExecutor.drop_graphs`
+drops them for good (after a failed capture); nobody assigns them from outside.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -31,10 +36,25 @@ class TorchExecutor:
         self.expert_view = expert_view
         self.experts = experts
         self.device = device
-        self.graphs = graphs
+        self.graphs = graphs  # written only here and by drop_graphs()
+        self._replay = True  # use_graphs(False) turns replay off for a block of steps
         self._upload = PinnedUpload(device)
         self.graph_steps = 0
         self.eager_steps = 0
+
+    @contextmanager
+    def use_graphs(self, enabled: bool) -> Iterator[None]:
+        """Within the block, replay the decode graphs (``True``) or run every step eagerly (``False``: the very
+        path ``enforce_eager`` takes); the previous setting returns after it."""
+        previous, self._replay = self._replay, enabled
+        try:
+            yield
+        finally:
+            self._replay = previous
+
+    def drop_graphs(self) -> None:
+        """Run every later step eagerly and release the captured graphs."""
+        self.graphs = None
 
     # ------------------------------------------------------------------ eager inputs
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -83,7 +103,7 @@ class TorchExecutor:
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [S + P, V] fp32: the chunks that sample, in chunk order, then the ``prompt_scored`` positions
         of each chunk (P = 0 unless a request asked for prompt_logprobs)."""
-        if self.graphs is not None and self.graphs.can_run(out):
+        if self._replay and self.graphs is not None and self.graphs.can_run(out):
             self.graph_steps += 1
             return self.graphs.run(out)
         self.eager_steps += 1

@@ -8,6 +8,7 @@ and executor. ``step`` is schedule -> execute -> postprocess with the policy's h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -162,22 +163,22 @@ class LLM:
         if config.modeled:
             from rimuru.engine.modeled import build_modeled_executor
 
-            self.model = self.graphs = None
+            self.model = self._local_executor = None
             self.clock = VirtualClock()
             self.executor = build_modeled_executor(self, config)
             self.provider = self.executor  # counts experts_touched as the torch providers do
         else:
             self.clock = WallClock()
             if spec.is_hybrid:  # no decode graphs for the hybrid model yet
-                self.graphs = None
                 self.model, self.executor = build_hybrid(spec, ckpt.dense, config, self.pool, self.kv, self.provider,
                                                          device)
             else:
                 self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl,
                                           self.comm)
-                self.graphs = self._decode_graphs(ckpt.experts.weights)
                 self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV),
-                                              self.pool.view(EXPERT).tensor, self.provider, device, self.graphs)
+                                              self.pool.view(EXPERT).tensor, self.provider, device,
+                                              self._decode_graphs(ckpt.experts.weights))
+            self._local_executor: TorchExecutor | None = self.executor  # this process's forward; owns the graphs
             if config.record_routing:
                 self.model.record_routing()
         install_compile_counter()
@@ -462,10 +463,24 @@ class LLM:
         tokens = int(counts[0].sum()) // self.spec.top_k
         return Hotset.from_counts(counts.numpy().astype(np.float64), tokens, self.model_name)
 
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode CUDA graphs (None: every step eager). The executor owns them; this is a read."""
+        return None if self._local_executor is None else self._local_executor.graphs
+
+    def use_graphs(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
+        """``with llm.use_graphs(False):`` runs the block's steps eagerly, on the very path ``enforce_eager``
+        takes (``True``: decode steps replay the graphs again); the previous setting returns after the block.
+        Nothing changes on an engine without graphs."""
+        if self._local_executor is None:
+            return contextlib.nullcontext()
+        return self._local_executor.use_graphs(enabled)
+
     def fall_back_to_eager(self) -> None:
-        """Serve every later step eagerly (after a failed graph capture, say): the engine drops its decode graphs,
-        as ``enforce_eager`` would have from the start."""
-        self.graphs = self.executor.graphs = None
+        """Serve every later step eagerly (after a failed graph capture, say): the executor drops its decode
+        graphs, as ``enforce_eager`` would have from the start."""
+        if self._local_executor is not None:
+            self._local_executor.drop_graphs()
 
     def warmup(self, max_seq_len: int | None = None) -> dict[str, int]:
         """Compile every kernel variant a run can launch and capture the decode CUDA graphs, so that no request

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rimuru.engine.cuda_graphs import PinnedUpload, bucket_for, graph_buckets
+from rimuru.engine.executor import TorchExecutor
 from rimuru.engine.llm import LLM
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.experts.provider import DeviceTableExperts, host_pages, touched_mask
@@ -84,6 +85,43 @@ def test_cpu_engine_runs_eager_and_records_compiles_and_graph_columns():
     frame = llm.timeline.frame()
     assert {"compiles", "cuda_graph"} <= set(frame.columns)
     assert frame["cuda_graph"].sum() == 0 and frame["compiles"].sum() == 0
+
+
+class _StubGraphs:
+    """Stands in for DecodeGraphs: can run every step, returns a marker."""
+
+    def __init__(self) -> None:
+        self.marker = torch.full((1, 1), -7.0)
+
+    def can_run(self, out) -> bool:
+        return True
+
+    def run(self, out) -> torch.Tensor:
+        return self.marker
+
+
+def test_executor_owns_its_graphs_use_graphs_turns_replay_off_for_a_block():
+    ckpt = synthetic_checkpoint_in_memory("tiny-qwen3-moe", seed=0, dtype=torch.float32, progress=False)
+    llm = LLM(ckpt, device="cpu", dtype=torch.float32, gpu_memory_budget="400MiB", policy="static",
+              activation_reserve="1MiB")
+    with llm.use_graphs(False):  # no graphs on the CPU: a no-op
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    llm.fall_back_to_eager()
+    ex = llm.executor
+    stub = _StubGraphs()
+    executor = TorchExecutor(llm.model, llm.kv, ex.kv_view, ex.expert_view, llm.provider, torch.device("cpu"), stub)
+    llm.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+    out = llm.scheduler.schedule()
+    assert executor.execute(out) is stub.marker
+    with executor.use_graphs(False):
+        eager = executor.execute(out)
+        with executor.use_graphs(True):
+            assert executor.execute(out) is stub.marker
+        assert executor.execute(out) is not stub.marker
+    assert eager.shape == (1, llm.spec.vocab_size) and executor.execute(out) is stub.marker
+    assert (executor.graph_steps, executor.eager_steps) == (3, 2)
+    executor.drop_graphs()
+    assert executor.graphs is None and executor.execute(out) is not stub.marker
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -82,8 +82,7 @@ def segment(llm: LLM, steps: int, discard: int) -> pd.DataFrame:
 
 def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: int, discard: int, repeats: int,
             rng: np.random.Generator) -> list[dict]:
-    graphs = llm.executor.graphs  # toggled per segment: the eager segments take enforce_eager's path
-    modes = ["eager", "graph"] if graphs is not None else ["eager"]
+    modes = ["eager", "graph"] if llm.graphs is not None else ["eager"]
     rows = []
     for b in batches:
         need = discard + steps
@@ -98,10 +97,9 @@ def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: i
         for r in range(repeats):  # ABBA: A B B A A B ...
             order += modes if r % 2 == 0 else modes[::-1]
         for k, mode in enumerate(order):
-            llm.executor.graphs = graphs if mode == "graph" else None
             before = compile_count()
-            frame = segment(llm, steps, discard)
-            llm.executor.graphs = graphs
+            with llm.use_graphs(mode == "graph"):  # the eager segments take enforce_eager's path
+                frame = segment(llm, steps, discard)
             floors = decode_floor(frame, llm.spec)
             med = float(frame["step_ms"].median())
             rows.append({**label, "batch": b, "mode": mode, "order": k, "repeat": order[:k + 1].count(mode) - 1,
