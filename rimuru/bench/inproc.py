@@ -73,8 +73,9 @@ def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = T
 
     from rimuru.engine.sampling_params import SamplingParams
 
-    encode = prompt_encoder(engine)
     ordered = sorted(requests, key=lambda r: r.arrival_time)
+    # a tokenizer only for prompts without token ids: a token-id trace runs where none is installed
+    encode = prompt_encoder(engine) if any(r.prompt_token_ids is None for r in ordered) else None
     prompts = [list(r.prompt_token_ids) if r.prompt_token_ids is not None else encode(r.prompt) for r in ordered]
     records = {r.request_id: RequestRecord(r.request_id, len(p), r.output_len) for r, p in zip(ordered, prompts)}
     _warm_up(engine, prompts[0] if prompts else [], ordered[0].output_len if ordered else 1, ignore_eos, num_warmups)

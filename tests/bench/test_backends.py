@@ -156,3 +156,16 @@ def test_inproc_uses_a_traces_token_ids_without_tokenizing():
     reqs = [TraceRequest("r0", 0.0, "text that is not tokenized", 3, 2, (5, 6, 7))]
     records, _, _ = run_inproc(engine, reqs, progress=False, num_warmups=0)
     assert records[0].success and seen == [[5, 6, 7]]
+
+
+def test_inproc_needs_no_tokenizer_for_a_token_id_trace(monkeypatch):
+    # the GPU image has no Qwen tokenizer: a token-id trace must not ask for one
+    def no_tokenizer(engine):
+        raise ModuleNotFoundError("no tokenizer here")
+
+    monkeypatch.setattr("rimuru.bench.inproc.prompt_encoder", no_tokenizer)
+    reqs = [TraceRequest(f"r{i}", 0.0, "not tokenized", 3, 2, (5, 6, 7)) for i in range(3)]
+    records, _, _ = run_inproc(FakeLLM(), reqs, progress=False, num_warmups=1)
+    assert all(r.success for r in records)
+    with pytest.raises(ModuleNotFoundError):
+        run_inproc(FakeLLM(), [TraceRequest("t", 0.0, "text", 1, 2)], progress=False, num_warmups=0)
