@@ -143,3 +143,19 @@ def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = T
         info["compiles"] = int(frame["compiles"].sum())
         info["cuda_graph_steps"] = int(frame["cuda_graph"].sum())
     return [records[r.request_id] for r in ordered], duration, info
+
+
+def serve_trace(engine, trace: Sequence[TraceRequest], rate: float | None, seed: int) -> tuple[dict, float]:
+    """Serve ``trace`` with every request at time 0 (``rate`` None) or with Poisson arrivals at ``rate`` req/s
+    (rimuru.workloads.arrivals, seeded), through :func:`run_inproc` without a warm-up request (TTFT from each
+    scheduled arrival). Returns the ``vllm bench serve`` metrics and the run's duration: what the scaled GPU
+    runs (workflow/scripts/e2e_gpu.py, e2e_tp_gpu.py) record per run."""
+    from rimuru.bench.metrics import compute_metrics
+    from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
+
+    arrival = ArrivalSpec(kind="poisson", rate=rate) if rate else ArrivalSpec()
+    times = arrival_times(arrival, len(trace), seed)
+    requests = [dataclasses.replace(r, request_id=f"r{i}", arrival_time=float(t))
+                for i, (r, t) in enumerate(zip(trace, times))]
+    records, duration, _ = run_inproc(engine, requests, progress=False, num_warmups=0)
+    return compute_metrics(records, duration), duration

@@ -17,6 +17,7 @@ The policy object is the only caller of ``ExpertCache.expand``/``shrink``/``recl
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -282,6 +283,57 @@ class ElasticPolicy(MemoryPolicy):
 POLICIES: dict[str, type[MemoryPolicy]] = {p.name: p for p in (ElasticPolicy, FixedPolicy, StaticPolicy, CpuPolicy)}
 
 
+def scaled_budget(policy: str, full: ModelSpec, budget: int, *, layers: int, dense_bytes: int,
+                  layer_dense_bytes: float, dtype: torch.dtype, device: torch.device, tp: int = 1) -> int:
+    """The budget (per rank) for the first ``layers`` layers of ``full`` (real per-layer shapes) that gives the
+    workload what ``budget`` gives it on the full model: the elastic part of the pool (cache + KV: the budget
+    minus dense weights, activations and the policy's loading buffers) scaled by ``layers / full.num_layers``.
+    The loading buffers and the activation reserve hold one layer's worth in both models and keep their size.
+
+    ``dense_bytes``: the small model's dense weights (on this rank); ``layer_dense_bytes``: one decoder
+    layer's, which the full model has ``full.num_layers - layers`` more of. Used by the scaled GPU runs
+    (workflow/scripts/e2e_gpu.py, e2e_tp_gpu.py, decode_floor_gpu.py) and by the modeled fidelity check
+    that rebuilds their pools (rimuru.engine.modeled.reference.e2e_scaled_budget).
+    """
+    from rimuru.engine.config import EngineConfig
+
+    dense_full = dense_bytes + (full.num_layers - layers) * layer_dense_bytes
+    act = activation_estimate(full, EngineConfig(policy=policy, device=device.type, dtype=dtype), dtype, device)
+    buffers = policy_class(policy).loading_buffer_bytes(full, dtype, tp)  # the policy's plan, not a re-derivation
+    elastic_full = budget - dense_full - act - buffers
+    return int(dense_bytes + act + buffers + elastic_full * layers / full.num_layers)
+
+
+def mini_model_budget(model_dir: str | Path, real_config: str, card_gib: float, fraction: float, policy: str,
+                      real_activation_gib: float, activation_bytes: int) -> dict:
+    """Device budget for a scaled model that keeps the real card's memory ratios.
+
+    The real pool is ``fraction * card - dense weights - activations`` (bf16). Everything in it is
+    scaled by ``s = scaled expert bytes / real expert bytes`` (the KV bytes per token scale by the
+    same factor for the bundled mini configs: checked here), except the two loading buffers, which
+    hold one layer's experts each in both models and are added at their own size. The scaled model
+    keeps its own dense weights and a fixed activation reserve outside the pool. The CPU pipeline's runs of
+    the bundled mini models (workflow/scripts/common.py ``system_budget``) size their engines with it.
+    """
+    from rimuru.models.spec import ModelSpec
+
+    real, mini = ModelSpec.from_pretrained(real_config), ModelSpec.from_pretrained(model_dir)
+    dtype = torch.float32
+    s = mini.total_expert_bytes(dtype) / real.total_expert_bytes(torch.bfloat16)
+    s_kv = mini.kv_bytes_per_token(dtype) / real.kv_bytes_per_token(torch.bfloat16)
+    memory_policy = policy_class(policy)
+    real_buffers = memory_policy.loading_buffer_bytes(real, torch.bfloat16)
+    mini_buffers = memory_policy.loading_buffer_bytes(mini, dtype)
+    real_budget = fraction * card_gib * 2**30
+    real_pool = real_budget - real.dense_bytes(torch.bfloat16) - real_activation_gib * 2**30
+    pool = (real_pool - real_buffers) * s + mini_buffers
+    budget = int(mini.dense_bytes(dtype) + activation_bytes + pool)
+    return {"budget": budget, "scale": s, "kv_scale": s_kv, "real_budget_gib": real_budget / 2**30,
+            "real_pool_gib": real_pool / 2**30, "real_experts_gib": real.total_expert_bytes(torch.bfloat16) / 2**30,
+            "real_kv_tokens_if_static": (real_pool - real.total_expert_bytes(torch.bfloat16))
+            / real.kv_bytes_per_token(torch.bfloat16)}
+
+
 def make_policy(config: EngineConfig) -> MemoryPolicy:
     return policy_class(config.policy)(config)
 
@@ -300,4 +352,5 @@ def plan_memory(spec: ModelSpec, config: EngineConfig, dense_bytes: int | None =
 
 
 __all__ = ["POLICIES", "CpuPolicy", "ElasticPolicy", "FixedPolicy", "MemoryBudgetError", "MemoryPlan",
-           "MemoryPolicy", "StaticPolicy", "activation_estimate", "make_policy", "plan_memory", "policy_class"]
+           "MemoryPolicy", "StaticPolicy", "activation_estimate", "make_policy", "mini_model_budget", "plan_memory",
+           "policy_class", "scaled_budget"]

@@ -38,6 +38,11 @@ class LoadedCheckpoint:
     def dense_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.dense.values())
 
+    def layer_dense_bytes(self, layer: int = 0) -> int:
+        """The dense weights of one decoder layer (attention, norms, router; on this rank's shard)."""
+        prefix = f"model.layers.{layer}."
+        return sum(t.numel() * t.element_size() for k, t in self.dense.items() if k.startswith(prefix))
+
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"

@@ -4,6 +4,7 @@ as JSONL (one request per line: request_id, arrival_time, prompt, prompt_len, ou
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -62,8 +63,11 @@ def write_trace(path: str | Path, requests: list[TraceRequest]) -> None:
 
 
 def read_trace(path: str | Path) -> list[TraceRequest]:
+    """The requests of a JSONL trace (``.jsonl.gz``: gzip-compressed)."""
     requests = []
-    with Path(path).open(encoding="utf-8") as f:
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -1,23 +1,26 @@
 """The engine on a tiny fp32 Qwen3.5-MoE hybrid (Gated DeltaNet + gated attention) against transformers' generate,
-with SSM and conv states in pool pages."""
+with SSM and conv states in pool pages (greedy per policy: tests/engine/test_greedy.py)."""
 
 import pytest
 import torch
 
-from rimuru.engine.llm import LLM
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.state_manager import HybridCacheManager
-from rimuru.memory import CONV, KV, SSM
-from tests.engine.test_llm import MAX_TOKENS, PROMPTS
+from rimuru.memory import CONV, SSM
+from tests.engine.tiny import (
+    PROMPTS,
+    assert_all_state_pages_returned,
+    engine,
+    serve_prompts,
+    tight_budget,
+    transformers_greedy,
+    write_tiny,
+)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from rimuru.models.checkpoint import write_synthetic_checkpoint
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-qwen3.5-moe"
-    write_synthetic_checkpoint("tiny-qwen3.5-moe", out, seed=0, dtype=torch.float32)
-    return out
+    return write_tiny(tmp_path_factory, "tiny-qwen3.5-moe")
 
 
 @pytest.fixture(scope="module")
@@ -30,44 +33,12 @@ def ckpt(model_dir):
 
 @pytest.fixture(scope="module")
 def tight(ckpt) -> int:
-    """Dense weights + activations + loading buffers + 16 cached experts + 4 pages (KV and states)."""
-    probe = engine(ckpt, gpu_memory_budget="400MiB", policy="fixed", initial_cache_experts=0)
-    r = probe.memory_report
-    page = probe.pool.layout.page_bytes("expert")
-    return r["dense"] + r["activations"] + r["buffer_pages"] * page + (3 * 16 + 4) * page
+    return tight_budget(ckpt)
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    outs = []
-    for p in PROMPTS:
-        ids = torch.tensor([p])
-        with torch.no_grad():
-            g = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-                               attention_mask=torch.ones_like(ids), pad_token_id=0)
-        outs.append(g[0, len(p):].tolist())
-    return outs
-
-
-def engine(ckpt, **options) -> LLM:
-    return LLM(ckpt, device="cpu", dtype=torch.float32, activation_reserve="1MiB", **options)
-
-
-def run(ckpt, **options):
-    llm = engine(ckpt, **options)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    llm.check_integrity()
-    assert not llm.has_unfinished_requests()
-    assert_all_state_pages_returned(llm)
-    return llm, [o.output_token_ids for o in outs]
-
-
-def assert_all_state_pages_returned(llm: LLM) -> None:
-    for cls in (SSM, CONV, KV):
-        assert llm.allocator.num_allocated(cls) == 0, f"{cls} pages still allocated"
+    return transformers_greedy(model_dir)
 
 
 def test_the_engine_serves_the_hybrid_with_states_in_the_pool(ckpt):
@@ -81,35 +52,10 @@ def test_the_engine_serves_the_hybrid_with_states_in_the_pool(ckpt):
     llm.check_integrity()
 
 
-def test_greedy_matches_transformers_static(ckpt, reference):
-    _, outs = run(ckpt, gpu_memory_budget="400MiB", policy="static")
-    assert outs == reference
-
-
-def test_greedy_matches_transformers_fixed_cache(ckpt, reference):
-    llm, outs = run(ckpt, gpu_memory_budget="400MiB", policy="fixed", initial_cache_experts=4)
-    assert outs == reference
-    assert llm.loader.experts_loaded > 0
-
-
-def test_greedy_matches_transformers_cpu_experts(ckpt, reference):
-    llm, outs = run(ckpt, gpu_memory_budget="400MiB", policy="cpu", initial_cache_experts=4)
-    assert outs == reference
-    assert llm.provider.experts_on_cpu > 0
-
-
-def test_greedy_matches_transformers_elastic_under_pressure(ckpt, tight, reference):
-    llm, outs = run(ckpt, gpu_memory_budget=tight, policy="elastic", initial_cache_experts=16,
-                    expert_offload_limit=2, max_num_batched_tokens=64)
-    assert outs == reference
-    assert sum(1 for r in llm.timeline.records if r.adjust < 0) > 0, "the adjuster never shrank"
-    assert llm.stats().preemptions > 0, "the scheduler never preempted"
-
-
 def test_chunked_prefill_carries_states_across_chunks(ckpt, reference):
     # 5-token chunks: the 14-token prompt runs as 5 + 5 + 4, the 7-token one as 5 + 2 (fewer tokens than the
     # conv's W-1 = 3 rows, so its new conv rows mix the previous chunk's rows and its own tokens)
-    llm, outs = run(ckpt, gpu_memory_budget="400MiB", policy="static", max_num_batched_tokens=5)
+    llm, outs = serve_prompts(ckpt, gpu_memory_budget="400MiB", policy="static", max_num_batched_tokens=5)
     assert outs == reference
     assert any(r.prefill_tokens and r.tokens == 5 for r in llm.timeline.records)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rimuru.engine.config import EngineConfig
-from rimuru.engine.memory_policy import POLICIES, MemoryBudgetError, make_policy, plan_memory
+from rimuru.engine.memory_policy import POLICIES, MemoryBudgetError, make_policy, plan_memory, scaled_budget
 from rimuru.memory import PAGES_PER_EXPERT, PoolLayout
 from rimuru.models.spec import ModelSpec
 
@@ -75,3 +75,19 @@ def test_the_folded_tokenizer_is_an_engine_option_not_a_patch(tmp_path):
     folded = engine_tokenizer("qwen-folded", tmp_path, 4096)
     assert isinstance(folded, FoldedQwenTokenizer)
     assert all(0 <= t < 4096 for t in folded.encode("a longer sentence with some rare words: zygote"))
+
+
+def test_scaled_budget_scales_the_elastic_part_and_keeps_the_one_layer_parts():
+    full = ModelSpec.from_pretrained("qwen3-30b-a3b")
+    kwargs = dict(dtype=torch.bfloat16, device=torch.device("cuda"), dense_bytes=2 * 2**30, layer_dense_bytes=2**24)
+    budget, n = 32 * 2**30, 4
+    for policy in ("static", "fixed", "elastic"):  # all layers: the budget itself
+        assert scaled_budget(policy, full, budget, layers=full.num_layers, **kwargs) == budget
+    # a GiB more on the full model is n / N GiB more on n layers
+    more = scaled_budget("elastic", full, budget + 2**30, layers=n, **kwargs)
+    assert more - scaled_budget("elastic", full, budget, layers=n, **kwargs) == pytest.approx(2**30 * n / 48, abs=1)
+    # the loading buffers (one layer's experts, twice) keep their full size: fixed holds them, static does not
+    buffers = make_policy(EngineConfig(policy="fixed")).loading_buffer_bytes(full, torch.bfloat16)
+    gap = scaled_budget("fixed", full, budget, layers=n, **kwargs) - scaled_budget("static", full, budget, layers=n,
+                                                                                    **kwargs)
+    assert buffers > 0 and gap == pytest.approx(buffers * (1 - n / full.num_layers), abs=1)

@@ -1,4 +1,5 @@
 import dataclasses
+import gzip
 import json
 
 import pytest
@@ -48,6 +49,8 @@ def test_trace_is_deterministic_and_round_trips(tiny_spec, tmp_path):
     assert all(r.prompt_len >= 4 and r.output_len >= 4 for r in a)
     write_trace(tmp_path / "t.jsonl", a)
     assert read_trace(tmp_path / "t.jsonl") == a
+    (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress((tmp_path / "t.jsonl").read_bytes()))
+    assert read_trace(tmp_path / "t.jsonl.gz") == a  # a gzip-compressed trace reads the same
 
 
 def test_workload_command_writes_the_same_file_for_the_same_seed(tiny_spec, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Helpers shared by the pipeline scripts: thread settings, scaled budgets, engines, tables.
+"""Helpers shared by the pipeline scripts: thread settings, a system's engine options and budget, tables.
 
 Scripts run as ``python workflow/scripts/X.py`` so this module is importable as ``common``.
 """
@@ -10,7 +10,6 @@ import math
 import os
 from pathlib import Path
 
-GIB = 2**30
 NOT_MEASURED = "not measured yet"
 
 
@@ -24,38 +23,6 @@ def single_thread() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- budgets
-def scaled_budget(model_dir: str | Path, real_config: str, card_gib: float, fraction: float, policy: str,
-                  real_activation_gib: float, activation_bytes: int) -> dict:
-    """Device budget for a scaled model that keeps the real card's memory ratios.
-
-    The real pool is ``fraction * card - dense weights - activations`` (bf16). Everything in it is
-    scaled by ``s = scaled expert bytes / real expert bytes`` (the KV bytes per token scale by the
-    same factor for the bundled mini configs: checked here), except the two loading buffers, which
-    hold one layer's experts each in both models and are added at their own size. The scaled model
-    keeps its own dense weights and a fixed activation reserve outside the pool.
-    """
-    import torch
-
-    from rimuru.engine.memory_policy import policy_class
-    from rimuru.models.spec import ModelSpec
-
-    real, mini = ModelSpec.from_pretrained(real_config), ModelSpec.from_pretrained(model_dir)
-    dtype = torch.float32
-    s = mini.total_expert_bytes(dtype) / real.total_expert_bytes(torch.bfloat16)
-    s_kv = mini.kv_bytes_per_token(dtype) / real.kv_bytes_per_token(torch.bfloat16)
-    memory_policy = policy_class(policy)
-    real_buffers = memory_policy.loading_buffer_bytes(real, torch.bfloat16)
-    mini_buffers = memory_policy.loading_buffer_bytes(mini, dtype)
-    real_budget = fraction * card_gib * GIB
-    real_pool = real_budget - real.dense_bytes(torch.bfloat16) - real_activation_gib * GIB
-    pool = (real_pool - real_buffers) * s + mini_buffers
-    budget = int(mini.dense_bytes(dtype) + activation_bytes + pool)
-    return {"budget": budget, "scale": s, "kv_scale": s_kv, "real_budget_gib": real_budget / GIB,
-            "real_pool_gib": real_pool / GIB, "real_experts_gib": real.total_expert_bytes(torch.bfloat16) / GIB,
-            "real_kv_tokens_if_static": (real_pool - real.total_expert_bytes(torch.bfloat16))
-            / real.kv_bytes_per_token(torch.bfloat16)}
-
-
 # ---------------------------------------------------------------------------------------------- engines
 def engine_options(engine_kwargs: dict, overrides: list[str], hotset: str | None) -> dict:
     """A system's LLM(...) options with ``--engine-option KEY=VALUE`` overrides (JSON values; none/null
@@ -73,12 +40,13 @@ def system_budget(args) -> tuple:
     """(baseline, engine options, activation bytes, scaled budget) of a run script's ``--system``,
     ``--engine-option``, ``--hotset``, ``--activation-mib`` and real-card arguments."""
     from rimuru.baselines import load_baseline
+    from rimuru.engine.memory_policy import mini_model_budget
 
     system = load_baseline(args.system)
     options = engine_options(system.engine_kwargs, args.engine_option, args.hotset)
     act = int(args.activation_mib * 2**20)
-    scaling = scaled_budget(args.model_dir, args.real_config, args.card_gib, system.memory_fraction,
-                            options["policy"], args.real_activation_gib, act)
+    scaling = mini_model_budget(args.model_dir, args.real_config, args.card_gib, system.memory_fraction,
+                                options["policy"], args.real_activation_gib, act)
     return system, options, act, scaling
 
 

@@ -13,8 +13,8 @@ fraction of the model as the full model under ``--budget`` (rimuru.engine.modele
 with the loading buffers the policy's plan holds).
 
 The trace is a `rimuru workload --token-ids` file. Requests run through the in-process run loop
-(rimuru.bench.inproc), which times TTFT from each scheduled arrival; Poisson arrivals come from
-rimuru.workloads.arrivals. The committed H200 results in results/reference/e2e/ were measured before
+(rimuru.bench.inproc.serve_trace), which times TTFT from each scheduled arrival; Poisson arrivals come
+from rimuru.workloads.arrivals. The committed H200 results in results/reference/e2e/ were measured before
 this script used them (its own loop: TTFT from the same scheduled arrival, but token times taken at
 sampling inside the step rather than when ``step()`` returns, and numpy Poisson gaps with the first
 arrival at 0): the Poisson rows' arrival times differ from what this version draws.
@@ -23,7 +23,6 @@ arrival at 0): the Poisson rows' arrival times differ from what this version dra
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import sys
@@ -36,8 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rimuru.bench.inproc import run_inproc
-from rimuru.bench.metrics import compute_metrics
+from rimuru.bench.inproc import serve_trace as serve
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.reference import e2e_scaled_budget
 from rimuru.engine.sampling_params import SamplingParams
@@ -47,19 +45,7 @@ from rimuru.models.spec import ModelSpec
 from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
-from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
-from rimuru.workloads.trace import TraceRequest, read_trace
-
-
-def serve(llm: LLM, trace: list[TraceRequest], rate: float | None, seed: int) -> tuple[dict, float]:
-    """Arrivals: all at time 0 (rate None) or Poisson at ``rate`` (rimuru.workloads.arrivals); the in-process
-    run loop (rimuru.bench.inproc) times TTFT from each scheduled arrival. Returns metrics and duration."""
-    arrival = ArrivalSpec(kind="poisson", rate=rate) if rate else ArrivalSpec()
-    times = arrival_times(arrival, len(trace), seed)
-    requests = [dataclasses.replace(r, request_id=f"r{i}", arrival_time=float(t))
-                for i, (r, t) in enumerate(zip(trace, times))]
-    records, duration, _ = run_inproc(llm, requests, progress=False, num_warmups=0)
-    return compute_metrics(records, duration), duration
+from rimuru.workloads.trace import read_trace
 
 
 def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:

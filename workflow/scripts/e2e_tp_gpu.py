@@ -10,14 +10,20 @@
 4. a killed rank: the time until the engine reports it.
 
 The checkpoint is written once to local disk (``--layers`` of the real shapes) and every engine and rank
-loads its shard from it. The budget is scaled to the layer count as in e2e_gpu.py, per rank.
+loads its shard from it. The budget is scaled to the layer count as in e2e_gpu.py, per rank
+(rimuru.engine.memory_policy.scaled_budget with rank 0's shard of the dense weights). The trace is a
+`rimuru workload --token-ids` file (``.jsonl`` or ``.jsonl.gz``); requests run through the in-process run
+loop (rimuru.bench.inproc.serve_trace: TTFT from each scheduled arrival, token times when ``step()``
+returns them, Poisson arrivals from rimuru.workloads.arrivals). The committed 2x H200 results in
+results/reference/e2e_tp2/ were measured with this script's own loop before (TTFT from the same scheduled
+arrival, token times at sampling inside the step, numpy Poisson gaps with the first arrival at 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
-import gzip
 import json
 import os
 import statistics
@@ -25,22 +31,21 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 
+from rimuru.bench.inproc import serve_trace as serve
 from rimuru.distributed import Shard, TorchDistributed
 from rimuru.distributed.faults import kill_rank_under_load
-from rimuru.engine.config import EngineConfig
 from rimuru.engine.llm import LLM
-from rimuru.engine.memory_policy import activation_estimate
+from rimuru.engine.memory_policy import scaled_budget
 from rimuru.engine.sampling_params import SamplingParams
-from rimuru.memory import EXPERT, PoolLayout
 from rimuru.models.checkpoint import hub_config, write_synthetic_checkpoint
 from rimuru.models.loader import load_checkpoint
 from rimuru.models.spec import ModelSpec
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
+from rimuru.workloads.trace import TraceRequest, read_trace
 
 T0 = time.perf_counter()
 NVLINK_GBPS = 450.0  # H200 NVLink 4: 900 GB/s bidirectional, 450 GB/s each way
@@ -52,56 +57,19 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
-def load_trace(path: str, n: int) -> list[dict]:
-    """JSONL (or .jsonl.gz) rows with prompt_token_ids and output_len (`rimuru workload --token-ids`)."""
-    text = gzip.decompress(Path(path).read_bytes()).decode() if path.endswith(".gz") else Path(path).read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()][:n]
-
-
-def scaled_budget(full: ModelSpec, model_dir: Path, budget: int, layers: int, tp: int, static: bool,
-                  dtype: torch.dtype) -> int:
-    """Per-rank budget for ``layers`` layers that leaves cache + KV the same fraction of the model as the full
-    model has under ``budget`` per GPU (e2e_gpu.py's rule, with rank 0's shard)."""
+def rank_budget(full: ModelSpec, model_dir: Path, budget: int, layers: int, tp: int, policy: str,
+                dtype: torch.dtype) -> int:
+    """Per-rank budget for ``layers`` layers (rimuru.engine.memory_policy.scaled_budget with rank 0's shard of
+    the dense weights as written to ``model_dir``)."""
     ckpt = load_checkpoint(model_dir, dtype=dtype, shard=Shard(0, tp), pin=False)
-    page = PoolLayout.from_spec(full, tp=tp, weight_dtype=dtype).page_bytes(EXPERT)
-    dense_small = ckpt.dense_bytes()
-    per_layer = sum(t.numel() * t.element_size() for k, t in ckpt.dense.items() if k.startswith("model.layers.0."))
-    dense_full = dense_small + (full.num_layers - layers) * per_layer
     device = torch.device("cuda" if dtype == torch.bfloat16 else "cpu")
-    act = activation_estimate(full, EngineConfig(device=device.type, dtype=dtype), dtype, device)
-    buffers = 0 if static else 6 * full.num_experts * page
-    return int(dense_small + act + buffers + (budget - dense_full - act - buffers) * layers / full.num_layers)
+    return scaled_budget(policy, full, budget, layers=layers, dense_bytes=ckpt.dense_bytes(),
+                         layer_dense_bytes=ckpt.layer_dense_bytes(0), dtype=dtype, device=device, tp=tp)
 
 
-def serve(llm: LLM, trace: list[dict], rate: float | None, seed: int) -> tuple[dict, float]:
-    from rimuru.bench.metrics import RequestRecord, compute_metrics
-
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, len(trace)) if rate else np.zeros(len(trace))
-    arrivals = np.cumsum(gaps) - (gaps[0] if rate else 0)
-    records: dict[str, RequestRecord] = {}
-    start = time.perf_counter()
-    nxt = 0
-    while nxt < len(trace) or llm.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while nxt < len(trace) and arrivals[nxt] <= now:
-            row, rid = trace[nxt], f"r{nxt}"
-            t_arr = start + arrivals[nxt]
-            llm.add_request(rid, row["prompt_token_ids"], SamplingParams(max_tokens=row["output_len"], ignore_eos=True),
-                            arrival_time=t_arr)
-            records[rid] = RequestRecord(rid, len(row["prompt_token_ids"]), row["output_len"], start_time=t_arr)
-            nxt += 1
-        if not llm.has_unfinished_requests():
-            time.sleep(max(0.0, min(0.01, start + arrivals[nxt] - time.perf_counter())))
-            continue
-        for out in llm.step():
-            if out.finished:
-                r = records[out.request_id]
-                r.success, r.output_tokens = True, len(out.output_token_ids)
-                r.ttft, r.latency = out.token_times[0] - r.start_time, out.token_times[-1] - r.start_time
-                r.itl = list(np.diff(out.token_times))
-    duration = time.perf_counter() - start
-    return compute_metrics(list(records.values()), duration), duration
+def token_ids(trace: list[TraceRequest], n: int | None = None, first: int | None = None) -> list[list[int]]:
+    """The prompts' token ids of the first ``n`` requests, each cut to its first ``first`` tokens."""
+    return [list(r.prompt_token_ids[:first]) for r in trace[:n]]
 
 
 def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> tuple[list[float], list[float], int]:
@@ -157,9 +125,9 @@ def write_e2e(rows: list[dict], out: Path) -> None:
     pd.concat([med, first[rest]], axis=1).to_csv(out / "e2e.csv", index=False)
 
 
-def kill_check(llm: LLM, trace: list[dict], out: Path, backend: str) -> None:
+def kill_check(llm: LLM, trace: list[TraceRequest], out: Path, backend: str) -> None:
     """SIGKILL rank 1 with requests running: seconds until the engine raises the error naming it."""
-    kill = {**kill_rank_under_load(llm, [row["prompt_token_ids"] for row in trace[:32]], timeout_s=90),
+    kill = {**kill_rank_under_load(llm, token_ids(trace, 32), timeout_s=90),
             "backend": backend, **provenance()}
     (out / "kill.json").write_text(json.dumps(kill, indent=1))
     log(json.dumps(kill))
@@ -213,24 +181,26 @@ def main() -> None:
                                            routing_skew=args.skew, tokenizer=False, threads=os.cpu_count() or 1)
     log(f"checkpoint written: {args.layers} layers of {args.model}")
     full = ModelSpec.from_pretrained(args.model)
-    trace = load_trace(args.trace, args.num_requests)
+    trace = read_trace(args.trace)[: args.num_requests]
+    if any(r.prompt_token_ids is None for r in trace):
+        raise SystemExit(f"{args.trace}: write the trace with `rimuru workload --token-ids`")
     if args.max_output:
-        trace = [dict(r, output_len=min(r["output_len"], args.max_output)) for r in trace]
+        trace = [dataclasses.replace(r, output_len=min(r.output_len, args.max_output)) for r in trace]
     cap = f", outputs <= {args.max_output}" if args.max_output else ""
     label = f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew}{cap})"
     common = dict(device=args.device, dtype=dtype, seed=args.seed)
 
     # ---- TP=1 static engine: hotset profile, greedy reference, decode-step baseline
-    static1 = scaled_budget(full, model_dir, parse_bytes(args.static_budget), args.layers, 1, True, dtype)
+    static1 = rank_budget(full, model_dir, parse_bytes(args.static_budget), args.layers, 1, "static", dtype)
     one = LLM(model_dir, gpu_memory_budget=static1, policy="static", record_routing=True, **common)
     one.warmup(1024)
-    cal = [r["prompt_token_ids"][:256] for r in trace[:64]]
+    cal = token_ids(trace, 64, 256)
     one.generate(cal, [SamplingParams(max_tokens=1 + (i * 37) % 48, ignore_eos=True) for i in range(len(cal))],
                  use_tqdm=False)
     hotset_path = out / "hotset.json"
     one.routing_hotset().save(hotset_path)
     one.model.routing_counts = None
-    greedy_prompts = [r["prompt_token_ids"][:64] for r in trace[:16]]
+    greedy_prompts = token_ids(trace, 16, 64)
     greedy_params = SamplingParams(max_tokens=32, ignore_eos=True)
     ref = [o.output_token_ids for o in one.generate(greedy_prompts, greedy_params, use_tqdm=False)]
     log("TP=1 static engine ready, hotset profiled")
@@ -250,7 +220,7 @@ def static_part(args, one, model_dir, full, hotset_path, greedy_prompts, greedy_
                 label, trace) -> None:
     tp, dtype, prov = args.tp, common["dtype"], provenance()
     # ---- TP=N static engine next to it (rank 0 on GPU 0 beside the TP=1 engine, rank 1 on GPU 1)
-    staticn = scaled_budget(full, model_dir, parse_bytes(args.static_budget), args.layers, tp, True, dtype)
+    staticn = rank_budget(full, model_dir, parse_bytes(args.static_budget), args.layers, tp, "static", dtype)
     many = LLM(model_dir, gpu_memory_budget=staticn, policy="static", hotset=str(hotset_path),
                tensor_parallel_size=tp, **common)
     many.warmup(1024)
@@ -269,7 +239,7 @@ def static_part(args, one, model_dir, full, hotset_path, greedy_prompts, greedy_
     # ---- decode step A/B: warm-up pass, then TP=1 and TP=N alternate
     step_rows = []
     batches = [int(b) for b in args.batches.split(",")]
-    prompts = [r["prompt_token_ids"][:128] for r in trace]
+    prompts = token_ids(trace, first=128)
     for b in batches:
         ps = (prompts * (b // len(prompts) + 1))[:b]
         for engine in (one, many):  # warm-up pass, not recorded
@@ -305,13 +275,12 @@ def e2e_part(args, model_dir, full, hotset_path, trace, common, out, label, cuda
             if time.perf_counter() - T0 > args.deadline_s:
                 log(f"deadline: not starting {policy} repeat {rep}")
                 continue
-            budget = scaled_budget(full, model_dir, parse_bytes(args.budget), args.layers, tp, policy == "static",
-                                   dtype)
+            budget = rank_budget(full, model_dir, parse_bytes(args.budget), args.layers, tp, policy, dtype)
             llm = LLM(model_dir, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve,
                       hotset=str(hotset_path), tensor_parallel_size=tp, **common)
             try:
                 llm.warmup(2560)
-                llm.generate([trace[0]["prompt_token_ids"]] * 4, SamplingParams(max_tokens=4, ignore_eos=True),
+                llm.generate(token_ids(trace, 1) * 4, SamplingParams(max_tokens=4, ignore_eos=True),
                              use_tqdm=False)
                 for workload in args.workloads.split(","):
                     llm.timeline.records.clear()

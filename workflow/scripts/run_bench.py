@@ -1,8 +1,8 @@
 """One benchmark run through the in-process bench (`rimuru bench --backend inproc`'s runner).
 
 A baseline system (baselines/<name>.yaml) becomes an engine policy on a scaled budget (see
-common.scaled_budget); the workload is sampled from ShareGPT and replayed against the wall clock
-by ``rimuru.bench.inproc.run_inproc``; metrics are `vllm bench serve`'s. Writes the bench result
+rimuru.engine.memory_policy.mini_model_budget); the workload is sampled from ShareGPT and replayed against the
+wall clock by ``rimuru.bench.inproc.run_inproc``; metrics are `vllm bench serve`'s. Writes the bench result
 JSON (metrics, engine stats, settings, provenance) and the engine's per-step timeline.
 """
 

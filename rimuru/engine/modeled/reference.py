@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from rimuru.engine.config import EngineConfig
 from rimuru.models.spec import ModelSpec
 
 
@@ -34,19 +33,16 @@ def spec_with_layers(name_or_path: str, num_layers: int | None) -> ModelSpec:
 
 def e2e_scaled_budget(full: ModelSpec, small: ModelSpec, budget: int, policy: str,
                       dtype: torch.dtype = torch.bfloat16) -> int:
-    """``e2e_gpu.scaled_budget`` from specs: the elastic part of the pool scaled by layers / full layers."""
-    from rimuru.engine.memory_policy import activation_estimate, policy_class
+    """The one-GPU scaled budget (rimuru.engine.memory_policy.scaled_budget) from specs alone: the dense bytes
+    from ``small``, one layer's as the non-embedding dense bytes over its layers."""
+    from rimuru.engine.memory_policy import scaled_budget
 
     elem = torch.empty((), dtype=dtype).element_size()
     tables = full.vocab_size * full.hidden_size * elem * (1 if full.tie_word_embeddings else 2)
     dense_small = small.dense_bytes(dtype)
     per_layer_dense = (dense_small - tables - small.hidden_size * elem) / small.num_layers
-    dense_full = dense_small + (full.num_layers - small.num_layers) * per_layer_dense
-    probe = EngineConfig(policy=policy, device="cpu", dtype=dtype)
-    act = activation_estimate(full, probe, dtype, torch.device("cuda"))
-    buffers = policy_class(policy).loading_buffer_bytes(full, dtype)  # the policy's plan, not a re-derivation
-    elastic_full = budget - dense_full - act - buffers
-    return int(dense_small + act + buffers + elastic_full * small.num_layers / full.num_layers)
+    return scaled_budget(policy, full, budget, layers=small.num_layers, dense_bytes=dense_small,
+                         layer_dense_bytes=per_layer_dense, dtype=dtype, device=torch.device("cuda"))
 
 
 def parse_run_model(label: str) -> tuple[str, int]:
