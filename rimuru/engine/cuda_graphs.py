@@ -90,15 +90,14 @@ def decode_rows(out: SchedulerOutput, kv: KVCacheManager) -> tuple[np.ndarray, .
     ids = np.empty(n, dtype=np.int32)
     pos = np.empty(n, dtype=np.int32)
     bt = np.zeros((kv.num_layers, n, width), dtype=np.int32)
-    slots = np.empty((kv.num_layers, n), dtype=np.int32)
     for r, (chunk, table) in enumerate(zip(out.chunks, tables)):
         req, p = chunk.request, chunk.start
         ids[r] = req.output_token_ids[p - len(req.prompt_token_ids)] if p >= len(req.prompt_token_ids) \
             else req.prompt_token_ids[p]
         pos[r] = p
         bt[:, r, : table.shape[1]] = table
-        slots[:, r] = table[:, p // block] * block + p % block
-    return ids, pos, pos + 1, slots, bt
+    slots = bt[:, np.arange(n), pos // block] * block + pos % block  # [L, n], one gather for every request
+    return ids, pos, pos + 1, slots.astype(np.int32, copy=False), bt
 
 
 class DecodeGraphs:

@@ -56,9 +56,10 @@ class MoeLayerWeights:
         return cls(dense[f"{p}.gate.weight"], spec.top_k, spec.norm_topk_prob, shared)
 
 
-def route_layer(hidden: torch.Tensor, layer: MoeLayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) for hidden [T, d]."""
-    return route(hidden, layer.gate_weight, layer.top_k, layer.norm_topk_prob)
+def route_layer(hidden: torch.Tensor, layer: MoeLayerWeights,
+                row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) for hidden [T, d] (``row_valid``: see ``route``)."""
+    return route(hidden, layer.gate_weight, layer.top_k, layer.norm_topk_prob, row_valid)
 
 
 def shared_expert_forward(hidden: torch.Tensor, shared: SharedExpertWeights) -> torch.Tensor:
@@ -90,26 +91,50 @@ def routed_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
     return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table, host_pages=host_pages)
 
 
-def moe_forward(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch.Tensor, experts: ExpertProvider,
-                moe_layer: int = 0, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                impl: str = "auto") -> torch.Tensor:
-    """One MoE layer: hidden [..., d] -> [..., d].
+def moe_forward_parts(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch.Tensor,
+                      experts: ExpertProvider, moe_layer: int = 0,
+                      routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One MoE layer on hidden [T, d], left unsummed: ``(routed, shared)`` with ``routed`` the fused kernel's
+    weighted rows [T, k, d] (Triton, no host-computed misses) or the routed output [T, d], and ``shared`` the
+    shared expert's output [T, d] (None without one). :func:`moe_forward` sums them; the model folds the sum into
+    its residual add and next RMSNorm (``rimuru.kernels.norm_rope.add_rms_norm``: one launch).
 
     ``experts`` gives MoE layer ``moe_layer``'s page table [E, PAGES_PER_EXPERT] (W1, W3, W2^T page ids in
     ``expert_view``); rows of experts no token routes to are never read. ``routing`` = (topk_weights,
     topk_ids) from ``route_layer`` when the caller already routed.
     """
-    shape = hidden.shape
-    x = hidden.reshape(-1, shape[-1])  # [T, d]
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    x = hidden
     topk_weights, topk_ids = routing if routing is not None else route_layer(x, layer)
     table = experts.layer_table(moe_layer, topk_ids, x)
     host_out = None
     if experts.computes_on_host:  # misses computed on the CPU (KTransformers-style policy)
         topk_weights, host_out = experts.split(moe_layer, x, topk_weights, topk_ids)
-    out = routed_experts(x, topk_weights, topk_ids, expert_view, table, impl, experts.host_pages)
-    if host_out is not None:
-        out = out + host_out
+    if host_out is None and (impl == "triton" or (impl == "auto" and x.is_cuda)):
+        from rimuru.kernels.fused_moe import fused_moe_experts
+
+        out = fused_moe_experts(x, topk_weights, topk_ids, expert_view, table, host_pages=experts.host_pages)
+        out = out.view(x.shape[0], topk_ids.shape[1], x.shape[1])
+    else:
+        out = routed_experts(x, topk_weights, topk_ids, expert_view, table, impl, experts.host_pages)
+        if host_out is not None:
+            out = out + host_out
     experts.layer_done(moe_layer)  # its loading buffer may be refilled once the routed part is queued
-    if layer.shared is not None:
-        out = out + shared_expert_forward(x, layer.shared)
+    shared = shared_expert_forward(x, layer.shared) if layer.shared is not None else None
+    return out, shared
+
+
+def moe_forward(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch.Tensor, experts: ExpertProvider,
+                moe_layer: int = 0, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+                impl: str = "auto") -> torch.Tensor:
+    """One MoE layer: hidden [..., d] -> [..., d] (:func:`moe_forward_parts`, summed)."""
+    shape = hidden.shape
+    x = hidden.reshape(-1, shape[-1])  # [T, d]
+    out, shared = moe_forward_parts(x, layer, expert_view, experts, moe_layer, routing, impl)
+    if out.dim() == 3:  # the fused kernel's weighted rows: summed in fp32, as fused_moe does
+        out = out.sum(dim=1, dtype=torch.float32).to(x.dtype)
+    if shared is not None:
+        out = out + shared
     return out.reshape(shape)

@@ -6,24 +6,29 @@ import torch
 import torch.nn.functional as F
 
 
-def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
-          norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool,
+          row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick each token's experts.
 
     hidden [T, d], gate_weight [E, d] -> (topk_weights fp32 [T, k], topk_ids int32 [T, k]).
     Logits in the hidden dtype (HF's ``F.linear``), softmax in fp32, top-k, optional renormalisation.
-    Unlike HF the weights stay fp32: the kernel combines in fp32 anyway.
+    Unlike HF the weights stay fp32: the kernel combines in fp32 anyway. ``row_valid`` [T, 1] bool marks the
+    real rows of a padded (captured) batch; padding rows route like row 0, so they read no extra experts.
     """
     logits = F.linear(hidden, gate_weight if gate_weight.dtype == hidden.dtype else gate_weight.to(hidden.dtype))
-    if logits.is_cuda:  # softmax, top-k, renormalisation and the id cast in one launch
+    if logits.is_cuda:  # softmax, top-k, renormalisation, the id cast and the padding rule in one launch
         from rimuru.kernels.norm_rope import topk_softmax
 
-        return topk_softmax(logits, top_k, norm_topk_prob)
+        return topk_softmax(logits, top_k, norm_topk_prob, row_valid)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    ids = ids.to(torch.int32)
+    if row_valid is not None:
+        ids = torch.where(row_valid, ids, ids[:1])
+        weights = torch.where(row_valid, weights, weights[:1])
+    return weights, ids
 
 
 def experts_touched(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:

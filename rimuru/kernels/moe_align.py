@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+FUSED_SCATTER_MAX_PAIRS = 4096  # up to here (decode, small prefill chunks) the counting program also scatters
+
 
 @dataclass(frozen=True)
 class MoeAlignment:
@@ -48,9 +50,12 @@ def moe_align_kernel(
     num_pairs, num_experts, max_padded, max_blocks,
     # meta-parameters
     BLOCK_M: tl.constexpr, E_BINS: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     """Counting pass, one program. topk_ids [n] int32 -> expert_ids [max_blocks], num_post [1],
     sorted_ids [max_padded] filled with the padding id, cursor [E] = each expert's first row.
+    With ``SCATTER`` the same program then places the pairs (what :func:`moe_scatter_kernel` does in
+    parallel): one launch instead of two for the few pairs of a decode step.
 
     E_BINS: a power of two > num_experts (bin E takes masked lanes).
     """
@@ -77,6 +82,14 @@ def moe_align_kernel(
         e = tl.sum(before.to(tl.int32), 1)
         e = tl.where(b * BLOCK_M < total, e, -1)
         tl.store(expert_ids_ptr + b, e, mask=b < max_blocks)
+    if SCATTER:
+        tl.debug_barrier()  # the cursor and the padding fill are written before any pair is placed
+        for start in range(0, num_pairs, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            m = offs < num_pairs
+            ids = tl.load(topk_ids_ptr + offs, mask=m, other=0)
+            pos = tl.atomic_add(cursor_ptr + ids, 1, mask=m)
+            tl.store(sorted_ids_ptr + pos, offs, mask=m)
 
 
 @triton.jit(do_not_specialize=["num_pairs"],
@@ -109,9 +122,10 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
         flat, sorted_ids, expert_ids, num_post, cursor,
         n, num_experts, size, size // block_m,
         BLOCK_M=block_m, E_BINS=triton.next_power_of_2(num_experts + 1), CHUNK=1024, BLOCKS_CHUNK=64,
-        num_warps=8,
+        SCATTER=n <= FUSED_SCATTER_MAX_PAIRS, num_warps=8,
     )
-    moe_scatter_kernel[(triton.cdiv(n, 256),)](flat, sorted_ids, cursor, n, CHUNK=256, num_warps=4)
+    if n > FUSED_SCATTER_MAX_PAIRS:
+        moe_scatter_kernel[(triton.cdiv(n, 256),)](flat, sorted_ids, cursor, n, CHUNK=256, num_warps=4)
     return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, n)
 
 

@@ -88,14 +88,18 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
 
 
 @triton.jit
-def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, row_valid_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr):
     """One token per program: fp32 softmax over its router logits, the top ``TOP_K`` (first index on ties),
-    optionally renormalised; weights fp32 and ids int32 ``[T, TOP_K]``, largest first."""
+    optionally renormalised; weights fp32 and ids int32 ``[T, TOP_K]``, largest first. With ``HAS_VALID`` a row
+    whose ``row_valid`` is 0 (padding of a captured batch) takes row 0's routing."""
     row = tl.program_id(0).to(tl.int64)
+    src = row
+    if HAS_VALID:
+        src = tl.where(tl.load(row_valid_ptr + row) != 0, row, 0)
     offs = tl.arange(0, BLOCK_E)
     valid = offs < num_experts
-    x = tl.load(logits_ptr + row * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    x = tl.load(logits_ptr + src * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
     p = tl.exp(x - tl.max(x, 0))
     p = tl.where(valid, p / tl.sum(p, 0), -1.0)
     slots = tl.arange(0, BLOCK_K)
@@ -114,14 +118,85 @@ def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=keep)
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, E]`` → (weights fp32 [T, k], ids int32 [T, k]) as :func:`rimuru.experts.router.route` computes
-    them after its gate matmul, in one launch instead of five."""
+    them after its gate matmul, in one launch instead of five. ``row_valid`` [T] or [T, 1] bool: rows marked False
+    take row 0's routing (so a captured batch's padding reads no extra experts)."""
     T, E = logits.shape
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T:
-        topk_softmax_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k,
+        valid = ids if row_valid is None else row_valid.reshape(-1)
+        topk_softmax_kernel[(T,)](logits, weights, ids, valid, E, logits.stride(0), TOP_K=top_k,
                                   BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
-                                  RENORM=renormalize, num_warps=1 if E <= 256 else 4)
+                                  RENORM=renormalize, HAS_VALID=row_valid is not None,
+                                  num_warps=1 if E <= 256 else 4)
     return weights, ids
+
+
+@triton.jit
+def add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_ptr, n_cols, stride_h, stride_a, stride_ak,
+                        stride_e, stride_ho, stride_o, eps, NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """One row per program: the residual update and the next RMSNorm in one pass.
+
+    ``s = sum_j a[row, j]`` in fp32 over the ``NUM_ADDENDS`` rows ``a + j * stride_ak`` (the routed experts' weighted
+    outputs of a token; 1: a plain sub-layer output), rounded to h's dtype; ``+ extra`` (a shared expert) rounded;
+    ``h_out = h + s`` rounded; ``out = w * (h_out * rsqrt(mean(h_out^2) + eps)).to(dtype)`` — each rounding where
+    the torch chain (sum, cast, add, add, rms_norm) rounds.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dt = h_out_ptr.dtype.element_ty
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(NUM_ADDENDS):
+        s += tl.load(a_ptr + row * stride_a + j * stride_ak + offs, mask=mask, other=0.0).to(tl.float32)
+    s = s.to(dt).to(tl.float32)
+    if HAS_EXTRA:
+        s = (s + tl.load(extra_ptr + row * stride_e + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        s = s.to(tl.float32)
+    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (h + s).to(dt)
+    tl.store(h_out_ptr + row * stride_ho + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    r = tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
+    normed = (hf * r).to(dt)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(dt), mask=mask)
+
+
+def add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float,
+                 extra: torch.Tensor | None = None,
+                 triton_kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h [T, d]`` plus a sub-layer's output → ``(h_new, rms_norm(h_new, weight))``, both in h's dtype.
+
+    ``addend`` is ``[T, d]`` (attention, a dense MLP) or ``[T, k, d]`` (a token's routed-expert rows, summed in
+    fp32 and rounded first, as ``fused_moe`` sums them); ``extra [T, d]`` (a shared expert's output) is added to
+    that sum. One launch on CUDA when the weight has h's dtype; elsewhere the torch ops it replaces
+    (``triton_kernel`` forces either: the interpreter tests run the kernel on the CPU).
+    """
+    if triton_kernel is None:
+        triton_kernel = h.is_cuda and weight.dtype == h.dtype and addend.dtype == h.dtype
+    if not triton_kernel:
+        from rimuru.models.rms_norm import rms_norm
+
+        s = addend if addend.dim() == 2 else addend.sum(dim=1, dtype=torch.float32).to(h.dtype)
+        if extra is not None:
+            s = s + extra
+        h = h + s
+        return h, rms_norm(h, weight, eps)
+    T, d = h.shape
+    a = addend if addend.dim() == 3 else addend.view(T, 1, d)
+    if a.stride(2) != 1 or h.stride(1) != 1:
+        a, h = a.contiguous(), h.contiguous()
+    h_out = torch.empty_like(h)
+    out = torch.empty_like(h)
+    if T:
+        e = extra if extra is not None else h
+        add_rms_norm_kernel[(T,)](h, a, e, weight, h_out, out, d, h.stride(0), a.stride(0), a.stride(1), e.stride(0),
+                                  h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1],
+                                  HAS_EXTRA=extra is not None, BLOCK=triton.next_power_of_2(d),
+                                  num_warps=4 if d <= 1024 else 8)
+    return h_out, out

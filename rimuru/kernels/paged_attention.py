@@ -185,14 +185,22 @@ def prefill_attention_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["tokens_per_split", "stride_bt", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "tokens_per_split", "stride_bt",
+@triton.jit
+def _split_tokens(seq_len, num_splits, min_tokens, BLOCK_N: tl.constexpr):
+    """Tokens per split of one request: its own length over the grid's splits, in whole tiles, at least
+    ``min_tokens`` (so a short request uses few splits and a long one all of them, whatever the batch's longest)."""
+    per = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(per, min_tokens)
+
+
+@triton.jit(do_not_specialize=["min_tokens", "stride_bt", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "min_tokens", "stride_bt",
                                             "stride_pr", "stride_ph", "stride_lr", "stride_lh"])
 def decode_attention_kernel(
     # pointers
     q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
     # sizes and strides (elements)
-    scale_log2, head_dim, tokens_per_split,
+    scale_log2, head_dim, min_tokens,
     stride_qr, stride_qh, stride_or, stride_oh,
     stride_page, stride_kv, stride_tok, stride_head, stride_bt,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
@@ -201,19 +209,21 @@ def decode_attention_kernel(
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """One query token per request over its KV range ``split``. Grid ``(R, Hkv, num_splits)``.
+    """One query token per request over its KV range ``split``. Grid ``(R, Hkv, num_splits)``; each request's KV
+    is cut into splits of :func:`_split_tokens` tokens (by its own ``seq_len``, not the batch's capacity).
 
     q, out: [R, H, D]; kv: [num_pages, 2, B, Hkv, D]; block_tables: [R, max_blocks]; seq_lens: [R].
     The G query heads of a KV head are the rows of one program (padded to ``BLOCK_G >= 16`` for the dot).
     Without ``SPLIT`` (one split) the normalised result goes straight to ``out``; otherwise each split writes
     its partial ``part_out [R, H, S, D]`` (fp32, normalised within the split) and
     ``part_lse [R, H, S]`` (log2 domain) for :func:`decode_reduce_kernel`. Splits past ``seq_len`` write nothing.
-    ``tokens_per_split`` is a multiple of ``BLOCK_N``, so only a split's last tile needs masks.
+    ``min_tokens`` is a multiple of ``BLOCK_N``, so only a split's last tile needs masks.
     """
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
+    tokens_per_split = _split_tokens(seq_len, tl.num_programs(2), min_tokens, BLOCK_N)
     kv_start = split * tokens_per_split
     if kv_start < seq_len:
         kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
@@ -257,29 +267,29 @@ def decode_attention_kernel(
                  mask=(offs_g < GROUP)[:, None] & (offs_d < head_dim)[None, :])
 
 
-@triton.jit(do_not_specialize=["tokens_per_split", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
-            do_not_specialize_on_alignment=["seq_lens_ptr", "tokens_per_split", "stride_pr", "stride_ph", "stride_lr",
-                                            "stride_lh"])
+@triton.jit(do_not_specialize=["num_splits", "min_tokens", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
+            do_not_specialize_on_alignment=["seq_lens_ptr", "num_splits", "min_tokens", "stride_pr", "stride_ph",
+                                            "stride_lr", "stride_lh"])
 def decode_reduce_kernel(
     # pointers
     part_out_ptr, part_lse_ptr, out_ptr, seq_lens_ptr,
     # sizes and strides (elements)
-    head_dim, tokens_per_split,
+    head_dim, num_splits, min_tokens,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
     # meta-parameters
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Merge the split partials of one (request, head): softmax-weighted by their log-sum-exps. Grid ``(R, H)``.
 
     part_out: [R, H, S, D] fp32; part_lse: [R, H, S] fp32 (log2); out: [R, H, D]. Only the
-    ``cdiv(seq_len, tokens_per_split)`` splits that ran are read.
+    ``cdiv(seq_len, tokens_per_split)`` splits that ran are read (the decode kernel's :func:`_split_tokens`).
     """
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
-    num_splits = tl.cdiv(seq_len, tokens_per_split)
+    ran = tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, min_tokens, BLOCK_N))
     offs_s = tl.arange(0, BLOCK_S)
-    s_valid = offs_s < num_splits
+    s_valid = offs_s < ran
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < head_dim
     lse = tl.load(part_lse_ptr + req.to(tl.int64) * stride_lr + head * stride_lh + offs_s,
@@ -418,11 +428,15 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    min_tokens_per_split: int | None = None,
 ) -> torch.Tensor:
     """Split-KV decode (Triton): ``q [R, H, D]``, one query per request at position ``seq_len - 1``.
 
     ``max_seq_len`` bounds the KV range split across programs (defaults to the block table's capacity,
-    no sync); ``num_splits`` overrides the heuristic :func:`choose_num_splits`. Returns ``out [R, H, D]``.
+    no sync); ``num_splits`` overrides the heuristic :func:`choose_num_splits`. Each request splits its own
+    KV over those programs, at least ``min_tokens_per_split`` (default ``2 * block_n``) tokens a split, so a
+    captured graph sized for the longest context still spreads a short request's KV over several programs.
+    Returns ``out [R, H, D]``.
     """
     kv = kv_tensor(kv_view)
     kv_heads, group = _check_kv(q, kv)
@@ -437,8 +451,8 @@ def decode_attention(
         max_seq_len = block_tables.shape[1] * block_tokens
     if num_splits is None:
         num_splits = choose_num_splits(num_req, kv_heads, max_seq_len, q.device)
-    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
-    num_splits = triton.cdiv(max_seq_len, tokens_per_split)
+    min_tokens = triton.cdiv(min_tokens_per_split or 2 * block_n, block_n) * block_n
+    num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, min_tokens), MAX_SPLITS))
     qk = q if q.dtype == kv.dtype else q.to(kv.dtype)
     block_d = triton.next_power_of_2(head_dim)
     if num_splits > 1:
@@ -448,7 +462,7 @@ def decode_attention(
         part_out = part_lse = out  # unused
     decode_attention_kernel[(num_req, kv_heads, num_splits)](
         qk, kv, out, part_out, part_lse, block_tables, seq_lens,
-        scale * LOG2E, head_dim, tokens_per_split,
+        scale * LOG2E, head_dim, min_tokens,
         qk.stride(0), qk.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
@@ -461,10 +475,10 @@ def decode_attention(
     if num_splits > 1:
         decode_reduce_kernel[(num_req, heads)](
             part_out, part_lse, out, seq_lens,
-            head_dim, tokens_per_split,
+            head_dim, num_splits, min_tokens,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            BLOCK_S=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), BLOCK_D=block_d,
+            BLOCK_S=MAX_SPLITS, BLOCK_D=block_d, BLOCK_N=block_n,
         )
     return out
 

@@ -91,19 +91,41 @@ WEIGHT_NAMES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weigh
 OPTIONAL_NAMES = ("q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "q_norm.weight", "k_norm.weight")
 
 
-def _lookup(weights: dict[str, torch.Tensor], layer: int, name: str) -> torch.Tensor | None:
+def _key(weights: dict[str, torch.Tensor], layer: int, name: str) -> str | None:
     for key in (f"self_attn.{name}", f"model.layers.{layer}.self_attn.{name}", name):
         if key in weights:
-            return weights[key]
+            return key
     return None
 
 
+def _lookup(weights: dict[str, torch.Tensor], layer: int, name: str) -> torch.Tensor | None:
+    key = _key(weights, layer, name)
+    return None if key is None else weights[key]
+
+
+def _fuse(weights: dict[str, torch.Tensor], layer: int, names: tuple[str, str, str]) -> torch.Tensor | None:
+    """One tensor holding q, k and v's (weights or biases) rows; the dict's entries become views of it, so the
+    separate tensors are freed and the dense weights' memory does not grow."""
+    keys = [_key(weights, layer, n) for n in names]
+    if any(k is None for k in keys):
+        return None
+    parts = [weights[k] for k in keys]
+    fused = torch.cat(parts, dim=0)
+    start = 0
+    for key, part in zip(keys, parts):
+        weights[key] = fused[start: start + part.shape[0]]
+        start += part.shape[0]
+    return fused
+
+
 class Attention:
-    """One decoder layer's attention; holds references to the caller's weight tensors (no copies).
+    """One decoder layer's attention; holds references to the caller's weight tensors.
 
     ``weights`` maps HF names to tensors, as ``"self_attn.q_proj.weight"`` (also accepted: the full
     ``"model.layers.{i}.self_attn..."`` name or the bare ``"q_proj.weight"``). Biases and q/k norms are
-    used when present: qwen2_moe has q/k/v biases, qwen3_moe has q_norm/k_norm.
+    used when present: qwen2_moe has q/k/v biases, qwen3_moe has q_norm/k_norm. The q, k and v projections
+    are fused into one ``[(H + 2 Hkv) D, d]`` matrix (one GEMM instead of three at decode); the dict's q/k/v
+    entries are replaced by views of it, so no memory is added.
     """
 
     def __init__(self, config: AttentionConfig, weights: dict[str, torch.Tensor], layer_idx: int,
@@ -115,6 +137,16 @@ class Attention:
         missing = [n for n in WEIGHT_NAMES if _lookup(weights, layer_idx, n) is None]
         if missing:
             raise KeyError(f"layer {layer_idx}: missing attention weights {missing}")
+        c = config
+        expected = {"q": (c.num_heads * c.head_dim, c.hidden_size), "k": (c.num_kv_heads * c.head_dim, c.hidden_size),
+                    "v": (c.num_kv_heads * c.head_dim, c.hidden_size), "o": (c.hidden_size, c.num_heads * c.head_dim)}
+        for name, shape in expected.items():
+            got = tuple(_lookup(weights, layer_idx, f"{name}_proj.weight").shape)
+            if got != shape:
+                raise ValueError(f"layer {layer_idx}: {name}_proj.weight is {got}, expected {shape}")
+        self.qkv_weight = _fuse(weights, layer_idx, ("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+        self.qkv_bias = _fuse(weights, layer_idx, ("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+        self.qkv_sizes = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim)
         w = {n: _lookup(weights, layer_idx, n) for n in WEIGHT_NAMES + OPTIONAL_NAMES}
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (w[n] for n in WEIGHT_NAMES)
         self.q_bias, self.k_bias, self.v_bias, self.o_bias = (w[f"{p}.bias"] for p in ("q_proj", "k_proj", "v_proj",
@@ -122,13 +154,8 @@ class Attention:
         self.q_norm, self.k_norm = w["q_norm.weight"], w["k_norm.weight"]
         if (self.q_norm is None) != (self.k_norm is None):
             raise KeyError(f"layer {layer_idx}: q_norm and k_norm must come together")
-        c = config
-        expected = {"q": (c.num_heads * c.head_dim, c.hidden_size), "k": (c.num_kv_heads * c.head_dim, c.hidden_size),
-                    "v": (c.num_kv_heads * c.head_dim, c.hidden_size), "o": (c.hidden_size, c.num_heads * c.head_dim)}
-        for name, shape in expected.items():
-            got = tuple(getattr(self, f"{name}_proj").shape)
-            if got != shape:
-                raise ValueError(f"layer {layer_idx}: {name}_proj.weight is {got}, expected {shape}")
+        if (self.qkv_bias is None) != (self.q_bias is None):
+            raise KeyError(f"layer {layer_idx}: q, k and v biases must come together")
 
     def __call__(self, hidden_states: torch.Tensor, meta: AttentionMetadata, kv_view,
                  cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -142,9 +169,10 @@ class Attention:
         c = self.config
         meta = meta.for_layer(self.layer_idx)
         num_tokens = hidden_states.shape[0]
-        q = F.linear(hidden_states, self.q_proj, self.q_bias).view(num_tokens, c.num_heads, c.head_dim)
-        k = F.linear(hidden_states, self.k_proj, self.k_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
-        v = F.linear(hidden_states, self.v_proj, self.v_bias).view(num_tokens, c.num_kv_heads, c.head_dim)
+        q, k, v = F.linear(hidden_states, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        q = q.view(num_tokens, c.num_heads, c.head_dim)
+        k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
         cos_sin = cos_sin if cos_sin is not None else self.rope.cos_sin(meta.positions)
         if q.is_cuda and self.impl in ("auto", "triton") and (self.q_norm is None or self.q_norm.dtype == q.dtype):
             from rimuru.kernels.norm_rope import norm_rope  # q/k norm + RoPE: one launch per tensor

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from rimuru.distributed.comm import SINGLE, Communicator
-from rimuru.experts.moe_block import MoeLayerWeights, moe_forward, route_layer
+from rimuru.experts.moe_block import MoeLayerWeights, moe_forward, moe_forward_parts, route_layer
 from rimuru.experts.provider import ExpertProvider
+from rimuru.kernels.norm_rope import add_rms_norm
 from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
 from rimuru.models.rms_norm import rms_norm
 from rimuru.models.rope import RotaryEmbedding
@@ -84,17 +85,36 @@ class QwenMoeModel:
 
     def _moe(self, layer: int, x: torch.Tensor, experts: ExpertProvider, expert_view: torch.Tensor,
              row_valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoder layer ``layer``'s MoE block. ``row_valid`` [T, 1]: padding rows of a captured batch take
-        row 0's experts, so they read no extra expert weights."""
+        """Decoder layer ``layer``'s MoE block output [T, d] (summed; not all-reduced)."""
         m = self.moe_index[layer]
-        topk_weights, topk_ids = route_layer(x, self.moe[m])
-        if row_valid is not None:
-            topk_ids = torch.where(row_valid, topk_ids, topk_ids[:1])
+        topk_weights, topk_ids = route_layer(x, self.moe[m], row_valid)
+        self._record(m, topk_ids)
+        return moe_forward(x, self.moe[m], expert_view, experts, m, routing=(topk_weights, topk_ids),
+                           impl=self.moe_impl)
+
+    def _record(self, m: int, topk_ids: torch.Tensor) -> None:
         if self.routing_counts is not None:
             ids = topk_ids.reshape(-1).long().cpu()
             self.routing_counts[m] += torch.bincount(ids, minlength=self.spec.num_experts)
-        return moe_forward(x, self.moe[m], expert_view, experts, m, routing=(topk_weights, topk_ids),
-                           impl=self.moe_impl)
+
+    def _moe_parts(self, layer: int, x: torch.Tensor, experts: ExpertProvider, expert_view: torch.Tensor,
+                   row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decoder layer ``layer``'s MoE block as (routed, shared) parts (``moe_forward_parts``), or its summed and
+        all-reduced output and None under tensor parallelism. ``row_valid`` [T, 1]: padding rows of a captured
+        batch take row 0's experts, so they read no extra expert weights."""
+        m = self.moe_index[layer]
+        lw = self.moe[m]
+        topk_weights, topk_ids = route_layer(x, lw, row_valid)
+        self._record(m, topk_ids)
+        routed, shared = moe_forward_parts(x, lw, expert_view, experts, m, routing=(topk_weights, topk_ids),
+                                           impl=self.moe_impl)
+        if self._reduce is _identity:
+            return routed, shared
+        if routed.dim() == 3:
+            routed = routed.sum(dim=1, dtype=torch.float32).to(x.dtype)
+        if shared is not None:
+            routed = routed + shared
+        return self._reduce(routed), None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_view, expert_view: torch.Tensor,
@@ -107,14 +127,17 @@ class QwenMoeModel:
         eps = self.spec.rms_norm_eps
         h = F.embedding(input_ids, self.embed)  # [T, d]
         cos_sin = self.rope.cos_sin(meta.positions)  # once per step, shared by every layer
+        x = rms_norm(h, self.layers[0].input_norm, eps)
+        last = len(self.layers) - 1
         for layer, lw in enumerate(self.layers):
-            h = h + self._reduce(self.attn[layer](rms_norm(h, lw.input_norm, eps), meta, kv_view, cos_sin))
-            x = rms_norm(h, lw.post_norm, eps)
+            # each residual add is fused with the RMSNorm after it (and the MoE's sum over experts with both)
+            h, x = add_rms_norm(h, self._reduce(self.attn[layer](x, meta, kv_view, cos_sin)), lw.post_norm, eps)
+            following = self.layers[layer + 1].input_norm if layer < last else self.final_norm
             if lw.moe is not None:
-                h = h + self._reduce(self._moe(layer, x, experts, expert_view, row_valid))
+                routed, shared = self._moe_parts(layer, x, experts, expert_view, row_valid)
+                h, x = add_rms_norm(h, routed, following, eps, extra=shared)
             else:
-                h = h + self._reduce(self._dense_mlp(lw.mlp, x))
+                h, x = add_rms_norm(h, self._reduce(self._dense_mlp(lw.mlp, x)), following, eps)
         if sample_index is not None:
-            h = h[sample_index]
-        h = rms_norm(h, self.final_norm, eps)
-        return F.linear(h, self.lm_head).float()
+            x = x[sample_index]  # the final norm is per row: normalising first gives the same rows
+        return F.linear(x, self.lm_head).float()

@@ -67,3 +67,31 @@ def test_topk_softmax_matches_softmax_then_topk(renorm, E, k):
         want_w = want_w / want_w.sum(-1, keepdim=True)
     assert ids.dtype == torch.int32 and torch.equal(ids.long(), want_ids)
     assert torch.allclose(w, want_w, rtol=1e-5, atol=1e-6)
+    valid = torch.tensor([True, True, False, True, False, False, True], device=DEVICE)[:, None]
+    w2, ids2 = topk_softmax(logits, k, renorm, valid)  # padding rows take row 0's routing
+    assert torch.equal(ids2, torch.where(valid, ids, ids[:1]))
+    assert torch.allclose(w2, torch.where(valid, w, w[:1]))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,extra", [(1, False), (4, False), (3, True)])
+def test_fused_add_rms_norm_matches_sum_add_then_norm(dtype, k, extra):
+    """One launch for residual + (summed expert rows [+ shared expert]) + the next RMSNorm, against the torch chain."""
+    from rimuru.kernels.norm_rope import add_rms_norm
+
+    gen = torch.Generator().manual_seed(10 * k + extra)
+    T, d = 5, 96
+    h = torch.randn(T, d, generator=gen).to(dtype).to(DEVICE)
+    a = torch.randn(T, k, d, generator=gen).to(dtype).to(DEVICE) if k > 1 else torch.randn(T, d, generator=gen).to(
+        dtype).to(DEVICE)
+    e = torch.randn(T, d, generator=gen).to(dtype).to(DEVICE) if extra else None
+    w = (torch.rand(d, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    h_want, x_want = add_rms_norm(h, a, w, 1e-6, extra=e, triton_kernel=False)
+    h_ref = h + (a if k == 1 else a.sum(dim=1, dtype=torch.float32).to(dtype)) + (0 if e is None else e)
+    assert torch.allclose(h_want.float(), h_ref.float(), rtol=1e-2, atol=1e-2)
+    h_got, x_got = add_rms_norm(h, a, w, 1e-6, extra=e, triton_kernel=True)
+    assert not h_got.isnan().any() and not x_got.isnan().any()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the interpreter truncates where CUDA rounds
+    for got, want in ((h_got, h_want), (x_got, x_want)):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= tol

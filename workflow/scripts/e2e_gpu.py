@@ -131,6 +131,7 @@ def main() -> None:
     torch.cuda.empty_cache()
 
     rows, floors = [], []
+    (out / "timelines.csv").unlink(missing_ok=True)
     runs = args.runs.split(",")
     schedule = []  # ABBA: forward, backward, forward, ...
     for r in range(args.repeats):
@@ -163,6 +164,9 @@ def main() -> None:
         stats = llm.stats()
         frame = llm.timeline.frame()
         frame.to_csv(out / f"timeline_{policy}_{workload}_r{repeat}.csv", index=False)
+        # every run's per-step timeline in one file (the modeled executor calibrates on it)
+        frame.assign(policy=policy, workload=workload, repeat=repeat, order=order).to_csv(
+            out / "timelines.csv", mode="a", header=not rows, index=False)
         floors.append({"policy": policy, "workload": workload, "repeat": repeat, "order": order,
                        **floor_summary(decode_floor(frame, llm.spec))})
         stalls = int(stall_mask(frame).sum())
