@@ -98,6 +98,74 @@ def class_bytes(spec: ModelSpec, experts_touched: float, context_tokens: float) 
             "attention": kv}
 
 
+def _moe_layers(view, tables, x, w, ids, aligns, cfgs, y, h) -> None:
+    from rimuru.kernels.fused_moe import fused_moe_experts
+
+    for layer in range(tables.shape[0]):
+        fused_moe_experts(x, w, ids[layer], view, tables[layer], configs=cfgs, align=aligns[layer], out=y,
+                          intermediate=h)
+
+
+def moe_sweep(llm: LLM, tokens: list[int], replays: int = 5) -> list[dict]:
+    """The fused MoE alone over every layer's experts (one CUDA graph of 2 launches per layer, so weights stream
+    from HBM, not L2), at the tuned tiles and at alternatives for one pass at a time: small-batch occupancy."""
+    from rimuru.kernels.fused_moe import MoeConfigs, MoeKernelConfig, pick_configs
+    from rimuru.kernels.moe_align import moe_align
+    from rimuru.memory import EXPERT
+
+    spec = llm.spec
+    E, k, d, f = spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size
+    tables = llm.graphs.experts.tables  # [L, E, 3] device page tables (static: every expert resident)
+    view = llm.pool.view(EXPERT).tensor
+    L = tables.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    candidates = [("gate_up", MoeKernelConfig(16, bn, bk, 1, w, st)) for bn, bk, w, st in
+                  ((32, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 3), (64, 256, 4, 3), (32, 128, 2, 5))]
+    candidates += [("down", MoeKernelConfig(16, bn, bk, 1, w, st)) for bn, bk, w, st in
+                   ((32, 64, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3), (32, 256, 4, 3))]
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
+        ids = [torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32).cuda()
+               for _ in range(L)]
+        w = torch.full((T, k), 1.0 / k, device="cuda")
+        aligns = [moe_align(i, E, 16) for i in ids]
+        y = torch.empty(T * k, d, device="cuda", dtype=torch.bfloat16)
+        h = torch.empty(T * k, f, device="cuda", dtype=torch.bfloat16)
+        base = pick_configs(T, k, E, f, d)
+        touched = sum(int(torch.unique(i).numel()) for i in ids)
+        for which, cfg in [("tuned", None)] + candidates:
+            cfgs = base if cfg is None else (MoeConfigs(cfg, base.down) if which == "gate_up"
+                                             else MoeConfigs(base.gate_up, cfg))
+            if cfgs.gate_up.block_m != 16:
+                continue
+            args = (x, w, ids, aligns, cfgs, y, h)
+            try:
+                _moe_layers(view, tables, *args)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    _moe_layers(view, tables, *args)
+            except Exception as exc:  # noqa: BLE001 - a tile the chip cannot run: say so, keep sweeping
+                print(f"moe sweep T={T} {which} {cfg}: {type(exc).__name__}: {exc}"[:300], flush=True)
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            times = []
+            for _ in range(replays):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            us = float(np.median(times)) * 1e3 / L
+            floor_us = touched / L * spec.expert_bytes(torch.bfloat16) / HBM_BPS * 1e6
+            rows.append({"tokens": T, "pass": which, "config": str(cfg) if cfg else str(base), "us_per_layer": us,
+                         "floor_us_per_layer": floor_us, "ratio": us / floor_us})
+            print(json.dumps(rows[-1]), flush=True)
+            del graph
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b")
@@ -106,6 +174,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--static-budget", default="80GiB")
+    ap.add_argument("--moe-sweep", default="", help="token counts for the fused-MoE tile sweep (e.g. 1,4,16)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -207,6 +276,9 @@ def main() -> None:
         print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[-2500:], flush=True)
         for i in range(b):
             llm.abort_request(f"b{b}-{i}")
+    if args.moe_sweep:
+        sweep = moe_sweep(llm, [int(t) for t in args.moe_sweep.split(",")])
+        pd.DataFrame(sweep).to_csv(out / "moe_sweep.csv", index=False)
     prov = provenance()
     pd.DataFrame(kernel_rows).assign(**prov, **ceil).to_csv(out / "profile_kernels.csv", index=False)
     table = pd.DataFrame(summary)
