@@ -482,6 +482,20 @@ class LLM:
         if self._local_executor is not None:
             self._local_executor.drop_graphs()
 
+    def warmup_or_eager(self, max_seq_len: int | None = None) -> dict:
+        """:meth:`warmup`; when it raises (a failed graph capture, say) the error is logged with its traceback
+        and the engine serves every step eagerly (:meth:`fall_back_to_eager`), so one failure does not cost a
+        whole measured run. Returns warmup's dict, or ``{"compiles": None, "graphs": 0, "failed": error}``.
+        A dead tensor-parallel rank still raises."""
+        try:
+            return self.warmup(max_seq_len)
+        except FatalEngineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in the result and the log, then served eagerly
+            log.exception("warm-up failed; serving eagerly")
+            self.fall_back_to_eager()
+            return {"compiles": None, "graphs": 0, "failed": f"{type(exc).__name__}: {exc}"}
+
     def warmup(self, max_seq_len: int | None = None) -> dict[str, int]:
         """Compile every kernel variant a run can launch and capture the decode CUDA graphs, so that no request
         pays a JIT compile: decode with and without KV splits, each prefill tile height, each fused-MoE tile

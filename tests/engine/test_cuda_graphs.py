@@ -124,6 +124,22 @@ def test_executor_owns_its_graphs_use_graphs_turns_replay_off_for_a_block():
     assert executor.graphs is None and executor.execute(out) is not stub.marker
 
 
+def test_warmup_or_eager_reports_a_failed_warmup_and_serves_eagerly(monkeypatch):
+    ckpt = synthetic_checkpoint_in_memory("tiny-qwen3-moe", seed=0, dtype=torch.float32, progress=False)
+    llm = LLM(ckpt, device="cpu", dtype=torch.float32, gpu_memory_budget="400MiB", policy="static",
+              activation_reserve="1MiB")
+    assert llm.warmup_or_eager() == {"compiles": 0, "graphs": 0}
+
+    def capture_fails(max_seq_len=None):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(llm, "warmup", capture_fails)
+    dropped = []
+    monkeypatch.setattr(llm, "fall_back_to_eager", lambda: dropped.append(True))
+    assert llm.warmup_or_eager() == {"compiles": None, "graphs": 0, "failed": "RuntimeError: capture failed"}
+    assert dropped == [True]
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 def _gpu_engine(policy: str, **options) -> LLM:
     ckpt = synthetic_checkpoint_in_memory("tiny-qwen3-moe", seed=0, dtype=torch.bfloat16, device="cuda",

@@ -25,7 +25,6 @@ import json
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -158,12 +157,7 @@ def main() -> None:
                   max_num_seqs=max(int(b) for b in args.batches.split(",")), kv_reserve=0.1,
                   **({"hotset": args.hotset} if args.hotset else {}))
         t1 = time.perf_counter()
-        try:
-            info = llm.warmup()
-        except Exception:  # a failed capture must not cost the whole device call: measure eager, say so
-            traceback.print_exc()
-            llm.fall_back_to_eager()
-            info = "FAILED: eager only"
+        info = llm.warmup_or_eager()  # a failed capture must not cost the whole device call: measure eager, say so
         print(f"{policy}: warm-up {time.perf_counter() - t1:.1f} s, {info}", flush=True)
         label = {"model": args.model, "layers": args.layers, "policy": policy}
         rows += measure(llm, label, [int(b) for b in args.batches.split(",")], args.prompt_len, args.steps,

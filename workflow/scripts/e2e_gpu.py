@@ -27,7 +27,6 @@ import gc
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pandas as pd
@@ -144,12 +143,7 @@ def main() -> None:
                   seed=args.seed, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager)
         # warm-up: compile every kernel variant and capture the decode graphs, then a discarded pass of the same
         # workload's first requests; its steps are dropped from the record
-        try:
-            info = llm.warmup()
-        except Exception:  # a failed capture must not cost the whole device call: serve eager, say so
-            traceback.print_exc()
-            llm.fall_back_to_eager()
-            info = "FAILED: eager only"
+        info = llm.warmup_or_eager()  # a failed capture must not cost the whole device call: serve eager, say so
         print(f"{run} repeat {repeat}: warm-up {info}", flush=True)
         if args.warmup_requests:
             serve(llm, trace[: args.warmup_requests], None, args.seed)
