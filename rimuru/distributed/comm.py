@@ -8,6 +8,7 @@ events around each all-reduce so a run can report the all-reduce time per step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -104,3 +105,38 @@ class TorchDistributed:
         total = sum(s.elapsed_time(e) for s, e in self._events)
         self._events.clear()
         return total
+
+
+def time_all_reduces(comm: TorchDistributed, rows: int, cols: int, dtype: torch.dtype, calls: int, iters: int) -> float:
+    """Milliseconds for ``calls`` all-reduces of a ``[rows, cols]`` tensor — what one decode step of a model with
+    ``calls`` all-reduces spends in them when no rank waits for another. Every rank calls this at once.
+
+    On a GPU the ``calls`` all-reduces are captured in one CUDA graph (as in a graphed decode step) and the graph
+    is replayed ``iters`` times back to back after a synchronising all-reduce, so a rank's late start is paid
+    once, not per replay; the result is the total over the replays / ``iters``. On the CPU (gloo) the calls run
+    eagerly."""
+    device = comm.device
+    t = torch.ones(rows, cols, dtype=dtype, device=device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters * calls):
+            comm.all_reduce(t)
+        return (time.perf_counter() - start) * 1e3 / iters
+    for _ in range(calls):  # eager once: the communicator is set up outside the capture
+        comm.all_reduce(t)
+    torch.cuda.synchronize(device)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            comm.all_reduce(t)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph.replay()
+    comm.all_reduce(torch.ones(1, device=device))  # every rank here: the timed replays start together
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters

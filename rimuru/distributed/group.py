@@ -81,13 +81,17 @@ class TensorParallelGroup:
         self._closed = False
         ctx = mp.get_context("spawn")
         self.progress = ctx.Array("q", world, lock=False)  # last step each rank finished (rank 0: unused)
+        # per rank, the monotonic time (time.perf_counter: CLOCK_MONOTONIC, one clock for every process on the
+        # host) it received its last step message and launched that step's forward: how late rank r starts
+        self.received_at = ctx.Array("d", world, lock=False)
+        self.launched_at = ctx.Array("d", world, lock=False)
         port = _free_port()
         self.procs, self.conns = [], []
         for rank in range(1, world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"rimuru-tp-rank{rank}", daemon=True,
                                args=(rank, world, port, source, options, child, os.getpid(), timeout_s,
-                                     self.progress))
+                                     self.progress, self.received_at, self.launched_at))
             proc.start()
             child.close()
             self.procs.append(proc)
@@ -208,6 +212,20 @@ class TensorParallelGroup:
         except TensorParallelError as exc:
             raise self.fail(exc) from exc
 
+    def bench_all_reduce(self, comm, rows: int, cols: int, dtype: torch.dtype, calls: int, iters: int) -> dict:
+        """Time ``calls`` all-reduces of ``[rows, cols]`` on every rank at once (rimuru.distributed.comm.
+        time_all_reduces: one CUDA graph replayed back to back on GPUs); rank 0's result with every rank's."""
+        from rimuru.distributed.comm import time_all_reduces
+
+        self.send(("bench_all_reduce", rows, cols, dtype, calls, iters))
+        try:
+            mine = time_all_reduces(comm, rows, cols, dtype, calls, iters)
+        except Exception as exc:  # noqa: BLE001
+            raise self.fail(exc) from exc
+        others = [ms for (ms,) in self.gather("benched")]
+        return {"rows": rows, "cols": cols, "dtype": str(dtype).removeprefix("torch."), "calls": calls,
+                "iters": iters, "ms_per_group": mine, "ms_per_group_by_rank": [mine, *others]}
+
     def close(self) -> None:
         if self._closed:
             return
@@ -247,7 +265,12 @@ def _terminate(procs) -> None:
 
 
 class TensorParallelExecutor:
-    """Rank 0's executor: sends the step message to the workers, then runs its own shard of the forward."""
+    """Rank 0's executor: sends the step message to the workers, then runs its own shard of the forward.
+
+    The message goes out before rank 0 builds its own inputs, and says whether the step is a CUDA-graph
+    replay (rank 0 decides; every rank follows, so that the ranks' all-reduces match in number and shape).
+    With ``timing`` on, each step records how much later than rank 0 each worker received the message and
+    launched its forward (``pop_lateness``)."""
 
     def __init__(self, local, group: TensorParallelGroup, sender: BatchSender, device: torch.device) -> None:
         self.local = local
@@ -255,19 +278,36 @@ class TensorParallelExecutor:
         self.sender = sender
         self.device = device
         self.model = local.model
+        self.timing = False
+        self._late: list[dict] = []
 
     def execute(self, out):
         group = self.group
         group.raise_if_failed()
         group.step += 1
-        group.send(self.sender.message(out) + (group.step,))
+        graphed = self.local.will_replay(out)
+        sent = time.perf_counter()
+        group.send(self.sender.message(out) + (graphed, group.step))
         try:
-            logits = self.local.execute(out)
+            logits = self.local.execute(out, graphed)
+            launched = time.perf_counter()
             synchronize(self.device)  # on NCCL a dead peer surfaces here (the monitor aborts the group)
         except Exception as exc:  # noqa: BLE001 - every failure of a collective step ends the engine
             raise group.fail(exc) from exc
         group.raise_if_failed()
+        if self.timing:
+            self._late.append({"graphed": graphed, "rank0_launch_ms": (launched - sent) * 1e3,
+                               "received_late_ms": [(group.received_at[r] - sent) * 1e3 for r in range(1, group.world)],
+                               "launched_late_ms": [(group.launched_at[r] - launched) * 1e3
+                                                    for r in range(1, group.world)]})
         return logits
+
+    def pop_lateness(self) -> list[dict]:
+        """Per step since the last call: rank 0's time from sending the message to its forward being launched, and
+        for each worker how long after rank 0's send it received the message and how long after rank 0's launch
+        it launched its own forward (positive: the worker was late; its all-reduces made rank 0 wait)."""
+        late, self._late = self._late, []
+        return late
 
 
 # ---------------------------------------------------------------------- the worker process
@@ -278,8 +318,18 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(3)  # rank 0 is gone: leave no orphan behind
 
 
+def _receive(conn, spin: bool):
+    """The next message. On GPUs the worker spins on the pipe between steps (a core per rank) instead of
+    sleeping in ``recv``: waking a sleeping process costs tens of microseconds on every step."""
+    if spin:
+        deadline = time.perf_counter() + 1.0
+        while not conn.poll() and time.perf_counter() < deadline:
+            pass
+    return conn.recv()
+
+
 def worker_main(rank: int, world: int, port: int, source, options: dict, conn, parent_pid: int, timeout_s: float,
-                progress) -> None:
+                progress, received_at, launched_at) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     try:
         if options.get("device") in (None, "cpu") and not torch.cuda.is_available():
@@ -291,23 +341,32 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
         llm = LLM(source, _tp_rank=rank, _tp_port=port, **options)
         conn.send(("ready",))
         receiver = BatchReceiver()
+        spin = llm.device.type == "cuda"
         while True:
             try:
-                message = conn.recv()
+                message = _receive(conn, spin)
             except EOFError:
                 os._exit(0)
             kind = message[0]
             if kind == "stop":
                 break
             if kind == "step":
-                _, ops, dropped, tokens, chunks, step = message
+                received_at[rank] = time.perf_counter()
+                _, ops, dropped, tokens, chunks, graphed, step = message
                 llm.policy.begin_step()  # publish this rank's finished loads, as rank 0's step does
                 apply_ops(ops, llm.kv, llm.cache)
                 out = receiver.output(dropped, tokens, chunks)
                 if not out.is_empty:
-                    llm.executor.execute(out)
+                    llm.executor.execute(out, graphed)
+                    launched_at[rank] = time.perf_counter()
                     synchronize(llm.device)
+                    if graphed:
+                        llm.graphs.settle()
                 progress[rank] = step
+            elif kind == "bench_all_reduce":
+                from rimuru.distributed.comm import time_all_reduces
+
+                conn.send(("benched", time_all_reduces(llm.comm, *message[1:])))
             elif kind == "check":
                 apply_ops(message[1], llm.kv, llm.cache)
                 llm.check_integrity()

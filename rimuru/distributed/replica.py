@@ -23,6 +23,7 @@ from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.request import Request
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import ScheduledChunk, SchedulerOutput
+from rimuru.engine.state_manager import HybridCacheManager
 from rimuru.experts.cache import ExpertCache
 
 Op = tuple  # ("kv_alloc", [(rid, total_tokens), ...]) | ("kv_free", rid) | ("expand", n) | ("shrink", n) | ("reclaim",)
@@ -34,6 +35,28 @@ class RecordingKVCacheManager(KVCacheManager):
     oplog: list[Op] | None = None
 
     def allocate_many(self, requests: list[tuple[str, int]]) -> None:  # allocate() comes through here too
+        super().allocate_many(requests)
+        if self.oplog is not None:
+            self.oplog.append(("kv_alloc", list(requests)))
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        if self.oplog is not None:
+            self.oplog.append(("kv_free", request_id))
+
+
+class RecordingHybridCacheManager(HybridCacheManager):
+    """A hybrid model's cache manager (KV plus SSM and conv states) that logs its allocator-changing calls once
+    ``oplog`` is set. ``allocate`` is logged as a one-request ``allocate_many``: the same allocator calls."""
+
+    oplog: list[Op] | None = None
+
+    def allocate(self, request_id: str, total_tokens: int) -> None:
+        super().allocate(request_id, total_tokens)
+        if self.oplog is not None:
+            self.oplog.append(("kv_alloc", [(request_id, total_tokens)]))
+
+    def allocate_many(self, requests: list[tuple[str, int]]) -> None:
         super().allocate_many(requests)
         if self.oplog is not None:
             self.oplog.append(("kv_alloc", list(requests)))
@@ -124,8 +147,10 @@ class BatchSender:
             seen = self._sent.get(rid)
             if seen is None or seen[0] is not req:
                 tokens.append((rid, True, list(req.all_token_ids)))
-            elif req.num_tokens > seen[1]:
-                tokens.append((rid, False, req.all_token_ids[seen[1]:]))
+            elif req.num_tokens > seen[1]:  # the tokens sampled since: a slice of the outputs, no concatenation
+                m = len(req.prompt_token_ids)
+                tokens.append((rid, False, req.output_token_ids[seen[1] - m:] if seen[1] >= m
+                               else req.all_token_ids[seen[1]:]))
             self._sent[rid] = (req, req.num_tokens)
             chunks.append((rid, c.start, c.num_tokens))
         return ("step", self.drain_ops(), dropped, tokens, chunks)

@@ -22,7 +22,8 @@ from rimuru.models.spec import ModelSpec
 
 _ATTN = re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
 _MLP = re.compile(r"\.mlp\.(shared_expert\.)?(gate_proj|up_proj|down_proj)\.weight$")
-_LINEAR_ATTN = re.compile(r"\.linear_attn\.")
+_LINEAR_ATTN = re.compile(r"\.linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|conv1d|A_log|dt_bias|norm"
+                          r"|out_proj)(\.weight|\.bias)?$")
 
 
 def check_shardable(spec: ModelSpec, shard: Shard) -> None:
@@ -30,9 +31,12 @@ def check_shardable(spec: ModelSpec, shard: Shard) -> None:
     w = shard.world
     if w == 1:
         return
-    if spec.is_hybrid:
-        raise ValueError(f"tensor parallelism does not split {spec.model_type}'s linear-attention (GDN) layers yet")
     problems = []
+    if spec.is_hybrid:
+        if spec.linear_num_key_heads % w:
+            problems.append(f"{spec.linear_num_key_heads} linear-attention key heads")
+        if spec.linear_num_value_heads % w:
+            problems.append(f"{spec.linear_num_value_heads} linear-attention value heads")
     if spec.num_heads % w:
         problems.append(f"{spec.num_heads} attention heads")
     kv = spec.num_kv_heads
@@ -57,8 +61,8 @@ def shard_dense_tensor(name: str, t: torch.Tensor, spec: ModelSpec, shard: Shard
     """This rank's part of one dense (non-routed-expert) tensor, contiguous."""
     if shard.world == 1:
         return t
-    if _LINEAR_ATTN.search(name):
-        raise ValueError(f"{name}: linear-attention layers are not tensor-parallel yet")
+    if ".linear_attn." in name:
+        return _shard_linear_attention(name, t, spec, shard)
     if m := _ATTN.search(name):
         proj, kind = m.groups()
         if proj == "q_proj":
@@ -79,3 +83,30 @@ def shard_dense_tensor(name: str, t: torch.Tensor, spec: ModelSpec, shard: Shard
             return t[:, shard.rows(t.shape[1], f"{name} columns")].contiguous()
         return t[shard.rows(t.shape[0], f"{name} rows")].contiguous()
     return t
+
+
+def _shard_linear_attention(name: str, t: torch.Tensor, spec: ModelSpec, shard: Shard) -> torch.Tensor:
+    """A Gated DeltaNet layer split by heads: rank ``r`` keeps key heads ``[r·h/N, (r+1)·h/N)`` and value heads
+    ``[r·hv/N, (r+1)·hv/N)`` — the value heads that read exactly those key heads (value head ``j`` reads key head
+    ``j // (hv/h)``). ``in_proj_qkv`` rows and ``conv1d`` channels are ``[q | k | v]``, so a rank keeps its slice of
+    each of the three parts; ``in_proj_z``/``in_proj_b``/``in_proj_a``, ``A_log`` and ``dt_bias`` go by value
+    head; ``out_proj`` by input columns (a partial sum that the layer's all-reduce completes); the gated
+    RMSNorm weight (one per value-head channel) is replicated. The rank's SSM pages then hold its value heads'
+    states and its conv rows its channels (``PoolLayout.build(tp=N)``)."""
+    m = _LINEAR_ATTN.search(name)
+    if m is None:
+        raise ValueError(f"{name}: no tensor-parallel split for this linear-attention tensor")
+    part = m.group(1)
+    key_dim = spec.linear_num_key_heads * spec.linear_key_head_dim
+    value_dim = spec.linear_num_value_heads * spec.linear_value_head_dim
+    if part in ("in_proj_qkv", "conv1d"):  # [q | k | v] rows (channels)
+        if t.shape[0] != 2 * key_dim + value_dim:
+            raise ValueError(f"{name}: {t.shape[0]} rows, expected {2 * key_dim + value_dim} (q, k, v)")
+        q, k, v = torch.split(t, [key_dim, key_dim, value_dim], dim=0)
+        return torch.cat([q[shard.rows(key_dim, f"{name} q rows")], k[shard.rows(key_dim, f"{name} k rows")],
+                          v[shard.rows(value_dim, f"{name} v rows")]]).contiguous()
+    if part == "norm":
+        return t
+    if part == "out_proj":
+        return t[:, shard.rows(t.shape[1], f"{name} columns")].contiguous()
+    return t[shard.rows(t.shape[0], f"{name} rows")].contiguous()  # in_proj_z / _b / _a, A_log, dt_bias

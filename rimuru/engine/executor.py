@@ -100,10 +100,15 @@ class TorchExecutor:
         )
         return ids_t, meta, sample_t
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def will_replay(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` runs as a CUDA-graph replay (a pure decode step within the captured buckets)."""
+        return self._replay and self.graphs is not None and self.graphs.can_run(out)
+
+    def execute(self, out: SchedulerOutput, graphed: bool | None = None) -> torch.Tensor:
         """Logits [S + P, V] fp32: the chunks that sample, in chunk order, then the ``prompt_scored`` positions
-        of each chunk (P = 0 unless a request asked for prompt_logprobs)."""
-        if self._replay and self.graphs is not None and self.graphs.can_run(out):
+        of each chunk (P = 0 unless a request asked for prompt_logprobs). ``graphed`` overrides the choice of
+        :meth:`will_replay` (a tensor-parallel worker follows rank 0's, so that every rank's collectives match)."""
+        if self.will_replay(out) if graphed is None else graphed:
             self.graph_steps += 1
             return self.graphs.run(out)
         self.eager_steps += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rimuru.distributed.comm import SINGLE, Communicator
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.executor import TorchExecutor
 from rimuru.engine.scheduler import SchedulerOutput
@@ -17,10 +18,11 @@ from rimuru.models.spec import ModelSpec
 
 
 def build_hybrid(spec: ModelSpec, dense: dict[str, torch.Tensor], config: EngineConfig, pool: PagePool,
-                 cache: HybridCacheManager, experts: ExpertProvider, device: torch.device
-                 ) -> tuple[Qwen35MoeModel, HybridExecutor]:
-    """The model and the executor of a hybrid model, over ``pool`` and the engine's cache manager."""
-    model = Qwen35MoeModel(spec, dense, device, config.attention_impl, config.moe_impl)
+                 cache: HybridCacheManager, experts: ExpertProvider, device: torch.device,
+                 comm: Communicator = SINGLE) -> tuple[Qwen35MoeModel, HybridExecutor]:
+    """The model and the executor of a hybrid model, over ``pool`` and the engine's cache manager (this rank's
+    shard of the model when ``comm`` spans several ranks)."""
+    model = Qwen35MoeModel(spec, dense, device, config.attention_impl, config.moe_impl, comm=comm)
     executor = HybridExecutor(model, cache, pool.view(KV), pool.view(EXPERT).tensor, experts, device,
                               pool.view(SSM).tensor, pool.view(CONV).tensor)
     return model, executor
@@ -46,7 +48,10 @@ class HybridExecutor(TorchExecutor):
                              fresh=torch.from_numpy(fresh).to(dev), cu_seqlens=meta.cu_query_lens,
                              max_query_len=meta.max_query_len, is_pure_decode=meta.is_pure_decode)
 
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, graphed: bool | None = None) -> torch.Tensor:
+        """Eager only (no decode graphs for hybrid models yet): ``graphed`` is accepted and must not be True."""
+        if graphed:
+            raise ValueError("the hybrid executor has no decode graphs")
         input_ids, meta, sample_at = self.prepare(out)
         states = self.prepare_states(out, meta)
         return self.model.forward(input_ids, meta, self.kv_view, self.expert_view, self.experts, sample_at,

@@ -27,7 +27,13 @@ from rimuru.distributed.group import (
     init_process_group,
     rank_device,
 )
-from rimuru.distributed.replica import BatchSender, RecordingExpertCache, RecordingKVCacheManager, state_digest
+from rimuru.distributed.replica import (
+    BatchSender,
+    RecordingExpertCache,
+    RecordingHybridCacheManager,
+    RecordingKVCacheManager,
+    state_digest,
+)
 from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.cuda_graphs import OFFLOAD_GRAPH_MAX_BATCH, DecodeGraphs
@@ -153,8 +159,9 @@ class LLM:
         # ---- scheduler, model and executor
         self.max_model_len = plan.max_model_len
         if spec.is_hybrid:  # GDN layers hold SSM and conv states per request, attention layers KV
-            self.kv = HybridCacheManager(self.allocator, len(spec.full_attention_layers), config.block_tokens,
-                                         len(spec.linear_attention_layers))
+            hybrid_cls = RecordingHybridCacheManager if shard.world > 1 else HybridCacheManager
+            self.kv = hybrid_cls(self.allocator, len(spec.full_attention_layers), config.block_tokens,
+                                 len(spec.linear_attention_layers))
         else:
             kv_cls = RecordingKVCacheManager if shard.world > 1 else KVCacheManager
             self.kv = kv_cls(self.allocator, len(spec.full_attention_layers), config.block_tokens)
@@ -171,7 +178,7 @@ class LLM:
             self.clock = WallClock()
             if spec.is_hybrid:  # no decode graphs for the hybrid model yet
                 self.model, self.executor = build_hybrid(spec, ckpt.dense, config, self.pool, self.kv, self.provider,
-                                                         device)
+                                                         device, self.comm)
             else:
                 self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl,
                                           self.comm)
@@ -216,9 +223,8 @@ class LLM:
         misses on the host), routing recording (a host-side count per layer), or an offloading policy whose
         host experts are not pinned (the graphs read misses in place from pinned memory)."""
         config, policy = self.config, self.policy
-        if (config.enforce_eager or self.device.type != "cuda" or policy.name == "cpu" or config.record_routing
-                or config.tensor_parallel_size > 1):  # tensor parallelism: collectives stay outside graphs for now
-            return None
+        if config.enforce_eager or self.device.type != "cuda" or policy.name == "cpu" or config.record_routing:
+            return None  # tensor parallelism: every rank captures the same buckets, NCCL all-reduces inside
         resident = policy.all_experts_resident
         if not resident and not host_weights.is_pinned():
             return None

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rimuru.distributed.comm import ONE_RANK, SINGLE, Communicator, Shard
+from rimuru.distributed.sharding import local_heads
 from rimuru.experts.moe_block import MoeLayerWeights
 from rimuru.kernels.gdn import causal_conv1d, gated_delta_rule
 from rimuru.kernels.gdn_reference import gated_rms_norm
 from rimuru.kernels.paged_attention import paged_attention, write_kv
 from rimuru.models.attention_layer import AttentionMetadata
-from rimuru.models.qwen_moe import ExpertProvider, QwenMoeModel
+from rimuru.models.qwen_moe import ExpertProvider, QwenMoeModel, _identity
 from rimuru.models.rope import RotaryEmbedding
 from rimuru.models.spec import ModelSpec
 
@@ -53,11 +55,13 @@ def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 class GatedDeltaNet:
     """One linear-attention layer (transformers' ``Qwen3_5MoeGatedDeltaNet``); holds references to weights."""
 
-    def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], layer: int, impl: str) -> None:
+    def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], layer: int, impl: str,
+                 shard: Shard = ONE_RANK) -> None:
         p = f"model.layers.{layer}.linear_attn"
         self.impl = impl
         self.eps = spec.rms_norm_eps
-        self.h, self.hv = spec.linear_num_key_heads, spec.linear_num_value_heads
+        # this rank's heads (rimuru/distributed/sharding.py splits the layer by key and value heads)
+        self.h, self.hv = spec.linear_num_key_heads // shard.world, spec.linear_num_value_heads // shard.world
         self.kdim, self.vdim = spec.linear_key_head_dim, spec.linear_value_head_dim
         self.key_dim, self.value_dim = self.h * self.kdim, self.hv * self.vdim
         self.in_proj_qkv = dense[f"{p}.in_proj_qkv.weight"]
@@ -95,10 +99,10 @@ class GatedAttention:
     """One full-attention layer (transformers' ``Qwen3_5MoeAttention``) over paged KV."""
 
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], layer: int, kv_index: int,
-                 rope: RotaryEmbedding, impl: str) -> None:
+                 rope: RotaryEmbedding, impl: str, shard: Shard = ONE_RANK) -> None:
         p = f"model.layers.{layer}.self_attn"
         self.kv_index, self.rope, self.impl = kv_index, rope, impl
-        self.heads, self.kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        (self.heads, self.kv_heads), self.head_dim = local_heads(spec, shard), spec.head_dim
         self.eps = spec.rms_norm_eps
         self.gated = spec.attn_output_gate
         self.q_proj, self.k_proj = dense[f"{p}.q_proj.weight"], dense[f"{p}.k_proj.weight"]
@@ -130,11 +134,14 @@ class GatedAttention:
 
 
 class Qwen35MoeModel(QwenMoeModel):
-    """The hybrid decoder (one GPU: no tensor parallelism yet). MoE blocks (router, paged routed experts, gated
+    """The hybrid decoder; with ``comm`` over N ranks each rank holds its heads of every layer and its slice of
+    every MLP (rimuru/distributed/sharding.py), and one all-reduce after each mixer and one after each MoE block
+    complete the sums (as QwenMoeModel). MoE blocks (router, paged routed experts, gated
     shared expert) are QwenMoeModel's ``_moe``; this class sets what that method reads (``moe``, ``moe_index``)."""
 
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], device: torch.device,
-                 attention_impl: str = "auto", moe_impl: str = "auto", gdn_impl: str = "auto") -> None:
+                 attention_impl: str = "auto", moe_impl: str = "auto", gdn_impl: str = "auto",
+                 comm: Communicator = SINGLE) -> None:
         if spec.model_type not in SUPPORTED:
             raise ValueError(f"Qwen35MoeModel runs {', '.join(SUPPORTED)}, not {spec.model_type}")
         if not spec.zero_centered_norms:
@@ -146,13 +153,14 @@ class Qwen35MoeModel(QwenMoeModel):
         self.kv_index = {layer: i for i, layer in enumerate(spec.full_attention_layers)}
         self.gdn_index = {layer: i for i, layer in enumerate(spec.linear_attention_layers)}
         self.mixers: list[GatedAttention | GatedDeltaNet] = [
-            GatedDeltaNet(spec, dense, i, gdn_impl) if i in self.gdn_index
-            else GatedAttention(spec, dense, i, self.kv_index[i], rope, attention_impl)
+            GatedDeltaNet(spec, dense, i, gdn_impl, comm.shard) if i in self.gdn_index
+            else GatedAttention(spec, dense, i, self.kv_index[i], rope, attention_impl, comm.shard)
             for i in range(spec.num_layers)]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
         self.routing_counts = None
+        self._reduce = comm.all_reduce if comm.world_size > 1 else _identity
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_view, expert_view: torch.Tensor,
@@ -168,10 +176,11 @@ class Qwen35MoeModel(QwenMoeModel):
             x = zc_rms_norm(h, w[f"{p}.input_layernorm.weight"], eps)
             mixer = self.mixers[layer]
             if isinstance(mixer, GatedDeltaNet):
-                h = h + mixer(x, states, self.gdn_index[layer], ssm, conv)
+                h = h + self._reduce(mixer(x, states, self.gdn_index[layer], ssm, conv))
             else:
-                h = h + mixer(x, meta, kv_view)
+                h = h + self._reduce(mixer(x, meta, kv_view))
             x = zc_rms_norm(h, w[f"{p}.post_attention_layernorm.weight"], eps)
-            h = h + (self._moe(layer, x, experts, expert_view) if layer in self.moe_index else self._mlp(f"{p}.mlp", x))
+            h = h + self._reduce(self._moe(layer, x, experts, expert_view) if layer in self.moe_index
+                                 else self._mlp(f"{p}.mlp", x))
         h = zc_rms_norm(h[sample_index], w["model.norm.weight"], eps)
         return F.linear(h, self.lm_head).float()

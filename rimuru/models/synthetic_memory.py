@@ -60,12 +60,47 @@ class SyntheticCheckpoint:
     seed: int = 0
     routing_skew: float | None = None
     num_layers: int | None = None
+    repeat_first_layer: bool = False  # synthesize layer 0 only and repeat it (seconds instead of minutes)
 
     @property
     def name(self) -> str:
         return Path(self.config).name
 
     def load(self, device: torch.device, dtype: torch.dtype, shard: Shard = ONE_RANK) -> LoadedCheckpoint:
+        if self.repeat_first_layer:
+            return repeated_layer_checkpoint(self.config, self.num_layers, seed=self.seed, dtype=dtype,
+                                             routing_skew=self.routing_skew, device=device, shard=shard)
         return synthetic_checkpoint_in_memory(self.config, seed=self.seed, dtype=dtype,
                                               routing_skew=self.routing_skew, device=device,
                                               num_layers=self.num_layers, progress=False, shard=shard)
+
+
+def repeated_layer_checkpoint(config_name_or_path: str | Path, num_layers: int | None, *, seed: int = 0,
+                              dtype: torch.dtype = torch.bfloat16, routing_skew: float | None = None,
+                              device: str | torch.device = "cpu", shard: Shard = ONE_RANK) -> LoadedCheckpoint:
+    """Layer 0 of the synthetic recipe repeated ``num_layers`` times (all layers when None): each layer's dense
+    tensors are clones (every layer reads its own device memory), its experts are one host copy viewed L times
+    (the pool still holds L copies). The real shapes at full depth for speed runs, in seconds; MoE models
+    with attention in every layer only (a hybrid model's layers differ by type)."""
+    config = hub_config(config_name_or_path)
+    if "layer_types" in config or config.get("model_type") not in ("qwen2_moe", "qwen3_moe"):
+        raise ValueError(f"repeat_first_layer builds qwen2_moe / qwen3_moe models, not {config.get('model_type')}")
+    layers = num_layers or config["num_hidden_layers"]
+    one = synthetic_checkpoint_in_memory(config_name_or_path, seed=seed, dtype=dtype, routing_skew=routing_skew,
+                                         device=device, num_layers=1, progress=False, shard=shard)
+    config["num_hidden_layers"] = layers
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        spec = ModelSpec.from_pretrained(tmp)
+    if spec.moe_layers != tuple(range(layers)):
+        raise ValueError("repeat_first_layer needs every layer to be an MoE layer")
+    dense = {}
+    for name, t in one.dense.items():
+        if name.startswith("model.layers.0."):
+            for layer in range(layers):
+                dense[name.replace("model.layers.0.", f"model.layers.{layer}.", 1)] = t if layer == 0 else t.clone()
+        else:
+            dense[name] = t
+    host = one.experts.weights.expand(layers, *one.experts.weights.shape[1:])
+    return LoadedCheckpoint(spec, dense, HostExpertStore(host, spec.moe_layers, shard))
