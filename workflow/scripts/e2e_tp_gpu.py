@@ -168,7 +168,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--budget", default="24GiB", help="per GPU")
     ap.add_argument("--static-budget-tp1", default="72GiB", help="the TP=1 static engine (GPU 0)")
-    ap.add_argument("--static-budget-tpn", default="44GiB", help="per GPU, the TP=N static engine (rank 0 beside TP=1)")
+    ap.add_argument("--static-budget", default="44GiB", help="per GPU, the TP=N static engine (rank 0 beside TP=1)")
     ap.add_argument("--kv-reserve", type=float, default=0.1)
     ap.add_argument("--trace", required=True)
     ap.add_argument("--hotset", default="results/reference/e2e_tp2/hotset.json",
@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--ar-iters", type=int, default=50, help="graph replays timed per all-reduce measurement")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--policies", default="fixed,elastic")
-    ap.add_argument("--workloads", default="burst")
+    ap.add_argument("--workloads", default="burst,poisson")
     ap.add_argument("--hybrid-model", default="", help="e.g. qwen3.5-35b-a3b: a TP=N dry run of the GDN split")
     ap.add_argument("--hybrid-layers", type=int, default=4)
     ap.add_argument("--hybrid-budget", default="40GiB", help="per GPU, static")
@@ -238,7 +238,7 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
     engine_opts = dict(policy="static", max_num_seqs=max(batches), **common)
     one = LLM(recipe, gpu_memory_budget=args.static_budget_tp1, **engine_opts)
     warm1 = one.warmup(1024)
-    many = LLM(recipe, gpu_memory_budget=args.static_budget_tpn, tensor_parallel_size=tp, **engine_opts)
+    many = LLM(recipe, gpu_memory_budget=args.static_budget, tensor_parallel_size=tp, **engine_opts)
     warmn = many.warmup(1024)
     log(f"static engines ready: TP=1 {warm1}, TP={tp} {warmn}")
     try:
@@ -283,7 +283,7 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                         "all_reduce_alone_ms": ar["ms_per_group"] if is_tp else None,
                         "all_reduce_floor_ms": floor if is_tp else None,
                         "link": link, "model": label,
-                        "budget": args.static_budget_tpn if is_tp else args.static_budget_tp1, **prov})
+                        "budget": args.static_budget if is_tp else args.static_budget_tp1, **prov})
                     log(json.dumps({k: step_rows[-1][k] for k in (
                         "batch", "engine", "repeat", "step_ms_median", "graphed_steps", "rank1_received_late_ms",
                         "rank1_launched_late_ms")}))
