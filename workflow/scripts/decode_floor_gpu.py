@@ -12,9 +12,10 @@ Writes ``decode_floor.csv`` (model, layers, policy, batch, step_ms, floor_ms, ra
 commit, date: medians over the repeats) and ``decode_floor_detail.csv`` (every segment, with order,
 repeat, spread, stalls, compiles, experts read in place).
 
-``--fast-synth`` builds one layer with the synthetic recipe and repeats its dense tensors (cloned, so
-every layer reads its own HBM) and its experts (one pinned host copy viewed L times; the pool still
-holds L distinct copies): a 48-layer model in seconds instead of minutes of CPU synthesis.
+``--fast-synth`` builds one layer with the synthetic recipe and repeats it
+(rimuru.models.synthetic_memory.repeated_layer_checkpoint: dense tensors cloned, so every layer reads its
+own HBM; experts one host copy viewed L times, the pool still holds L distinct copies): a 48-layer model in
+seconds instead of minutes of CPU synthesis.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse
 import gc
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,37 +37,11 @@ from rimuru.engine.llm import LLM  # noqa: E402
 from rimuru.engine.modeled.reference import e2e_scaled_budget  # noqa: E402
 from rimuru.engine.sampling_params import SamplingParams  # noqa: E402
 from rimuru.engine.step_floor import decode_floor  # noqa: E402
-from rimuru.experts.host_store import HostExpertStore  # noqa: E402
 from rimuru.kernels.compiles import compile_count  # noqa: E402
-from rimuru.models.checkpoint import hub_config  # noqa: E402
-from rimuru.models.loader import LoadedCheckpoint  # noqa: E402
 from rimuru.models.spec import ModelSpec  # noqa: E402
-from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory  # noqa: E402
+from rimuru.models.synthetic_memory import repeated_layer_checkpoint, synthetic_checkpoint_in_memory  # noqa: E402
 from rimuru.provenance import provenance  # noqa: E402
 from rimuru.units import parse_bytes  # noqa: E402
-
-
-def fast_checkpoint(model: str, layers: int, seed: int, skew: float, device: torch.device,
-                    dtype: torch.dtype) -> LoadedCheckpoint:
-    one = synthetic_checkpoint_in_memory(model, seed=seed, routing_skew=skew, device=device, dtype=dtype,
-                                         num_layers=1, progress=False)
-    if layers == 1:
-        return one
-    config = hub_config(model)
-    config["num_hidden_layers"] = layers
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(config))
-        spec = ModelSpec.from_pretrained(tmp)
-    dense = {}
-    for name, t in one.dense.items():
-        if name.startswith("model.layers.0."):
-            for layer in range(layers):
-                dense[name.replace("model.layers.0.", f"model.layers.{layer}.", 1)] = t if layer == 0 else t.clone()
-        else:
-            dense[name] = t
-    host = one.experts.weights.expand(layers, *one.experts.weights.shape[1:])
-    return LoadedCheckpoint(spec, dense, HostExpertStore(host, spec.moe_layers))
 
 
 def segment(llm: LLM, steps: int, discard: int) -> pd.DataFrame:
@@ -142,10 +116,12 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    build = fast_checkpoint if args.fast_synth else (
-        lambda m, n, seed, skew, dev, dt: synthetic_checkpoint_in_memory(m, seed=seed, routing_skew=skew, device=dev,
-                                                                          dtype=dt, num_layers=n, progress=False))
-    ckpt = build(args.model, args.layers, args.seed, args.skew, device, dtype)
+    if args.fast_synth:
+        ckpt = repeated_layer_checkpoint(args.model, args.layers, seed=args.seed, routing_skew=args.skew, device=device,
+                                         dtype=dtype)
+    else:
+        ckpt = synthetic_checkpoint_in_memory(args.model, seed=args.seed, routing_skew=args.skew, device=device,
+                                              dtype=dtype, num_layers=args.layers, progress=False)
     print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     full = ModelSpec.from_pretrained(args.model)
     rng = np.random.default_rng(args.seed)

@@ -41,7 +41,7 @@ from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.step_floor import decode_floor, floor_summary
 from rimuru.engine.timeline import stall_mask
 from rimuru.models.spec import ModelSpec
-from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory
+from rimuru.models.synthetic_memory import repeated_layer_checkpoint, synthetic_checkpoint_in_memory
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
 from rimuru.workloads.trace import read_trace
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--warmup-requests", type=int, default=32,
                     help="a discarded pass of the trace's first N requests through each engine before measuring")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (today's eager path)")
-    ap.add_argument("--fast-synth", action="store_true", help="decode_floor_gpu.fast_checkpoint (layer-0 copies)")
+    ap.add_argument("--fast-synth", action="store_true", help="repeated_layer_checkpoint (layer-0 copies)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -101,9 +101,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     if args.fast_synth:
-        from decode_floor_gpu import fast_checkpoint
-
-        ckpt = fast_checkpoint(args.model, args.layers, args.seed, args.skew, device, dtype)
+        ckpt = repeated_layer_checkpoint(args.model, args.layers, seed=args.seed, routing_skew=args.skew, device=device,
+                                         dtype=dtype)
     else:
         ckpt = synthetic_checkpoint_in_memory(args.model, seed=args.seed, routing_skew=args.skew, device=device,
                                               dtype=dtype, num_layers=args.layers, progress=False)

@@ -1,7 +1,7 @@
 """Where a graphed decode step's time goes (issue 11): per-kernel-class device time against its HBM floor.
 
-Builds the ``--layers``-layer synthetic model (``decode_floor_gpu.fast_checkpoint``), a ``static`` engine,
-warms it up (kernels compiled, decode graphs captured), then per batch size ``b``:
+Builds the ``--layers``-layer synthetic model (``rimuru.models.synthetic_memory.repeated_layer_checkpoint``),
+a ``static`` engine, warms it up (kernels compiled, decode graphs captured), then per batch size ``b``:
 
 1. ``step``: median wall time of ``LLM.step()`` (a graph replay plus the host work around it);
 2. ``replay``: median device time of the bucket's graph replayed back to back (CUDA events), so
@@ -34,13 +34,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from decode_floor_gpu import fast_checkpoint  # noqa: E402
 
 from rimuru.engine.llm import LLM  # noqa: E402
 from rimuru.engine.modeled.reference import e2e_scaled_budget  # noqa: E402
 from rimuru.engine.sampling_params import SamplingParams  # noqa: E402
 from rimuru.engine.step_floor import HBM_BPS, decode_floor  # noqa: E402
 from rimuru.models.spec import ModelSpec  # noqa: E402
+from rimuru.models.synthetic_memory import repeated_layer_checkpoint  # noqa: E402
 from rimuru.provenance import provenance  # noqa: E402
 from rimuru.units import parse_bytes  # noqa: E402
 
@@ -184,7 +184,8 @@ def main() -> None:
     ceil = ceilings(device)
     torch.cuda.empty_cache()
     print("ceilings", json.dumps({k: round(v, 3) for k, v in ceil.items()}), flush=True)
-    ckpt = fast_checkpoint(args.model, args.layers, args.seed, 0.7, device, dtype)
+    ckpt = repeated_layer_checkpoint(args.model, args.layers, seed=args.seed, routing_skew=0.7, device=device,
+                                     dtype=dtype)
     spec = ckpt.spec
     budget = e2e_scaled_budget(ModelSpec.from_pretrained(args.model), spec, parse_bytes(args.static_budget),
                                "static", dtype)
