@@ -39,7 +39,7 @@ from rimuru.engine.sampling_params import SamplingParams  # noqa: E402
 from rimuru.engine.step_floor import decode_floor  # noqa: E402
 from rimuru.kernels.compiles import compile_count  # noqa: E402
 from rimuru.models.spec import ModelSpec  # noqa: E402
-from rimuru.models.synthetic_memory import repeated_layer_checkpoint, synthetic_checkpoint_in_memory  # noqa: E402
+from rimuru.models.synthetic_memory import SyntheticCheckpoint  # noqa: E402
 from rimuru.provenance import provenance  # noqa: E402
 from rimuru.units import parse_bytes  # noqa: E402
 
@@ -116,12 +116,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    if args.fast_synth:
-        ckpt = repeated_layer_checkpoint(args.model, args.layers, seed=args.seed, routing_skew=args.skew, device=device,
-                                         dtype=dtype)
-    else:
-        ckpt = synthetic_checkpoint_in_memory(args.model, seed=args.seed, routing_skew=args.skew, device=device,
-                                              dtype=dtype, num_layers=args.layers, progress=False)
+    ckpt = SyntheticCheckpoint(args.model, args.seed, args.skew, args.layers, repeat_first_layer=args.fast_synth).load(
+        device, dtype)
     print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     full = ModelSpec.from_pretrained(args.model)
     rng = np.random.default_rng(args.seed)

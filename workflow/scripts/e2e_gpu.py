@@ -41,7 +41,7 @@ from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.step_floor import decode_floor, floor_summary
 from rimuru.engine.timeline import stall_mask
 from rimuru.models.spec import ModelSpec
-from rimuru.models.synthetic_memory import repeated_layer_checkpoint, synthetic_checkpoint_in_memory
+from rimuru.models.synthetic_memory import SyntheticCheckpoint
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
 from rimuru.workloads.trace import read_trace
@@ -100,12 +100,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()
-    if args.fast_synth:
-        ckpt = repeated_layer_checkpoint(args.model, args.layers, seed=args.seed, routing_skew=args.skew, device=device,
-                                         dtype=dtype)
-    else:
-        ckpt = synthetic_checkpoint_in_memory(args.model, seed=args.seed, routing_skew=args.skew, device=device,
-                                              dtype=dtype, num_layers=args.layers, progress=False)
+    ckpt = SyntheticCheckpoint(args.model, args.seed, args.skew, args.layers, repeat_first_layer=args.fast_synth).load(
+        device, dtype)
     print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     full = ModelSpec.from_pretrained(args.model)
     trace = read_trace(args.trace)[: args.num_requests]
