@@ -236,7 +236,7 @@ class DeviceTableExperts:
             self._counts.zero_()
             return
         layers = [m for m, _ in self._step_ids]
-        ids = torch.stack([t.reshape(-1).long() for _, t in self._step_ids])  # [M, T*k]
+        ids = torch.stack([t.reshape(-1) for _, t in self._step_ids]).long()  # [M, T*k]: one copy, one cast
         used = torch.zeros(len(layers), self.num_experts, dtype=torch.bool, device=ids.device)
         used.scatter_(1, ids, True)
         first, last = layers[0], layers[-1]

@@ -31,7 +31,8 @@ from rimuru.kernels.attention_reference import (
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a decode split's fixed cost dominates its KV reads
-MAX_SPLITS = 64  # the heuristic's cap; the merge kernel is compiled once for up to this many splits
+MAX_SPLITS = 64  # the heuristic's cap
+REDUCE_SPLITS = 8  # splits the merge kernel reads per iteration (one compiled variant for any split count)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -288,19 +289,27 @@ def decode_reduce_kernel(
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
     ran = tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, min_tokens, BLOCK_N))
-    offs_s = tl.arange(0, BLOCK_S)
-    s_valid = offs_s < ran
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < head_dim
-    lse = tl.load(part_lse_ptr + req.to(tl.int64) * stride_lr + head * stride_lh + offs_s,
-                  mask=s_valid, other=float("-inf"))  # [BLOCK_S]
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    weight = tl.where(s_valid, weight, 0.0)
-    parts = tl.load(part_out_ptr + req.to(tl.int64) * stride_pr + head * stride_ph
-                    + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-    total = tl.sum(weight, 0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.where(total > 0, total, 1.0)  # empty request: zeros
+    lse_row = part_lse_ptr + req.to(tl.int64) * stride_lr + head * stride_lh
+    out_row = part_out_ptr + req.to(tl.int64) * stride_pr + head * stride_ph
+    # BLOCK_S splits at a time, merged online (running max m, weight sum, weighted sum), so the tile stays small
+    m = tl.max(tl.full([BLOCK_S], -1.0e30, dtype=tl.float32), 0)
+    total = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, ran, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_valid = offs_s < ran
+        lse = tl.load(lse_row + offs_s, mask=s_valid, other=float("-inf"))  # [BLOCK_S]
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        alpha = tl.exp2(m - m_new)
+        weight = tl.where(s_valid, tl.exp2(lse - m_new), 0.0)
+        parts = tl.load(out_row + offs_s[:, None] * stride_ps + offs_d[None, :],
+                        mask=s_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+        acc = acc * alpha + tl.sum(parts * weight[:, None], 0)
+        total = total * alpha + tl.sum(weight, 0)
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)  # empty request: zeros
     tl.store(out_ptr + req.to(tl.int64) * stride_or + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=d_valid)
 
@@ -478,7 +487,7 @@ def decode_attention(
             head_dim, num_splits, min_tokens,
             part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
-            BLOCK_S=MAX_SPLITS, BLOCK_D=block_d, BLOCK_N=block_n,
+            BLOCK_S=REDUCE_SPLITS, BLOCK_D=block_d, BLOCK_N=block_n, num_warps=2,
         )
     return out
 

@@ -119,9 +119,9 @@ def test_bf16_kernel_on_gpu_at_qwen3_shapes_within_1e2_of_fp32_reference(T):
     assert _rel(got, ref) <= 1e-2
 
 
-# (600, 64, 8, 16): more pairs than FUSED_SCATTER_MAX_PAIRS, so two launches
+# (37, 16, 4, 8) and (1, 128, 8, 16): one launch; the others have more pairs than FUSED_SCATTER_MAX_PAIRS: two
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
-@pytest.mark.parametrize("T,E,k,bm", [(37, 16, 4, 8), (1, 128, 8, 16), (300, 256, 8, 64), (600, 64, 8, 16)])
+@pytest.mark.parametrize("T,E,k,bm", [(37, 16, 4, 8), (1, 128, 8, 16), (300, 256, 8, 64), (40, 64, 8, 16)])
 def test_alignment_puts_every_pair_once_in_single_expert_blocks(impl, T, E, k, bm):
     gen = torch.Generator().manual_seed(T)
     ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32)

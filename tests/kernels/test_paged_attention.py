@@ -147,6 +147,21 @@ def test_triton_decode_matches_reference_for_any_split_count(num_splits):
 
 
 @needs_triton
+def test_triton_decode_splits_each_request_by_its_own_length_and_merges_many_splits():
+    """Each request cuts its own KV into the grid's splits (a short one uses few, a long one many), and the merge
+    kernel folds more splits than it reads at once (REDUCE_SPLITS) online."""
+    seq_lens = [300, 5, 0, 129]
+    batch = PagedBatch(q_lens=[1] * len(seq_lens), seq_lens=[max(s, 1) for s in seq_lens], group=2, seed=5)
+    batch.seq_lens_t[2] = 0  # a padding row
+    out = decode_attention(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale, max_seq_len=320,
+                           out=batch.poisoned_out(), num_splits=20, block_n=16, min_tokens_per_split=16)
+    ref = decode_attention_reference(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    keep = [0, 1, 3]
+    assert rel_err(out[keep], ref[keep]) <= 1e-5
+
+
+@needs_triton
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_triton_decode_writes_zeros_for_an_empty_padding_row(num_splits):
     """A captured decode batch pads to its bucket with seq_len-0 rows: they must come out finite (zero)."""
