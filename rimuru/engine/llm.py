@@ -214,8 +214,11 @@ class LLM:
             raise self.tp_group.fail(exc) from exc
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (a no-op on one device)."""
+        """Stop the tensor-parallel workers (a no-op on one device). The decode graphs go first: with tensor
+        parallelism they hold captured collectives of the group being closed."""
         if self.tp_group is not None:
+            if self._local_executor is not None:
+                self._local_executor.drop_graphs()
             self.tp_group.close()
 
     def _decode_graphs(self, host_weights: torch.Tensor) -> DecodeGraphs | None:

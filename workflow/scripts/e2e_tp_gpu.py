@@ -218,6 +218,7 @@ def main() -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+        log("static part done, engines closed")
     if not args.skip_serving:
         e2e_part(args, full, trace, common, out, cuda)
     if args.hybrid_model and time.perf_counter() - T0 < args.deadline_s:
@@ -290,6 +291,7 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
             pd.DataFrame(step_rows).to_csv(out / "step_tp.csv", index=False)
             pd.DataFrame(ar_rows).to_csv(out / "all_reduce.csv", index=False)
     finally:
+        log("closing the TP engine")
         many.close()
         del one, many
 
