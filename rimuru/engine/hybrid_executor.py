@@ -16,6 +16,8 @@ from rimuru.models.qwen3_5_moe import Qwen35MoeModel, StateMetadata
 from rimuru.models.qwen_moe import ExpertProvider
 from rimuru.models.spec import ModelSpec
 
+_WARMUP = "__warmup_states__"
+
 
 def build_hybrid(spec: ModelSpec, dense: dict[str, torch.Tensor], config: EngineConfig, pool: PagePool,
                  cache: HybridCacheManager, experts: ExpertProvider, device: torch.device,
@@ -47,6 +49,17 @@ class HybridExecutor(TorchExecutor):
         return StateMetadata(ssm_ids=torch.from_numpy(ssm).to(dev), conv_ids=torch.from_numpy(conv).to(dev),
                              fresh=torch.from_numpy(fresh).to(dev), cu_seqlens=meta.cu_query_lens,
                              max_query_len=meta.max_query_len, is_pure_decode=meta.is_pure_decode)
+
+    def warmup_states(self) -> None:
+        """Compile the GDN kernels before serving (``Qwen35MoeModel.warmup_states``) on one request's worth of
+        state pages taken from the allocator and given back: no page another request or an expert holds."""
+        states = self.cache.states
+        states.allocate(_WARMUP)
+        try:
+            self.model.warmup_states(self.ssm_view, self.conv_view, int(states.ssm_pages(_WARMUP)[0]),
+                                     int(states.conv_pages(_WARMUP)[0]))
+        finally:
+            states.free(_WARMUP)
 
     def execute(self, out: SchedulerOutput, graphed: bool | None = None) -> torch.Tensor:
         """Eager only (no decode graphs for hybrid models yet): ``graphed`` is accepted and must not be True."""

@@ -545,6 +545,8 @@ class LLM:
             weights = torch.full((m, k), 1.0 / k, device=dev)
             fused_moe(torch.randn(m, spec.hidden_size, device=dev, dtype=dtype), weights, ids,
                       self.pool.view(EXPERT).tensor, table)
+        if spec.is_hybrid:  # GDN decode, fla's chunked prefill (autotuned once), the conv update
+            self.executor.warmup_states()
         if self.graphs is not None and not self.graphs.graphs:
             self.graphs.capture()
         torch.cuda.synchronize(dev)

@@ -26,7 +26,7 @@ from rimuru.experts.moe_block import MoeLayerWeights
 from rimuru.kernels.gdn import causal_conv1d, gated_delta_rule
 from rimuru.kernels.gdn_reference import gated_rms_norm
 from rimuru.kernels.paged_attention import paged_attention, write_kv
-from rimuru.models.attention_layer import AttentionMetadata
+from rimuru.models.attention_layer import AttentionConfig, AttentionMetadata
 from rimuru.models.qwen_moe import ExpertProvider, QwenMoeModel, _identity
 from rimuru.models.rope import RotaryEmbedding
 from rimuru.models.spec import ModelSpec
@@ -150,6 +150,7 @@ class Qwen35MoeModel(QwenMoeModel):
         self.w = dense
         self.moe_impl = moe_impl
         rope = RotaryEmbedding.from_spec(spec, device=device)
+        self.attention_config = AttentionConfig.from_spec(spec, comm.shard)  # this rank's attention shapes (warm-up)
         self.kv_index = {layer: i for i, layer in enumerate(spec.full_attention_layers)}
         self.gdn_index = {layer: i for i, layer in enumerate(spec.linear_attention_layers)}
         self.mixers: list[GatedAttention | GatedDeltaNet] = [
@@ -161,6 +162,25 @@ class Qwen35MoeModel(QwenMoeModel):
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
         self.routing_counts = None
         self._reduce = comm.all_reduce if comm.world_size > 1 else _identity
+
+    @torch.inference_mode()
+    def warmup_states(self, ssm: torch.Tensor, conv: torch.Tensor, ssm_page: int, conv_row: int) -> None:
+        """Compile every GDN kernel variant a run launches (decode, fla's chunked prefill and its autotuning, the
+        conv update) through the first GDN layer, before any request: a decode step of two requests and a
+        prefill step of two chunks (17 and 64 tokens), both on the SSM page and conv rows given (the caller
+        holds them; whoever gets them next starts from zero states)."""
+        if not self.gdn_index:
+            return
+        mixer = self.mixers[next(iter(self.gdn_index))]
+        dev, dtype = mixer.in_proj_qkv.device, mixer.in_proj_qkv.dtype
+        for lens in ((1, 1), (17, 64)):
+            n = len(lens)
+            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+            st = StateMetadata(ssm_ids=torch.full((1, n), ssm_page, dtype=torch.int32, device=dev),
+                               conv_ids=torch.full((1, n), conv_row, dtype=torch.int32, device=dev),
+                               fresh=torch.ones(n, dtype=torch.int32, device=dev), cu_seqlens=cu,
+                               max_query_len=max(lens), is_pure_decode=max(lens) == 1)
+            mixer(torch.randn(int(cu[-1]), self.spec.hidden_size, device=dev, dtype=dtype), st, 0, ssm, conv)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_view, expert_view: torch.Tensor,

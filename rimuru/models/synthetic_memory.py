@@ -25,7 +25,11 @@ from rimuru.models.spec import ModelSpec
 def synthetic_checkpoint_in_memory(config_name_or_path: str | Path, *, seed: int = 0,
                                    dtype: torch.dtype = torch.bfloat16, routing_skew: float | None = None,
                                    device: str | torch.device = "cpu", num_layers: int | None = None,
-                                   progress: bool = True, shard: Shard = ONE_RANK) -> LoadedCheckpoint:
+                                   progress: bool = True, shard: Shard = ONE_RANK,
+                                   generate_on_device: bool = False) -> LoadedCheckpoint:
+    """``generate_on_device``: draw the random numbers on ``device`` (a GPU: seconds instead of the minutes a
+    paper-scale layer stack costs on a few CPU cores), with that device's generator: other values than the
+    CPU-drawn checkpoint files, same recipes and distributions (see ``synthetic_tensors``)."""
     config = hub_config(config_name_or_path)
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
@@ -42,7 +46,8 @@ def synthetic_checkpoint_in_memory(config_name_or_path: str | Path, *, seed: int
         from tqdm.auto import tqdm
 
         with tqdm(total=total, desc="synthesize experts", unit="proj", disable=not progress) as bar:
-            for name, tensor in synthetic_tensors(tmp, seed, dtype, routing_skew):
+            for name, tensor in synthetic_tensors(tmp, seed, dtype, routing_skew,
+                                                  device=device if generate_on_device else None):
                 if m := _PER_EXPERT.search(name):
                     store.set_projection(int(m.group(1)), int(m.group(2)), _PROJ[m.group(3)], tensor)
                     bar.update(1)
@@ -61,6 +66,7 @@ class SyntheticCheckpoint:
     routing_skew: float | None = None
     num_layers: int | None = None
     repeat_first_layer: bool = False  # synthesize layer 0 only and repeat it (seconds instead of minutes)
+    generate_on_device: bool = False  # random numbers drawn on the load's device (synthetic_checkpoint_in_memory)
 
     @property
     def name(self) -> str:
@@ -72,7 +78,8 @@ class SyntheticCheckpoint:
                                              routing_skew=self.routing_skew, device=device, shard=shard)
         return synthetic_checkpoint_in_memory(self.config, seed=self.seed, dtype=dtype,
                                               routing_skew=self.routing_skew, device=device,
-                                              num_layers=self.num_layers, progress=False, shard=shard)
+                                              num_layers=self.num_layers, progress=False, shard=shard,
+                                              generate_on_device=self.generate_on_device)
 
 
 def repeated_layer_checkpoint(config_name_or_path: str | Path, num_layers: int | None, *, seed: int = 0,

@@ -81,3 +81,44 @@ def test_abort_and_preemption_return_every_state_page(ckpt, tight):
     assert_all_state_pages_returned(llm)
     stats = llm.allocator.stats()
     assert stats[SSM]["carved_free"] == stats[SSM]["split"] == 0, "SSM pages did not merge back into huge pages"
+
+
+def test_state_warmup_gives_its_pages_back_and_changes_no_output(ckpt, reference):
+    llm = engine(ckpt, gpu_memory_budget="400MiB", policy="static")
+    llm.executor.warmup_states()  # LLM.warmup runs it on CUDA; here on the reference kernels
+    llm.check_integrity()
+    assert_all_state_pages_returned(llm)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference
+
+
+@pytest.fixture(scope="module")
+def reference_cuda(model_dir):
+    """transformers' generate on CUDA: where fla-core imports, transformers' Qwen3.5 takes its kernels, which cannot
+    run on CPU tensors (its torch causal conv and our conv and decode kernels stay independent of each other)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().cuda()
+    outs = []
+    for p in PROMPTS:
+        ids = torch.tensor([p], device="cuda")
+        with torch.no_grad():
+            g = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
+                               attention_mask=torch.ones_like(ids), pad_token_id=0)
+        outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["static", "elastic"])
+def test_gpu_greedy_matches_transformers(model_dir, reference_cuda, policy):
+    """The CUDA path (Triton GDN decode and conv, fla's chunked prefill, paged attention, fused MoE) on the fp32
+    tiny hybrid against transformers' generate."""
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    llm = LLM(str(model_dir), device="cuda", dtype=torch.float32, gpu_memory_budget="2GiB", policy=policy)
+    info = llm.warmup()
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    llm.check_integrity()
+    assert_all_state_pages_returned(llm)
+    assert [o.output_token_ids for o in outs] == reference_cuda
+    assert sum(r.compiles for r in llm.timeline.records) == 0, f"compiles after warm-up {info}"

@@ -56,9 +56,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3.5-35b-a3b")
     ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--sections", default="decode,conv,prefill",
+                    help="which to time (comma-separated): decode (sweep + batches), conv, prefill")
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script's logic (interpreted Triton)")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= {"decode", "conv", "prefill"}:
+        raise SystemExit(f"--sections: choose from decode, conv, prefill; got {args.sections!r}")
     dev = torch.device(args.device)
     spec = ModelSpec.from_pretrained(args.model)
     h, hv = spec.linear_num_key_heads, spec.linear_num_value_heads
@@ -98,17 +103,18 @@ def main() -> None:
     q, kk, vv, decay, beta = inputs(n, h, hv, k, v, dev)
     perm = torch.randperm(pages, device=dev)[:n].to(torch.int32)
     zeros = torch.zeros(n, dtype=torch.int32, device=dev)
-    for bv in (16, 32, 64):
+    for bv in (16, 32, 64) if "decode" in sections else ():
         for warps in (2, 4, 8):
             ms = do_bench(lambda bv=bv, warps=warps: gdn_decode(q, kk, vv, decay, beta, ssm, perm, zeros,
                                                                  block_v=bv, num_warps=warps), warmup=10, rep=100)
             row("gdn_decode_sweep", "triton (paged, in place)", n, n, ms, 2 * n * state_bytes, block_v=bv,
                 num_warps=warps)
     sweep = [r for r in rows if r["kernel"] == "gdn_decode_sweep"]
-    best = min(sweep, key=lambda r: r["time_us"])
-    bv, warps = best["block_v"], best["num_warps"]
-    print(f"best decode launch at batch 64: BV={bv}, {warps} warps", flush=True)
-    for n in batches:
+    if sweep:
+        best = min(sweep, key=lambda r: r["time_us"])
+        bv, warps = best["block_v"], best["num_warps"]
+        print(f"best decode launch at batch 64: BV={bv}, {warps} warps", flush=True)
+    for n in batches if "decode" in sections else ():
         q, kk, vv, decay, beta = inputs(n, h, hv, k, v, dev, seed=n)
         perm = torch.randperm(pages, device=dev)[:n].to(torch.int32)
         zeros = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -141,7 +147,7 @@ def main() -> None:
     # ---- causal conv1d (Triton, rows in place)
     conv = torch.randn(pages * 4, conv_dim, device=dev, dtype=torch.bfloat16)
     weight = torch.randn(conv_dim, width, device=dev, dtype=torch.bfloat16) * 0.3
-    for n, length in ((64, 1), (256, 1), (4, 1024)):
+    for n, length in ((64, 1), (256, 1), (4, 1024), (1, 4096)) if "conv" in sections else ():
         t = n * length
         x = torch.randn(t, conv_dim, device=dev, dtype=torch.bfloat16)
         cu = torch.arange(0, t + 1, length, dtype=torch.int32, device=dev)
@@ -160,7 +166,7 @@ def main() -> None:
     save(rows, args.out, copy_bps)
 
     # ---- prefill: fla chunk over the packed batch, states through the pages (CUDA only)
-    for n, length in ((1, 4096), (4, 1024), (16, 256)) if dev.type == "cuda" else ():
+    for n, length in ((1, 4096), (4, 1024), (16, 256)) if dev.type == "cuda" and "prefill" in sections else ():
         t = n * length
         q, kk, vv, decay, beta = inputs(t, h, hv, k, v, dev, seed=t)
         cu = torch.arange(0, t + 1, length, dtype=torch.int32, device=dev)

@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
-# One device call for the hybrid (issue 12): GDN kernel timings against their bandwidth floors, then the scaled
-# Qwen3.5-35B-A3B end to end (elastic, fixed, static; 24 GiB budget scaled to the layers kept).
-# fla-core is not on the GPU box (no network): carry its wheel in .whl/ (pip download fla-core==0.6.0 --no-deps
-# -d .whl; einops likewise) and the token trace in .device/ (`rimuru workload --token-ids`).
-# Usage on the GPU box: OUT=/tmp/out [WHL_DIR=.whl TRACE=.device/trace_sharegpt_400.jsonl] bash workflow/scripts/device_hybrid.sh
+# One device call for the hybrid (issue 12): the hybrid's GPU tests (Triton GDN/conv kernels and fla's chunked
+# prefill against the torch reference; greedy of the fp32 tiny hybrid on CUDA against transformers), GDN kernel
+# timings against their bandwidth floors (SECTIONS: decode, conv, prefill), then the scaled Qwen3.5-35B-A3B end to
+# end (weights drawn on the GPU; elastic, fixed, static; 24 GiB budget scaled to the layers kept by the engine's
+# MemoryPolicy plan; ABBA repeats after a discarded warm-up pass).
+# fla-core is not on the GPU box (no network): carry its wheel and einops' in .whl/ (pip download --no-deps -d .whl
+# fla-core==0.6.0 einops==0.8.2), installed with --target into $PYLIB; the token trace in .device/
+# (`rimuru workload sharegpt-all-at-once --token-ids --num-requests 400 --seed 0 --out .device/trace_sharegpt_400.jsonl`).
+# Usage on the GPU box: OUT=/tmp/out RIMURU_COMMIT=<commit> bash workflow/scripts/device_hybrid.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
+PYLIB=${PYLIB:-/tmp/pylib}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps "${WHL_DIR:-.whl}"/*.whl 2>&1 | tail -2
+python3 -m pip install -q --no-index --no-deps --target "$PYLIB" "${WHL_DIR:-.whl}"/*.whl 2>&1 | tail -2
+# TRITON_CACHE_AUTOTUNING: fla's autotuning results are kept on disk, so the e2e process reuses the kernel bench's
+export PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYLIB" TRITON_CACHE_AUTOTUNING=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 python3 -c "import torch, triton, transformers, fla; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__, 'fla', fla.__version__)"
-timeout "${KERNEL_S:-80}" python3 workflow/scripts/bench_gdn_gpu.py --out "$OUT/kernel" 2>&1 | grep -v Warn | tail -45
-timeout "${E2E_S:-110}" python3 workflow/scripts/e2e_gpu.py --model qwen3.5-35b-a3b --layers "${LAYERS:-4}" --skew 0.7 \
-  --budget 24GiB --static-budget 80GiB --trace "${TRACE:-.device/trace_sharegpt_400.jsonl}" --num-requests "${NREQ:-64}" \
-  --runs "${RUNS:-elastic:burst,fixed:burst,static:burst}" --calibration-prompts 32 --out "$OUT/e2e" 2>&1 \
-  | grep -v Warn | tail -30
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout "${TESTS_S:-70}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn.py \
+    tests/engine/test_hybrid.py 2>&1 | grep -v Warn | tail -12
+fi
+timeout "${KERNEL_S:-60}" python3 workflow/scripts/bench_gdn_gpu.py --sections "${SECTIONS:-conv,prefill}" \
+  --out "$OUT/kernel" 2>&1 | grep -v Warn | grep -v '^{' | tail -12
+timeout "${E2E_S:-150}" python3 workflow/scripts/e2e_gpu.py --model qwen3.5-35b-a3b --layers "${LAYERS:-4}" --skew 0.7 \
+  --gpu-synth --budget 24GiB --static-budget 80GiB --trace "${TRACE:-.device/trace_sharegpt_400.jsonl}" \
+  --num-requests "${NREQ:-64}" --max-output "${MAX_OUTPUT:-128}" --rate "${RATE:-16}" --warmup-requests 32 \
+  --runs "${RUNS:-elastic:burst,fixed:burst,elastic:poisson,fixed:poisson}" --repeats "${REPEATS:-2}" \
+  --calibration-prompts 32 --out "$OUT/e2e" 2>&1 | grep -v Warn | tail -"${TAIL:-45}"

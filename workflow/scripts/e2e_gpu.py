@@ -23,6 +23,7 @@ arrival at 0): the Poisson rows' arrival times differ from what this version dra
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -34,12 +35,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rimuru.bench.ab import abba_order, summarize
 from rimuru.bench.inproc import serve_trace as serve
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.reference import e2e_scaled_budget
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.step_floor import decode_floor, floor_summary
 from rimuru.engine.timeline import stall_mask
+from rimuru.memory import CONV, KV, SSM
 from rimuru.models.spec import ModelSpec
 from rimuru.models.synthetic_memory import SyntheticCheckpoint
 from rimuru.provenance import provenance
@@ -79,6 +82,7 @@ def main() -> None:
     ap.add_argument("--trace", required=True, help="JSONL with prompt_token_ids and output_len")
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson rate for the second workload")
+    ap.add_argument("--max-output", type=int, default=0, help="cap each request's output length (0: the trace's)")
     ap.add_argument("--runs", default="elastic:burst,fixed:burst,elastic:poisson,fixed:poisson,static:burst")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
@@ -92,6 +96,9 @@ def main() -> None:
                     help="a discarded pass of the trace's first N requests through each engine before measuring")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (today's eager path)")
     ap.add_argument("--fast-synth", action="store_true", help="repeated_layer_checkpoint (layer-0 copies)")
+    ap.add_argument("--gpu-synth", action="store_true",
+                    help="draw the synthetic weights on the device (its generator: other values than the CPU's, same "
+                         "recipes; seconds instead of minutes for a paper-scale model's layers on the host CPU)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -100,13 +107,16 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()
-    ckpt = SyntheticCheckpoint(args.model, args.seed, args.skew, args.layers, repeat_first_layer=args.fast_synth).load(
-        device, dtype)
+    ckpt = SyntheticCheckpoint(args.model, args.seed, args.skew, args.layers, repeat_first_layer=args.fast_synth,
+                               generate_on_device=args.gpu_synth).load(device, dtype)
     print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     full = ModelSpec.from_pretrained(args.model)
     trace = read_trace(args.trace)[: args.num_requests]
     if any(r.prompt_token_ids is None for r in trace):
         raise SystemExit(f"{args.trace}: write the trace with `rimuru workload --token-ids`")
+    if args.max_output:
+        trace = [dataclasses.replace(r, output_len=min(r.output_len, args.max_output)) for r in trace]
+    cap = f", outputs <= {args.max_output}" if args.max_output else ""
 
     # hotset: route calibration prompts (the first 64 of the trace, truncated) with every expert resident
     prof = LLM(ckpt, gpu_memory_budget=args.profile_budget, policy="static", record_routing=True, seed=args.seed,
@@ -126,10 +136,7 @@ def main() -> None:
 
     rows, floors = [], []
     (out / "timelines.csv").unlink(missing_ok=True)
-    runs = args.runs.split(",")
-    schedule = []  # ABBA: forward, backward, forward, ...
-    for r in range(args.repeats):
-        schedule += [(run, r) for run in (runs if r % 2 == 0 else runs[::-1])]
+    schedule = abba_order(args.runs.split(","), args.repeats)  # A B B A ...
     for order, (run, repeat) in enumerate(schedule):
         policy, workload = run.split(":")
         budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
@@ -150,6 +157,8 @@ def main() -> None:
             llm.timeline.records.clear()
             base = llm.stats()
         metrics, duration = serve(llm, trace, rate, args.seed)
+        # pages a finished run still holds (a hybrid's SSM and conv states, KV): 0 unless a request leaked them
+        left = sum(llm.allocator.num_allocated(cls) for cls in ((SSM, CONV, KV) if llm.spec.is_hybrid else (KV,)))
         stats = llm.stats()
         frame = llm.timeline.frame()
         frame.to_csv(out / f"timeline_{policy}_{workload}_r{repeat}.csv", index=False)
@@ -160,7 +169,7 @@ def main() -> None:
                        **floor_summary(decode_floor(frame, llm.spec))})
         stalls = int(stall_mask(frame).sum())
         rows.append({
-            "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew})", "policy": policy,
+            "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew}{cap})", "policy": policy,
             "budget_gib": budget_full / 2**30, "scaled_budget_gib": round(budget / 2**30, 3), "workload": workload,
             "request_rate": rate if rate else float("inf"), "num_requests": len(trace),
             "request_throughput": metrics["request_throughput"], "output_throughput": metrics["output_throughput"],
@@ -173,6 +182,7 @@ def main() -> None:
             "total_experts": llm.memory_report["total_experts"], "top32_share": round(top32, 4),
             "duration_s": duration, "repeat": repeat, "order": order, "stalls": stalls,
             "compiles": int(frame["compiles"].sum()), "cuda_graph_steps": int(frame["cuda_graph"].sum()),
+            "pages_left_after_run": left,
             **provenance(),
         })
         print(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "order", "request_throughput",
@@ -182,6 +192,9 @@ def main() -> None:
         print(json.dumps(floors[-1]), flush=True)
         pd.DataFrame(rows).to_csv(out / "e2e.csv", index=False)
         pd.DataFrame(floors).to_csv(out / "step_floor.csv", index=False)
+        summary = summarize([{**r, "variant": f"{r['policy']}:{r['workload']}", "duration": r["duration_s"]}
+                             for r in rows])  # per policy:workload: median, min-max spread, stalls, compiles
+        (out / "ab_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         del llm
         gc.collect()
         torch.cuda.empty_cache()
