@@ -4,10 +4,12 @@ with SSM and conv states in pool pages (greedy per policy: tests/engine/test_gre
 import pytest
 import torch
 
+from rimuru.engine.llm import LLM
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.state_manager import HybridCacheManager
 from rimuru.memory import CONV, SSM
 from tests.engine.tiny import (
+    MAX_TOKENS,
     PROMPTS,
     assert_all_state_pages_returned,
     engine,
@@ -94,19 +96,9 @@ def test_state_warmup_gives_its_pages_back_and_changes_no_output(ckpt, reference
 
 @pytest.fixture(scope="module")
 def reference_cuda(model_dir):
-    """transformers' generate on CUDA: where fla-core imports, transformers' Qwen3.5 takes its kernels, which cannot
-    run on CPU tensors (its torch causal conv and our conv and decode kernels stay independent of each other)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().cuda()
-    outs = []
-    for p in PROMPTS:
-        ids = torch.tensor([p], device="cuda")
-        with torch.no_grad():
-            g = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-                               attention_mask=torch.ones_like(ids), pad_token_id=0)
-        outs.append(g[0, len(p):].tolist())
-    return outs
+    """transformers on CUDA: where fla-core imports, transformers' Qwen3.5 takes its GDN kernels, which cannot run on
+    CPU tensors. Its causal conv (torch) and recurrent decode (fla) stay independent of our Triton kernels."""
+    return transformers_greedy(model_dir, device="cuda")
 
 
 @pytest.mark.gpu

@@ -24,14 +24,14 @@ def write_tiny(tmp_path_factory, name: str) -> Path:
     return out
 
 
-def transformers_greedy(model_dir: Path) -> list[list[int]]:
-    """transformers' own greedy continuation of each of ``PROMPTS`` (``MAX_TOKENS`` tokens)."""
+def transformers_greedy(model_dir: Path, device: str = "cpu") -> list[list[int]]:
+    """transformers' own greedy continuation of each of ``PROMPTS`` (``MAX_TOKENS`` tokens) on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(device)
     outs = []
     for p in PROMPTS:
-        ids = torch.tensor([p])
+        ids = torch.tensor([p], device=device)
         with torch.no_grad():
             g = model.generate(ids, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
                                attention_mask=torch.ones_like(ids), pad_token_id=0)
