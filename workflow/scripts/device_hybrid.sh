@@ -22,10 +22,10 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout "${TESTS_S:-70}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn.py \
     tests/engine/test_hybrid.py 2>&1 | grep -v Warn | tail -12
 fi
-timeout "${KERNEL_S:-60}" python3 workflow/scripts/bench_gdn_gpu.py --sections "${SECTIONS:-conv,prefill}" \
+timeout "${KERNEL_S:-50}" python3 workflow/scripts/bench_gdn_gpu.py --sections "${SECTIONS:-conv,prefill}" \
   --out "$OUT/kernel" 2>&1 | grep -v Warn | grep -v '^{' | tail -12
 timeout "${E2E_S:-150}" python3 workflow/scripts/e2e_gpu.py --model qwen3.5-35b-a3b --layers "${LAYERS:-4}" --skew 0.7 \
   --gpu-synth --budget 24GiB --static-budget 80GiB --trace "${TRACE:-.device/trace_sharegpt_400.jsonl}" \
-  --num-requests "${NREQ:-64}" --max-output "${MAX_OUTPUT:-128}" --rate "${RATE:-16}" --warmup-requests 32 \
-  --runs "${RUNS:-elastic:burst,fixed:burst,elastic:poisson,fixed:poisson}" --repeats "${REPEATS:-2}" \
+  --num-requests "${NREQ:-48}" --max-output "${MAX_OUTPUT:-48}" --rate "${RATE:-12}" --warmup-requests "${WARMUP:-16}" \
+  --runs "${RUNS:-elastic:poisson,fixed:poisson,elastic:burst,fixed:burst,static:burst}" --repeats "${REPEATS:-2}" \
   --calibration-prompts 32 --out "$OUT/e2e" 2>&1 | grep -v Warn | tail -"${TAIL:-45}"
