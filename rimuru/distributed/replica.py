@@ -29,32 +29,11 @@ from rimuru.experts.cache import ExpertCache
 Op = tuple  # ("kv_alloc", [(rid, total_tokens), ...]) | ("kv_free", rid) | ("expand", n) | ("shrink", n) | ("reclaim",)
 
 
-class RecordingKVCacheManager(KVCacheManager):
-    """A KV manager that logs its allocator-changing calls once ``oplog`` is set (rank 0 of a TP group)."""
+class _RecordsKVCalls:
+    """Mixed in before a KV manager class: logs ``allocate_many`` and ``free`` once ``oplog`` is set (rank 0 of a
+    TP group)."""
 
     oplog: list[Op] | None = None
-
-    def allocate_many(self, requests: list[tuple[str, int]]) -> None:  # allocate() comes through here too
-        super().allocate_many(requests)
-        if self.oplog is not None:
-            self.oplog.append(("kv_alloc", list(requests)))
-
-    def free(self, request_id: str) -> None:
-        super().free(request_id)
-        if self.oplog is not None:
-            self.oplog.append(("kv_free", request_id))
-
-
-class RecordingHybridCacheManager(HybridCacheManager):
-    """A hybrid model's cache manager (KV plus SSM and conv states) that logs its allocator-changing calls once
-    ``oplog`` is set. ``allocate`` is logged as a one-request ``allocate_many``: the same allocator calls."""
-
-    oplog: list[Op] | None = None
-
-    def allocate(self, request_id: str, total_tokens: int) -> None:
-        super().allocate(request_id, total_tokens)
-        if self.oplog is not None:
-            self.oplog.append(("kv_alloc", [(request_id, total_tokens)]))
 
     def allocate_many(self, requests: list[tuple[str, int]]) -> None:
         super().allocate_many(requests)
@@ -65,6 +44,21 @@ class RecordingHybridCacheManager(HybridCacheManager):
         super().free(request_id)
         if self.oplog is not None:
             self.oplog.append(("kv_free", request_id))
+
+
+class RecordingKVCacheManager(_RecordsKVCalls, KVCacheManager):
+    """A KV manager that logs its allocator-changing calls once ``oplog`` is set (``allocate`` goes through
+    ``allocate_many``)."""
+
+
+class RecordingHybridCacheManager(_RecordsKVCalls, HybridCacheManager):
+    """A hybrid model's cache manager (KV plus SSM and conv states) that logs its allocator-changing calls once
+    ``oplog`` is set. ``allocate`` is logged as a one-request ``allocate_many``: the same allocator calls."""
+
+    def allocate(self, request_id: str, total_tokens: int) -> None:
+        super().allocate(request_id, total_tokens)
+        if self.oplog is not None:
+            self.oplog.append(("kv_alloc", [(request_id, total_tokens)]))
 
 
 class RecordingExpertCache(ExpertCache):
