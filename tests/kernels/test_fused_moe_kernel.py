@@ -1,6 +1,5 @@
 """The Triton fused MoE vs the einsum reference, under TRITON_INTERPRET=1 on CPU (tiny shapes)."""
 
-import os
 import zlib
 
 import pytest
@@ -9,9 +8,7 @@ import torch
 from rimuru.experts.moe_reference import moe_reference
 from rimuru.kernels.fused_moe import MoeConfigs, MoeKernelConfig, fused_moe, fused_moe_experts
 from rimuru.kernels.moe_align import moe_align, moe_align_torch
-
-needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+from tests.markers import needs_triton
 
 
 def _pool(E, f, d, placement, gen, cache_pages=64, buffer_experts=None):

@@ -1,16 +1,13 @@
 """Fused RMSNorm and q/k-norm + RoPE kernels against the torch paths they replace (interpreted on CPU)."""
 
-import os
-
 import pytest
 import torch
 
 from rimuru.kernels.norm_rope import norm_rope, rms_norm_triton
 from rimuru.models.rms_norm import rms_norm
 from rimuru.models.rope import RotaryEmbedding
+from tests.markers import needs_triton
 
-needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-                                  reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -1,34 +1,23 @@
 """Paged attention: Triton kernels (interpreted on CPU) vs the torch reference vs SDPA on unpaged tensors."""
 
-import os
-import sys
-
 import pytest
 import torch
+import torch.nn.functional as F
 
-# Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1, which must be set before triton is first
-# imported (`make test` sets it). Alone, this module sets it itself; after another module imported triton it cannot.
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-needs_triton = pytest.mark.skipif(
-    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before triton is imported (make test sets it)")
-
-import torch.nn.functional as F  # noqa: E402
-
-from rimuru.kernels.attention_reference import (  # noqa: E402
+from rimuru.kernels.attention_reference import (
     decode_attention_reference,
     gather_kv,
     prefill_attention_reference,
     write_kv_reference,
 )
-from rimuru.kernels.paged_attention import (  # noqa: E402
+from rimuru.kernels.paged_attention import (
     decode_attention,
     paged_attention,
     prefill_attention,
     write_kv,
 )
-from rimuru.memory import KV, PagePool, PoolLayout  # noqa: E402
+from rimuru.memory import KV, PagePool, PoolLayout
+from tests.markers import needs_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,36 +1,25 @@
 """Attention sub-layer over paged KV vs transformers' own Qwen3MoeAttention / Qwen2MoeAttention."""
 
-import os
-import sys
-
 import pytest
 import torch
-
-# Triton kernels run on CUDA, or on CPU under TRITON_INTERPRET=1, which must be set before triton is first
-# imported (`make test` sets it). Alone, this module sets it itself; after another module imported triton it cannot.
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" and "triton" not in sys.modules:
-    os.environ["TRITON_INTERPRET"] = "1"
-needs_triton = pytest.mark.skipif(
-    not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="Triton kernels need CUDA or TRITON_INTERPRET=1 set before triton is imported (make test sets it)")
-
-from transformers import DynamicCache, Qwen2MoeConfig, Qwen3MoeConfig, Qwen3NextConfig  # noqa: E402
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention  # noqa: E402
-from transformers.models.qwen3_moe.modeling_qwen3_moe import (  # noqa: E402
+from transformers import DynamicCache, Qwen2MoeConfig, Qwen3MoeConfig, Qwen3NextConfig
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeAttention
+from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeAttention,
     Qwen3MoeRMSNorm,
     Qwen3MoeRotaryEmbedding,
 )
-from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb as hf_apply_rope  # noqa: E402
-from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding  # noqa: E402
-from transformers.models.qwen3_next.modeling_qwen3_next import (  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb as hf_apply_rope
+from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
+from transformers.models.qwen3_next.modeling_qwen3_next import (
     apply_rotary_pos_emb as hf_apply_partial_rope,
 )
 
-from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata  # noqa: E402
-from rimuru.models.rms_norm import rms_norm  # noqa: E402
-from rimuru.models.rope import RotaryEmbedding  # noqa: E402
-from rimuru.models.spec import ModelSpec  # noqa: E402
+from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
+from rimuru.models.rms_norm import rms_norm
+from rimuru.models.rope import RotaryEmbedding
+from rimuru.models.spec import ModelSpec
+from tests.markers import needs_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
