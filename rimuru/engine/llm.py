@@ -545,6 +545,18 @@ class LLM:
             weights = torch.full((m, k), 1.0 / k, device=dev)
             fused_moe(torch.randn(m, spec.hidden_size, device=dev, dtype=dtype), weights, ids,
                       self.pool.view(EXPERT).tensor, table)
+        # routing with and without a padding mask (graphs pass one, eager steps do not), and the fused residual
+        # add + RMSNorm for each addend shape (a sub-layer's output, a token's k expert rows) and a shared expert
+        from rimuru.kernels.norm_rope import add_rms_norm, topk_softmax
+
+        logits = torch.randn(2, experts, device=dev, dtype=dtype)
+        for valid in (None, torch.ones(2, 1, dtype=torch.bool, device=dev)):
+            topk_softmax(logits, k, spec.norm_topk_prob, valid)
+        h = torch.randn(2, spec.hidden_size, device=dev, dtype=dtype)
+        norm = torch.ones(spec.hidden_size, device=dev, dtype=dtype)
+        for addend in (h, torch.randn(2, k, spec.hidden_size, device=dev, dtype=dtype)):
+            for extra in (None, h):
+                add_rms_norm(h, addend, norm, spec.rms_norm_eps, extra=extra)
         if spec.is_hybrid:  # GDN decode, fla's chunked prefill (autotuned once), the conv update
             self.executor.warmup_states()
         if self.graphs is not None and not self.graphs.graphs:
