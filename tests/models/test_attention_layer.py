@@ -261,3 +261,18 @@ def test_gpu_bf16_layer_matches_fp32_transformers(kind):
         out = attn(x, cache.metadata(steps), cache.kv).float().cpu()
         want = torch.cat([expected[r][c: c + n] for r, c, n in steps])
         assert ((out - want).norm() / want.norm()).item() <= 2e-2, steps
+
+
+def test_fused_qkv_replaces_the_dict_entries_with_views_so_no_memory_is_added():
+    config, module = make_hf_attention("qwen2_moe")  # with q/k/v biases
+    weights = {f"model.layers.2.self_attn.{k}": v.clone() for k, v in module.state_dict().items()}
+    rope = RotaryEmbedding.from_spec(ModelSpec.from_hf_config(config))
+    cfg = AttentionConfig.from_spec(ModelSpec.from_hf_config(config))
+    before = {k: v.clone() for k, v in weights.items()}
+    attn = Attention(cfg, weights, 2, rope)
+    for kind, fused in (("weight", attn.qkv_weight), ("bias", attn.qkv_bias)):
+        for proj in ("q", "k", "v"):
+            entry = weights[f"model.layers.2.self_attn.{proj}_proj.{kind}"]
+            assert entry.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+            assert torch.equal(entry, before[f"model.layers.2.self_attn.{proj}_proj.{kind}"])
+    assert attn.qkv_weight.shape[0] == sum(attn.qkv_sizes)
