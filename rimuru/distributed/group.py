@@ -244,10 +244,11 @@ class TensorParallelGroup:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            # NCCL: abort, never destroy. Destroying finalizes the communicator, which may wait for peers that have
-            # already exited; the 2x H200 run of commit 2ddadc1 stalled for minutes right after closing a TP=2
-            # engine whose decode graphs had captured all-reduces (the eager-only engines before closed cleanly).
-            # Abort is local to this process and leaves the default group free for the next engine.
+            # NCCL: abort, never destroy. Destroying finalizes the communicator, which can hang once CUDA graphs have
+            # captured its collectives (PyTorch issue 115388) or wait for peers that already exited; the 2x H200 run
+            # of commit 2ddadc1 stalled for minutes right after closing a TP=2 engine whose decode graphs had
+            # captured all-reduces (the eager-only engines before closed cleanly). Abort is local to this process
+            # and leaves the default group free for the next engine.
             if self.backend == "nccl":
                 self._abort()
             else:

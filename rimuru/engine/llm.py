@@ -214,10 +214,13 @@ class LLM:
             raise self.tp_group.fail(exc) from exc
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers (a no-op on one device). The decode graphs go first: with tensor
-        parallelism they hold captured collectives of the group being closed."""
+        """Stop the tensor-parallel workers (a no-op on one device). The decode graphs are destroyed first: with
+        tensor parallelism they hold captured collectives of the group being closed, and an NCCL communicator
+        torn down while a graph still holds its collectives can hang (PyTorch issue 115388)."""
         if self.tp_group is not None:
-            if self._local_executor is not None:
+            graphs = self.graphs
+            if graphs is not None:
+                graphs.graphs.clear()  # the CUDA graphs themselves, whoever else still holds the DecodeGraphs
                 self._local_executor.drop_graphs()
             self.tp_group.close()
 
