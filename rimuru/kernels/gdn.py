@@ -5,8 +5,11 @@ What runs where, and why:
 
 * **causal conv1d** (prefill chunks and decode alike): our Triton kernel :func:`causal_conv1d_paged_kernel`
   reads each request's ``W - 1`` conv rows straight from the conv view by page id and writes the new rows
-  back in place. fla's and the ``causal-conv1d`` package's kernels take a dense ``[N, D, W]`` state (and
-  ``causal-conv1d`` is a CUDA extension built from source, unusable without a compiler on the target).
+  back in place; a chunk's tokens are split into tiles of ``CONV_TOKEN_TILE`` computed in parallel (the first
+  walked them one by one: 2.1 ms for one 4,096-token chunk on an H200, 67x its bytes floor,
+  results/reference/hybrid/gdn_prefill_conv_h200.csv; the tiled kernel is not measured on a GPU yet). fla's and
+  the ``causal-conv1d`` package's kernels take a dense ``[N, D, W]`` state (and ``causal-conv1d`` is a CUDA
+  extension built from source, unusable without a compiler on the target).
 * **GDN decode** (every request has one token): our Triton kernel :func:`gdn_decode_kernel` — one
   program per (request, value head, value tile) loads the ``[K, BV]`` state tile from the request's SSM
   page, applies decay, delta update and readout, and stores it back in place. fla's
@@ -29,6 +32,7 @@ import triton.language as tl
 from rimuru.kernels.gdn_reference import causal_conv1d_reference, gated_delta_rule_reference
 
 IMPLS = ("auto", "triton", "reference")
+CONV_TOKEN_TILE = 16  # tokens per conv program in a prefill chunk (at least the conv width - 1)
 
 
 def _use_reference(impl: str, t: torch.Tensor) -> bool:
@@ -40,34 +44,43 @@ def _use_reference(impl: str, t: torch.Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------- conv
 @triton.jit
 def causal_conv1d_paged_kernel(x, w, conv, conv_ids, cu_seqlens, fresh, out, D,
-                               W: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr, ACTIVATION: tl.constexpr):
-    """One program per (request, channel tile): ``out[t] = silu(sum_j w[:, j] * in[t + j - (W-1)])``,
-    ``in`` = the request's old conv rows followed by its tokens; then the last ``W - 1`` inputs become its rows."""
+                               W: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
+                               ACTIVATION: tl.constexpr):
+    """One program per (request, channel tile, tile of BT tokens): ``out[t] = silu(sum_j w[:, j] * in[t + j - (W-1)])``,
+    ``in`` = the request's old conv rows followed by its tokens; then the last ``W - 1`` inputs become its rows.
+    Only the first token tile reads the old rows (later tiles start at least ``BT >= W - 1`` tokens in, or do not
+    exist when a chunk fits one tile), so it alone writes the new rows, after its reads: no race between tiles."""
     n = tl.program_id(0)
     cols = tl.program_id(1) * BD + tl.arange(0, BD)
+    tile = tl.program_id(2)
     cmask = cols < D
     bos = tl.load(cu_seqlens + n).to(tl.int64)
     length = tl.load(cu_seqlens + n + 1).to(tl.int64) - bos
-    keep_old = tl.load(fresh + n + tl.zeros([BD], dtype=tl.int32)) == 0  # as a vector: masks stay [BD]
+    ts = tile * BT + tl.arange(0, BT).to(tl.int64)  # token index within the request's chunk
+    tmask = ts < length
+    keep_old = tl.load(fresh + n + tl.zeros([BT], dtype=tl.int32)) == 0  # as vectors: masks keep their shapes
     state = conv + tl.load(conv_ids + n).to(tl.int64) * D  # row r of the state at state + r * D
-    for t in range(0, length):
-        acc = tl.zeros([BD], dtype=tl.float32)
-        for j in tl.static_range(W):
-            idx = t + j - (W - 1) + tl.zeros([BD], dtype=tl.int64)  # input index from the step's first token
-            from_x = tl.load(x + (bos + idx) * D + cols, mask=cmask & (idx >= 0), other=0.0).to(tl.float32)
-            from_s = tl.load(state + (W - 1 + idx) * D + cols, mask=cmask & (idx < 0) & keep_old,
-                             other=0.0).to(tl.float32)
-            acc += (from_x + from_s) * tl.load(w + cols * W + j, mask=cmask, other=0.0).to(tl.float32)
-        if ACTIVATION:
-            acc = acc / (1.0 + tl.exp(-acc))
-        tl.store(out + (bos + t) * D + cols, acc.to(out.dtype.element_ty), mask=cmask)
-    # new rows: input index length - (W - 1) + r, from the tokens or, for short steps, from the old rows
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for j in tl.static_range(W):
+        idx = ts + (j - (W - 1))  # input index from the chunk's first token; < 0: the old rows
+        m_x = (tmask & (idx >= 0))[:, None] & cmask[None, :]
+        from_x = tl.load(x + (bos + idx)[:, None] * D + cols[None, :], mask=m_x, other=0.0).to(tl.float32)
+        m_s = (tmask & (idx < 0) & keep_old)[:, None] & cmask[None, :]
+        from_s = tl.load(state + (W - 1 + idx)[:, None] * D + cols[None, :], mask=m_s, other=0.0).to(tl.float32)
+        acc += (from_x + from_s) * tl.load(w + cols * W + j, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out + (bos + ts)[:, None] * D + cols[None, :], acc.to(out.dtype.element_ty),
+             mask=tmask[:, None] & cmask[None, :])
+    # new rows: input index length - (W - 1) + r, from the tokens or, for short chunks, from the old rows
     rows = tl.arange(0, BR)
     idx = length - (W - 1) + rows
-    rmask = (rows < W - 1)[:, None] & cmask[None, :]
+    first = (rows * 0 + tile) == 0
+    keep_rows = tl.load(fresh + n + tl.zeros([BR], dtype=tl.int32)) == 0
+    rmask = ((rows < W - 1) & first)[:, None] & cmask[None, :]
     from_x = tl.load(x + (bos + idx)[:, None] * D + cols[None, :], mask=rmask & (idx >= 0)[:, None], other=0.0)
     from_s = tl.load(state + (W - 1 + idx)[:, None] * D + cols[None, :],
-                     mask=rmask & (idx < 0)[:, None] & keep_old[None, :], other=0.0)
+                     mask=rmask & ((idx < 0) & keep_rows)[:, None], other=0.0)
     new = from_x.to(tl.float32) + from_s.to(tl.float32)
     tl.debug_barrier()  # every old row is read before any is overwritten
     tl.store(state + rows[:, None] * D + cols[None, :], new.to(conv.dtype.element_ty), mask=rmask)
@@ -76,7 +89,8 @@ def causal_conv1d_paged_kernel(x, w, conv, conv_ids, cu_seqlens, fresh, out, D,
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, conv_ids: torch.Tensor,
                   cu_seqlens: torch.Tensor, fresh: torch.Tensor, max_len: int, impl: str = "auto",
                   activation: bool = True) -> torch.Tensor:
-    """``x [T, D]``, ``weight [D, W]``, conv view ``[P, D]``, ``conv_ids/fresh [N]``, ``cu_seqlens [N+1]``."""
+    """``x [T, D]``, ``weight [D, W]``, conv view ``[P, D]``, ``conv_ids/fresh [N]``, ``cu_seqlens [N+1]``;
+    ``max_len``: the longest request's token count this call (sizes the grid's token-tile axis)."""
     if _use_reference(impl, x):
         return causal_conv1d_reference(x, weight, conv, conv_ids, cu_seqlens, fresh, activation)
     d, width = weight.shape
@@ -85,10 +99,12 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, con
                          f"conv view {tuple(conv.shape)}")
     out = torch.empty_like(x)
     n = conv_ids.shape[0]
-    bd = min(256, triton.next_power_of_2(d))
-    causal_conv1d_paged_kernel[(n, triton.cdiv(d, bd))](
+    # two token-tile heights only (decode: 1; any chunk: CONV_TOKEN_TILE >= W - 1), so warm-up compiles both
+    bt = 1 if max_len <= 1 else CONV_TOKEN_TILE
+    bd = min(128, triton.next_power_of_2(d))
+    causal_conv1d_paged_kernel[(n, triton.cdiv(d, bd), triton.cdiv(max(max_len, 1), bt))](
         x.contiguous(), weight.contiguous(), conv, conv_ids, cu_seqlens, fresh, out, d,
-        W=width, BR=triton.next_power_of_2(max(1, width - 1)), BD=bd, ACTIVATION=activation)
+        W=width, BT=bt, BR=triton.next_power_of_2(max(1, width - 1)), BD=bd, ACTIVATION=activation)
     return out
 
 

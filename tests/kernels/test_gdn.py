@@ -92,7 +92,7 @@ def test_conv_reference_matches_transformers_conv_fn_and_update():
     torch.testing.assert_close(conv[10:13], torch.cat([old[1:], x[7:8]]))
 
 
-@pytest.mark.parametrize("lens", [[1, 1, 1], [6, 1, 2, 9]])
+@pytest.mark.parametrize("lens", [[1, 1, 1], [6, 1, 2, 9], [40, 2, 17, 1]])  # the last: 3 and 2 token tiles of 16
 def test_triton_conv_matches_reference_and_writes_rows_in_place(lens):
     x, weight, conv, cu = conv_case(lens, seed=len(lens))
     ids = torch.tensor([0, 4, 8, 12][: len(lens)], dtype=torch.int32)
