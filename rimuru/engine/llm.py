@@ -561,7 +561,7 @@ class LLM:
             for extra in (None, h):
                 add_rms_norm(h, addend, norm, spec.rms_norm_eps, extra=extra)
         if spec.is_hybrid:  # GDN decode, fla's chunked prefill (autotuned once), the conv update
-            self.executor.warmup_states()
+            self._local_executor.warmup_states()  # this rank's executor (rank 0 of a TP group wraps it)
         if self.graphs is not None and not self.graphs.graphs:
             self.graphs.capture()
         torch.cuda.synchronize(dev)
