@@ -7,7 +7,6 @@ import torch
 
 from rimuru.engine.sampling_params import SamplingParams
 
-
 ARGMAX_BLOCK = 128  # vocabulary block of the CPU's two-level argmax
 
 

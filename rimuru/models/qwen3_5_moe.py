@@ -25,6 +25,7 @@ from rimuru.distributed.sharding import local_heads
 from rimuru.experts.moe_block import MoeLayerWeights
 from rimuru.kernels.gdn import causal_conv1d, gated_delta_rule
 from rimuru.kernels.gdn_reference import gated_rms_norm
+from rimuru.kernels.linear_cpu import projection
 from rimuru.kernels.paged_attention import paged_attention, write_kv
 from rimuru.models.attention_layer import AttentionConfig, AttentionMetadata
 from rimuru.models.qwen_moe import ExpertProvider, QwenMoeModel, _identity
@@ -160,6 +161,7 @@ class Qwen35MoeModel(QwenMoeModel):
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
+        self._lm_head = projection(self.lm_head)  # oneDNN prepacked on the CPU (kernels/linear_cpu.py)
         self.routing_counts = None
         self._reduce = comm.all_reduce if comm.world_size > 1 else _identity
 
@@ -203,4 +205,4 @@ class Qwen35MoeModel(QwenMoeModel):
             h = h + self._reduce(self._moe(layer, x, experts, expert_view) if layer in self.moe_index
                                  else self._mlp(f"{p}.mlp", x))
         h = zc_rms_norm(h[sample_index], w["model.norm.weight"], eps)
-        return F.linear(h, self.lm_head).float()
+        return self._lm_head(h).float()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from rimuru.distributed.comm import SINGLE, Communicator
 from rimuru.experts.moe_block import MoeLayerWeights, moe_forward, moe_forward_parts, route_layer
 from rimuru.experts.provider import ExpertProvider
+from rimuru.kernels.linear_cpu import projection
 from rimuru.kernels.norm_rope import add_rms_norm
 from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
 from rimuru.models.rms_norm import rms_norm
@@ -58,6 +59,7 @@ class QwenMoeModel:
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
+        self._lm_head = projection(self.lm_head)  # oneDNN prepacked on the CPU (kernels/linear_cpu.py)
         self.embed = dense["model.embed_tokens.weight"]
         self.final_norm = dense["model.norm.weight"]
         self.rope = rope
@@ -140,4 +142,4 @@ class QwenMoeModel:
                 h, x = add_rms_norm(h, self._reduce(self._dense_mlp(lw.mlp, x)), following, eps)
         if sample_index is not None:
             x = x[sample_index]  # the final norm is per row: normalising first gives the same rows
-        return F.linear(x, self.lm_head).float()
+        return self._lm_head(x).float()

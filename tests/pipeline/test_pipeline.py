@@ -114,6 +114,18 @@ def test_real_experiment_drives_a_server_and_our_policy_through_the_same_client(
     assert "vllm did not run" in md and "llamacpp did not run" in md  # no venvs in the test's copy
 
 
+def test_real_head_to_head_alternates_the_servers_and_records_the_load(ran):
+    """Smoke plumbing of the head-to-head: both servers up once, a warm-up and one measured pass each."""
+    passes = pd.read_csv(ran / "results/real/h2h/passes.csv")
+    assert list(passes["system"]) == ["fake", "rimuru", "fake", "rimuru"] * 2  # per workload: warm-ups, then AB
+    assert list(passes["measured"]) == [False, False, True, True] * 2
+    assert passes["load1_before"].ge(0).all() and passes["output_throughput"].gt(0).all()
+    h2h = pd.read_csv(ran / "results/real/h2h.csv")
+    assert set(h2h["system"]) == {"fake", "rimuru"} and (h2h["passes"] == 1).all()
+    assert (h2h.loc[h2h["system"] == "rimuru", "ratio_throughput"] == 1.0).all()
+    assert "paused (SIGSTOP)" in (ran / "results/real/h2h.md").read_text()
+
+
 def test_policies_are_never_labelled_with_a_bare_system_name(ran):
     e2e = pd.read_csv(ran / "results/e2e/e2e.csv")
     bare = {"vllm", "vLLM", "sglang", "SGLang", "llamacpp", "llama.cpp", "ktransformers", "KTransformers", "fate",
