@@ -37,7 +37,8 @@ def generate(llm: LLM, prompts=PROMPTS, max_tokens=MAX_TOKENS) -> list[list[int]
 
 
 def tight_budget(model_dir, tp: int, cached_experts: int = 16) -> int:
-    """Dense weights of one rank + activations + loading buffers + ``cached_experts`` experts + 4 KV blocks."""
+    """Dense weights of one rank + activations + loading buffers + ``cached_experts`` experts + 4 pages (KV blocks,
+    and a hybrid model's states)."""
     from rimuru.models.loader import load_checkpoint
 
     ckpt = load_checkpoint(model_dir, dtype=torch.float32, shard=Shard(0, tp))
@@ -93,15 +94,6 @@ def hybrid_dir(tmp_path_factory):
     return out
 
 
-def hybrid_tight_budget(model_dir, tp: int) -> int:
-    """One rank's dense weights + activations + loading buffers + 16 cached experts + 4 pages (KV and states)."""
-    from rimuru.models.loader import load_checkpoint
-
-    ckpt = load_checkpoint(model_dir, dtype=torch.float32, shard=Shard(0, tp))
-    page = PoolLayout.from_spec(ckpt.spec, tp=tp, weight_dtype=torch.float32).page_bytes(EXPERT)
-    return ckpt.dense_bytes() + 2**20 + (6 * ckpt.spec.num_experts + 3 * 16 + 4) * page
-
-
 @pytest.mark.parametrize("policy", ["static", "fixed", "elastic"])
 def test_hybrid_greedy_identical_to_one_process(hybrid_dir, policy):
     """Qwen3.5's GDN layers split by heads (each rank's SSM pages and conv rows hold its heads): greedy outputs at
@@ -110,7 +102,7 @@ def test_hybrid_greedy_identical_to_one_process(hybrid_dir, policy):
 
     options = {"static": lambda tp: dict(gpu_memory_budget="400MiB", policy="static"),
                "fixed": lambda tp: dict(gpu_memory_budget="400MiB", policy="fixed", initial_cache_experts=4),
-               "elastic": lambda tp: dict(gpu_memory_budget=hybrid_tight_budget(hybrid_dir, tp), policy="elastic",
+               "elastic": lambda tp: dict(gpu_memory_budget=tight_budget(hybrid_dir, tp), policy="elastic",
                                           initial_cache_experts=16, expert_offload_limit=2,
                                           max_num_batched_tokens=64)}[policy]
     run = (lambda llm: generate(llm)) if policy == "elastic" else (lambda llm: generate(llm, PROMPTS[:5], 8))

@@ -7,6 +7,7 @@ from rimuru.engine.llm import LLM
 from rimuru.engine.sampler import sample
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.timeline import Timeline
+from tests.engine.tiny import tight_budget
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -34,12 +35,6 @@ def drain(llm, limit=500):
             if out.finished:
                 done[out.request_id] = out
     raise AssertionError("requests did not finish")
-
-
-def tight_budget(model_dir) -> int:
-    probe = engine(model_dir, initial_cache_experts=0)
-    r, page = probe.memory_report, probe.pool.layout.page_bytes("expert")
-    return r["dense"] + r["activations"] + r["buffer_pages"] * page + (3 * 16 + 4) * page
 
 
 def test_issue_repro_preempting_an_already_scheduled_request_does_not_break_the_step(model_dir):

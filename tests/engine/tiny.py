@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from rimuru.bench import pressure
 from rimuru.engine.llm import LLM
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.memory import CONV, KV, SSM
@@ -45,10 +46,8 @@ def engine(source, **options) -> LLM:
 
 def tight_budget(source) -> int:
     """Dense weights + activations + loading buffers + 16 cached experts + 4 pages (KV blocks and states)."""
-    probe = engine(source, gpu_memory_budget="400MiB", policy="fixed", initial_cache_experts=0)
-    r = probe.memory_report
-    page = probe.pool.layout.page_bytes("expert")
-    return r["dense"] + r["activations"] + r["buffer_pages"] * page + (3 * 16 + 4) * page
+    return pressure.tight_budget(source, experts=16, kv_pages=4, device="cpu", dtype=torch.float32,
+                                 activation_reserve="1MiB")
 
 
 def assert_all_state_pages_returned(llm: LLM) -> None:

@@ -20,9 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rimuru.bench.pressure import tight_budget
 from rimuru.engine.llm import LLM
 from rimuru.engine.sampling_params import SamplingParams
-from rimuru.memory import CONV, EXPERT, KV, SSM
+from rimuru.memory import CONV, KV, SSM
 from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory
 from rimuru.provenance import provenance
 from rimuru.workloads.spec import load_spec
@@ -49,11 +50,7 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     options = dict(device="cpu", dtype=torch.float32, activation_reserve="1MiB", max_num_seqs=64,
                    max_num_batched_tokens=256)
-    probe = LLM(ckpt, gpu_memory_budget="1GiB", policy="fixed", initial_cache_experts=0, **options)
-    page = probe.pool.layout.page_bytes(EXPERT)
-    r = probe.memory_report
-    budget = r["dense"] + r["activations"] + r["buffer_pages"] * page + (3 * args.cached_experts + args.spare) * page
-    del probe
+    budget = tight_budget(ckpt, experts=args.cached_experts, kv_pages=args.spare, **options)
     llm = LLM(ckpt, gpu_memory_budget=budget, policy="elastic", initial_cache_experts=args.cached_experts,
               expert_offload_limit=4, **options)
     ids = []
