@@ -42,6 +42,8 @@ class EngineConfig:
     # sharded over; the budget is per rank
     tp_timeout_s: float = 300.0  # a rank silent this long in a collective ends the engine
     enforce_eager: bool = False  # no CUDA graphs: every step runs the eager forward
+    offload_graph_max_batch: int | None = None  # offloading policies replay decode graphs up to this batch
+    # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice
 
     def __post_init__(self) -> None:
         from rimuru.engine.memory_policy import policy_class
@@ -57,6 +59,11 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
+        if self.offload_graph_max_batch is not None and (
+                isinstance(self.offload_graph_max_batch, bool) or not isinstance(self.offload_graph_max_batch, int)
+                or self.offload_graph_max_batch < 0):
+            raise ValueError(f"offload_graph_max_batch must be a non-negative integer or None, "
+                             f"got {self.offload_graph_max_batch!r}")
         if not 0 <= self.kv_reserve < 1:
             raise ValueError("kv_reserve must be in [0, 1)")
         if self.executor not in EXECUTORS:

@@ -32,6 +32,28 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 OFFLOAD_GRAPH_MAX_BATCH = 16
 
 
+def decode_graphs_allowed(config, policy_name: str) -> bool:
+    """Whether an engine config replays decode graphs at all (the torch engine also needs CUDA and, offloading,
+    pinned host experts; a hybrid model has none yet): not ``enforce_eager``, not the ``cpu`` policy (it computes
+    misses on the host), no routing recording (a host-side count per layer). With tensor parallelism every
+    rank captures the same buckets and NCCL all-reduces inside them."""
+    return not (config.enforce_eager or policy_name == "cpu" or config.record_routing)
+
+
+def graph_max_batch(max_num_seqs: int, resident: bool, offload_cap: int | None = None) -> int:
+    """Largest batch a decode graph is captured for: every batch with all experts resident, else up to the
+    offloading cap (``offload_cap``, default ``OFFLOAD_GRAPH_MAX_BATCH``). The torch and modeled engines both ask."""
+    cap = OFFLOAD_GRAPH_MAX_BATCH if offload_cap is None else offload_cap
+    return max_num_seqs if resident else min(max_num_seqs, cap)
+
+
+def replays_graph(out: SchedulerOutput, max_batch: int, max_model_len: int) -> bool:
+    """Whether a step replays a decode graph: a pure decode step (one sampled token per request, no prompt
+    scoring) of at most ``max_batch`` requests. The torch and modeled engines both ask."""
+    return 0 < len(out.chunks) <= max_batch and all(
+        c.num_tokens == 1 and c.samples and not c.prompt_scored and c.start < max_model_len for c in out.chunks)
+
+
 def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """Captured batch sizes: the standard buckets up to ``max_num_seqs``, which is always one of them."""
     return tuple(b for b in BUCKETS if b < max_num_seqs) + (max_num_seqs,)
@@ -191,9 +213,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
 
     def can_run(self, out: SchedulerOutput) -> bool:
-        return (bool(self.graphs) and 0 < len(out.chunks) <= self.bmax
-                and all(c.num_tokens == 1 and c.samples and not c.prompt_scored and c.start < self.max_model_len
-                        for c in out.chunks))
+        return bool(self.graphs) and replays_graph(out, self.bmax, self.max_model_len)
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits [n, V] fp32 of a pure decode step (valid until the next replay)."""

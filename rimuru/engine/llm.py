@@ -36,7 +36,7 @@ from rimuru.distributed.replica import (
 )
 from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
-from rimuru.engine.cuda_graphs import OFFLOAD_GRAPH_MAX_BATCH, DecodeGraphs
+from rimuru.engine.cuda_graphs import DecodeGraphs, decode_graphs_allowed, graph_max_batch
 from rimuru.engine.executor import TorchExecutor
 from rimuru.engine.hybrid_executor import build_hybrid
 from rimuru.engine.kv_manager import KVCacheManager
@@ -229,14 +229,14 @@ class LLM:
         misses on the host), routing recording (a host-side count per layer), or an offloading policy whose
         host experts are not pinned (the graphs read misses in place from pinned memory)."""
         config, policy = self.config, self.policy
-        if config.enforce_eager or self.device.type != "cuda" or policy.name == "cpu" or config.record_routing:
+        if self.device.type != "cuda" or not decode_graphs_allowed(config, policy.name):
             return None  # tensor parallelism: every rank captures the same buckets, NCCL all-reduces inside
         resident = policy.all_experts_resident
         if not resident and not host_weights.is_pinned():
             return None
         experts = DeviceTableExperts(lambda: self.cache.page_table, lambda: self.cache.version,
                                      None if resident else host_weights, self.device)
-        max_batch = config.max_num_seqs if resident else min(config.max_num_seqs, OFFLOAD_GRAPH_MAX_BATCH)
+        max_batch = graph_max_batch(config.max_num_seqs, resident, config.offload_graph_max_batch)
         return DecodeGraphs(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor, experts,
                             self.device, max_batch, self.max_model_len)
 

@@ -1,6 +1,8 @@
 """The modeled executor: cost-model terms on hand-computed cases, determinism, and the same engine
 behaviour (step counts, concurrency) as the torch executor on a tiny model."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -90,6 +92,66 @@ def test_step_matches_the_vectorised_calibration_form():
          "loads": np.array([loads]), "expansions": np.array([2.0]), "running": np.array([3.0]),
          "samples": np.array([3.0])}
     assert predict_steps(x, cost, params, sync=True)[0] == pytest.approx(cost.step(w).total_ms)
+
+
+def test_graphed_step_matches_the_vectorised_calibration_form_and_reads_misses_in_place():
+    """A decode-graph replay: host step time + every layer back to back; missed experts read over PCIe."""
+    spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
+    params = CostParams(host_step_ms=1.0, host_graph_step_ms=0.2, host_seq_us=20.0, gpu_layer_us=15.0,
+                        inplace_eff=0.5, host_layer_sync_ms=3.0)
+    cost = CostModel(spec, load_gpu("h200"), params)
+    layers = spec.num_moe_layers
+    q, starts = np.array([1, 1, 1]), np.array([10, 20, 30])
+    zero = np.zeros(layers)
+    w = StepWork(q, starts, samples=3, touched=np.full(layers, 6), demand=zero, prefetched=zero, graphed=True,
+                 in_place=np.full(layers, 2))
+    x = {"tokens": np.array([3.0]), "decode": np.array([3.0]), "pairs": np.array([63.0]),
+         "kv_bytes": np.array([(63.0 + 3) * cost.kv_bytes_per_token_layer]), "touched": np.array([6.0]),
+         "loads": np.array([0.0]), "in_place": np.array([2.0]), "expansions": np.array([0.0]),
+         "running": np.array([3.0]), "samples": np.array([3.0]), "graphed": np.array([True])}
+    t = cost.step(w)
+    assert predict_steps(x, cost, params, sync=True)[0] == pytest.approx(t.total_ms)
+    reads_ms = layers * 2 * cost.expert_bytes / (load_gpu("h200").pcie_h2d_bytes_per_s * 0.5) * 1e3
+    assert t.loads_ms == pytest.approx(reads_ms) and t.load_stall_ms == 0
+    assert t.host_ms == pytest.approx(0.2 + 3 * 0.02)  # no per-layer host time in a replay
+    eager = cost.step(StepWork(q, starts, samples=3, touched=np.full(layers, 6), demand=zero, prefetched=zero))
+    assert eager.total_ms > t.total_ms - reads_ms + layers * 3.0 - 1e-9  # the eager step pays the per-layer syncs
+
+
+def test_replays_graph_decides_as_the_torch_engine():
+    from rimuru.engine.config import EngineConfig
+    from rimuru.engine.cuda_graphs import decode_graphs_allowed, graph_max_batch, replays_graph
+    from rimuru.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+    def out(*chunks):  # (start, tokens, samples): a request with `samples` known tokens past the chunk or none
+        def request(start, n, samples):
+            return SimpleNamespace(num_tokens=start + n + (0 if samples else 1), output_token_ids=[1],
+                                   params=SimpleNamespace(prompt_logprobs=None))
+        return SchedulerOutput(tuple(ScheduledChunk(request(*c), c[0], c[1]) for c in chunks), 0, ())
+
+    assert replays_graph(out((10, 1, True), (20, 1, True)), 2, 100)
+    assert not replays_graph(out((10, 1, True), (20, 1, True)), 1, 100)  # above the cap
+    assert not replays_graph(out((0, 5, True), (20, 1, True)), 4, 100)  # a prefill chunk: eager
+    assert not replays_graph(out((0, 5, False)), 4, 100)
+    assert not replays_graph(out(), 4, 100)
+    assert graph_max_batch(256, resident=True) == 256 and graph_max_batch(256, False, 64) == 64
+    assert decode_graphs_allowed(EngineConfig(policy="elastic"), "elastic")
+    assert not decode_graphs_allowed(EngineConfig(policy="elastic", enforce_eager=True), "elastic")
+    assert not decode_graphs_allowed(EngineConfig(policy="cpu"), "cpu")
+
+
+@pytest.mark.parametrize("options,expect_graphs", [({}, True), ({"enforce_eager": True}, False),
+                                                   ({"offload_graph_max_batch": 0}, False)])
+def test_modeled_engine_replays_graphs_for_small_decode_steps(options, expect_graphs):
+    llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", policy="elastic", max_num_seqs=64,
+              offload_graph_max_batch=options.get("offload_graph_max_batch", 8),
+              enforce_eager=options.get("enforce_eager", False))
+    trace = [TraceRequest(50 + 37 * i % 200, 20 + 13 * i % 60, 0.05 * i) for i in range(24)]
+    replay(llm, trace)
+    t = llm.timeline.frame()
+    eligible = int(((t["prefill_tokens"] == 0) & (t["decode_tokens"] <= 8)).sum())
+    assert llm.executor.graph_steps == (eligible if expect_graphs else 0)
+    assert eligible > 0 and (t["decode_tokens"] > 8).any()  # both kinds of decode step occur
 
 
 def test_routing_model_marginals_and_seed():

@@ -8,8 +8,12 @@ REF = "results/reference"
 
 
 def calibration_inputs(w):
-    return (glob.glob(f"{REF}/kernel/kernel_*.csv") + [f"{REF}/attention_h200.csv", f"{REF}/e2e/e2e.csv"]
+    return (glob.glob(f"{REF}/kernel/kernel_*.csv") + [f"{REF}/attention_h200.csv", f"{REF}/e2e/e2e.csv",
+                                                      f"{REF}/{MODELED['decode_floor']}"]
             + glob.glob(f"{REF}/e2e/run_*/timeline_*.csv") + glob.glob(f"{REF}/e2e/run_*/hotset.json"))
+
+
+FIDELITY = MODELED["fidelity"]
 
 
 def workload_path(name):
@@ -32,7 +36,7 @@ rule modeled_calibrate:
     params: fit=",".join(MODELED["fit_runs"])
     log: "results/logs/modeled/calibrate.log"
     shell:
-        "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --fit-runs {params.fit} "
+        "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {MODELED[decode_floor]} --fit-runs {params.fit} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
@@ -40,23 +44,20 @@ rule modeled_fidelity:
     input:
         calibration="results/modeled/calibration.json",
         lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
-        runs=calibration_inputs,
+        runs=f"{FIDELITY['reference']}/e2e.csv",
+        hotset=FIDELITY["hotset"],
+        floor=f"{REF}/{MODELED['decode_floor']}",
     output:
         csv="results/modeled/fidelity.csv",
-        steps="results/modeled/fidelity_steps.csv",
-        stalls="results/modeled/fidelity_stalls.csv",
         figure="figures/modeled_fidelity.png",
         timelines=directory("results/modeled/fidelity_timelines"),
-    params: fit=",".join(MODELED["fit_runs"])
+    params: caps=" ".join(f"{c}={n}" for c, n in FIDELITY["graph_caps"].items())
     log: "results/logs/modeled/fidelity.log"
     shell:
-        "{PY} {SCRIPTS}/modeled_fidelity.py --reference {REF}/e2e --lengths {input.lengths} "
-        "--cost-params {input.calibration} --fit-runs {params.fit} --hardware {MODELED[calibration_hardware]} "
-        "--out-csv {output.csv} --out-steps {output.steps} --out-stalls {output.stalls} "
-        "--out-timelines {output.timelines} "
+        "{PY} {SCRIPTS}/modeled_fidelity.py --reference {FIDELITY[reference]} --hotset {input.hotset} "
+        "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
+        "--graph-cap {params.caps} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
-
-
 
 
 # ---- the paper's configurations at full scale (MODELED) -----------------------------------------------

@@ -1,9 +1,10 @@
 """Fit the modeled executor's cost parameters to the committed H200 measurements.
 
-Inputs: the fused-MoE kernel tables, the attention table and the per-step timelines of the e2e runs
-marked ``fit`` (results/reference/). Output: a CostParams JSON whose ``fitted`` entry names every input
-file with the commit that last changed it and the commit recorded in its rows, the fits' errors and
-the assumptions (rimuru/engine/modeled/calibration.py explains each fit).
+Inputs (results/reference/): the fused-MoE kernel tables, the attention table, the decode-step segments
+of the CUDA-graphed engine (engine/decode_floor_detail.csv: step times) and the per-step timelines of the
+e2e runs marked ``fit`` (their expert loads give the predictor's waste). Output: a CostParams JSON whose
+``fitted`` entry names every input file with the commit that last changed it and the commit recorded in its
+rows, the fits' errors and the assumptions (rimuru/engine/modeled/calibration.py explains each fit).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rimuru.engine.modeled.calibration import FitRun, fit_attention, fit_moe_kernel, fit_steps, prefetch_waste
+from rimuru.engine.modeled.calibration import FitRun, fit_attention, fit_decode_floor, fit_moe_kernel, prefetch_waste
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import load_gpu
 from rimuru.engine.modeled.reference import parse_run_model, spec_with_layers
@@ -44,10 +45,11 @@ def data_entry(path: Path, frame: pd.DataFrame | None = None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reference", default="results/reference")
-    ap.add_argument("--fit-runs", required=True, help="RUN:POLICY:WORKLOAD,... rows of e2e/e2e.csv to fit on")
+    ap.add_argument("--decode-floor", default="engine/decode_floor_detail.csv",
+                    help="decode-step segments (decode_floor_gpu.py), relative to --reference: the step-time fit")
+    ap.add_argument("--fit-runs", required=True,
+                    help="RUN:POLICY:WORKLOAD,... rows of e2e/e2e.csv whose timelines give the predictor's waste")
     ap.add_argument("--hardware", default="h200")
-    ap.add_argument("--step-share", type=float, default=0.25,
-                    help="share of host time per step (vs per layer) when the fit runs have one layer count")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     ref = Path(args.reference)
@@ -71,7 +73,7 @@ def main() -> None:
     e2e_path = ref / "e2e" / "e2e.csv"
     e2e = pd.read_csv(e2e_path)
     data.append(data_entry(e2e_path, e2e))
-    runs, costs = [], []
+    runs = []
     for key in args.fit_runs.split(","):
         run, policy, workload = key.split(":")
         row = e2e[(e2e["run"] == run) & (e2e["policy"] == policy) & (e2e["workload"] == workload)]
@@ -86,15 +88,23 @@ def main() -> None:
         data += [data_entry(timeline_path), data_entry(hotset_path)]
         runs.append(FitRun(key, timeline, spec, policy, RoutingModel.from_hotset(hotset, spec.top_k),
                            hotset.global_order()))
-        costs.append(CostModel(spec, gpu, base))
     base = base.replace(prefetch_waste=prefetch_waste(runs))
-    params, steps = fit_steps(runs, costs, base, step_share=args.step_share)
+    floor_path = ref / args.decode_floor
+    floor = pd.read_csv(floor_path)
+    floor = floor[(floor["compiles"] == 0) & (floor["stalls"] == 0)]
+    data.append(data_entry(floor_path, floor))
+    frames = [f.reset_index(drop=True) for _, f in floor.groupby("layers")]
+    floor_costs = [CostModel(spec_with_layers(f["model"].iloc[0], int(f["layers"].iloc[0])), gpu, base) for f in frames]
+    params, steps = fit_decode_floor(frames, floor_costs, base)
     params = params.replace(fitted={
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
         "fit_runs": args.fit_runs.split(","), "data": data,
         "assumptions": [
-            f"host time per step vs per layer not identifiable from one layer count: split {args.step_share:.0%} "
-            "per step / rest per layer",
+            "step times: the decode-floor segments (pure decode steps of the CUDA-graphed engine, eager and graphed, "
+            "4 and 48 layers); prefill and mixed steps use the same host terms and the kernel/attention rooflines",
+            "segment context: prompts of 256 tokens plus 11 steps per earlier segment (decode_floor_gpu.py defaults)",
+            "predictor waste: from the fit runs' recorded loads (the eager engine before CUDA graphs; the predictor "
+            "is unchanged since)",
             "CPU-expert terms (cpu_*) are not fitted: no CPU-expert GPU run is committed; defaults stand",
         ],
         "written_by": provenance()})
@@ -103,9 +113,9 @@ def main() -> None:
           f"fixed {kernel['moe_fixed_us']:.1f} us "
           f"(median error {kernel['median_rel_error']:.1%}); attention: attn_eff {attention['attn_eff']:.3f}")
     print("steps:", {k: round(v, 3) for k, v in steps["values"].items()}, "waste", round(params.prefetch_waste, 3))
-    for name, r in steps["per_run"].items():
-        print(f"  {name}: measured {r['measured_s']:.1f} s, modeled {r['modeled_s']:.1f} s, "
-              f"median step error {r['median_abs_rel_error']:.1%}")
+    for name, r in steps["per_group"].items():
+        print(f"  {name} (batches {r['batches']}): median step error {r['median_abs_rel_error']:.1%}, "
+              f"worst {r['max_abs_rel_error']:.1%}")
 
 
 if __name__ == "__main__":

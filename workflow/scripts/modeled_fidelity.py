@@ -1,11 +1,17 @@
-"""Fidelity of the modeled executor: replay every committed H200 e2e run in modeled mode and compare.
+"""Fidelity of the modeled executor: replay the committed H200 e2e runs of the CUDA-graphed engine in
+modeled mode and compare.
 
-Each row of results/reference/e2e/e2e.csv is re-run with the same model shape (layers as run), scaled
-budget, policy, KV reserve, hotset, request lengths and arrivals, after the same pre-run requests
-(e2e_gpu.py's warm-up, and its host profile before the first run of a call), with the cost parameters
-fitted on the ``fit`` runs only. Writes fidelity.csv (run, split, metric, measured, modeled,
-rel_error), the modeled per-step timelines and a figure: per-step time by batch size, measured vs
-modeled, and every run's metrics.
+Each (run, policy, workload) of ``--reference``/e2e.csv (results/reference/e2e/graphs: ABBA repeats) is
+re-run once — a modeled run is deterministic — with the same model shape (layers as run), scaled budget
+(checked: the same initial cache), policy, KV reserve, hotset (``--hotset``), request lengths (checked:
+the same output tokens), arrivals (the seeded numpy Poisson draws of the measuring script), decode-graph
+batch cap (``--graph-cap COMMIT=N``: the cap the measured commit had) and the discarded warm-up pass of
+the trace's first ``--warmup-requests`` requests, with the cost parameters of ``--cost-params`` (fitted on
+other data: every row here is a validation run). Measured values are the median over the repeats, with
+their min and max. Writes fidelity.csv (run, split, metric, measured, min, max, repeats, modeled,
+rel_error; ``split`` is ``validate`` for every row: the step times are fitted on the decode-floor
+segments, not on these runs), the modeled per-step timelines and a figure: per-step time of the
+decode-floor segments (measured vs modeled: the fit) and every run's metrics (the validation).
 """
 
 from __future__ import annotations
@@ -20,14 +26,17 @@ import pandas as pd
 from common import save_figure
 
 from rimuru.engine.llm import LLM
+from rimuru.engine.modeled.calibration import floor_features, predict_steps
+from rimuru.engine.modeled.cost import CostModel, CostParams
+from rimuru.engine.modeled.hardware import load_gpu
 from rimuru.engine.modeled.reference import e2e_scaled_budget, parse_run_model, spec_with_layers
-from rimuru.engine.modeled.replay import TraceRequest, arrivals, replay
+from rimuru.engine.modeled.replay import TraceRequest, arrivals, replay, run_batch
 from rimuru.models.spec import ModelSpec
 from rimuru.units import parse_bytes
 
 METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "forward_steps", "peak_concurrency",
-           "expert_gb_loaded")
-STALL_MS = 300.0  # measured steps above this are JIT compiles (docs/e2e.md); reported, not modeled
+           "expert_gb_loaded", "cuda_graph_steps")
+GOALS = {"output_throughput": 0.08, "mean_ttft_ms": 0.08, "forward_steps": 0.02, "peak_concurrency": 0.02}
 
 
 def command_arg(command: str, name: str, default=None):
@@ -35,50 +44,53 @@ def command_arg(command: str, name: str, default=None):
     return args[args.index(name) + 1] if name in args else default
 
 
-def pre_batches(row: pd.Series, lengths: pd.DataFrame) -> list[list[tuple[int, int]]]:
-    """What e2e_gpu.py ran on the engine before the measured part: host profile (first run of the call,
-    ``--cprofile-steps`` > 0: 64 requests of steps + 8 tokens) and the warm-up (4 x the first prompt, 4 tokens)."""
-    command = row["command"]
-    batches = []
-    runs = command_arg(command, "--runs", "").split(",")
-    steps = int(command_arg(command, "--cprofile-steps", 0))
-    if steps and runs and runs[0] == f"{row['policy']}:{row['workload']}":
-        batches.append([(int(p), steps + 8) for p in lengths["prompt_len"][:64]])
-    first = int(lengths["prompt_len"].iloc[0])
-    return [[(first, 4)] * 4] + batches  # warm-up first, then the profile, as e2e_gpu.py orders them
+def graph_caps(items: list[str]) -> dict[str, int]:
+    caps = {}
+    for item in items:
+        commit, _, cap = item.partition("=")
+        if not cap.isdigit():
+            raise SystemExit(f"--graph-cap takes COMMIT=N, got {item!r}")
+        caps[commit] = int(cap)
+    return caps
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--reference", default="results/reference/e2e")
+    ap.add_argument("--reference", default="results/reference/e2e/graphs", help="folder with e2e.csv")
+    ap.add_argument("--hotset", required=True, help="the routing profile the measured runs were served with")
     ap.add_argument("--lengths", required=True, help="CSV prompt_len,output_len (modeled_trace.py)")
     ap.add_argument("--cost-params", required=True)
-    ap.add_argument("--fit-runs", required=True)
     ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--graph-cap", nargs="+", default=[], help="COMMIT=N: offloading decode-graph cap of a commit")
+    ap.add_argument("--decode-floor", required=True, help="decode-floor segments (the step-time fit): figure")
     ap.add_argument("--out-csv", required=True)
-    ap.add_argument("--out-steps", required=True, help="per-step modeled vs measured by batch size (CSV)")
-    ap.add_argument("--out-stalls", default=None,
-                    help="diagnostic CSV: measured throughput without the JIT-compile stall steps' excess time")
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
     ap.add_argument("--figure", required=True)
     args = ap.parse_args()
     ref = Path(args.reference)
     e2e = pd.read_csv(ref / "e2e.csv")
     lengths = pd.read_csv(args.lengths)
-    fit = set(args.fit_runs.split(","))
-    rows, steps, stall_rows = [], [], []
+    caps = graph_caps(args.graph_cap)
+    rows = []
     timelines = Path(args.out_timelines)
     timelines.mkdir(parents=True, exist_ok=True)
-    for _, row in e2e.iterrows():
-        key = f"{row['run']}:{row['policy']}:{row['workload']}"
+    for (run, policy, workload), group in e2e.groupby(["run", "policy", "workload"], sort=False):
+        row = group.iloc[0]
+        key = f"{run}/{policy}/{workload}"
+        if group["commit"].nunique() != 1 or group["command"].nunique() != 1:
+            raise SystemExit(f"{key}: repeats from different commits or commands")
+        commit = str(row["commit"])
+        if commit not in caps:
+            raise SystemExit(f"{key}: no --graph-cap for commit {commit} (the decode-graph cap it ran with)")
         name, layers = parse_run_model(row["model"])
         full, small = ModelSpec.from_pretrained(name), spec_with_layers(name, layers)
-        budget = e2e_scaled_budget(full, small, parse_bytes(f"{row['budget_gib']}GiB"), row["policy"])
-        kv_reserve = float(command_arg(row["command"], "--kv-reserve", 0.1))
-        seed = int(command_arg(row["command"], "--seed", 0))
-        llm = LLM(small, executor="modeled", gpu_memory_budget=budget, policy=row["policy"], kv_reserve=kv_reserve,
-                  hotset=str(ref / row["run"] / "hotset.json"), hardware=args.hardware, cost_params=args.cost_params,
-                  seed=seed)
+        budget = e2e_scaled_budget(full, small, parse_bytes(f"{row['budget_gib']}GiB"), policy)
+        command = row["command"]
+        kv_reserve = float(command_arg(command, "--kv-reserve", 0.1))
+        seed = int(command_arg(command, "--seed", 0))
+        llm = LLM(small, executor="modeled", gpu_memory_budget=budget, policy=policy, kv_reserve=kv_reserve,
+                  hotset=args.hotset, hardware=args.hardware, cost_params=args.cost_params, seed=seed,
+                  offload_graph_max_batch=caps[commit])
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
@@ -87,45 +99,45 @@ def main() -> None:
         if int(lengths["output_len"][:n].sum()) != round(row["output_throughput"] * row["duration_s"]):
             raise SystemExit(f"{key}: the lengths file is not the run's trace (output tokens differ)")
         rate = None if np.isinf(row["request_rate"]) else float(row["request_rate"])
-        arr = arrivals(n, rate, seed)
         trace = [TraceRequest(int(p), int(o), float(a)) for p, o, a in
-                 zip(lengths["prompt_len"][:n], lengths["output_len"][:n], arr)]
-        metrics = replay(llm, trace, before=pre_batches(row, lengths))
-        split = "fit" if key in fit else "validate"
-        run = key.replace(":", "/")
+                 zip(lengths["prompt_len"][:n], lengths["output_len"][:n], arrivals(n, rate, seed))]
+        warm = int(command_arg(command, "--warmup-requests", 0))
+        before = [list(zip(lengths["prompt_len"][:warm].astype(int), lengths["output_len"][:warm].astype(int)))]
+        if warm:
+            run_batch(llm, before[0], "warmup-")  # the measured run's discarded pass, before its clock started
+        graph_before = llm.executor.graph_steps
+        metrics = replay(llm, trace)
+        metrics["cuda_graph_steps"] = llm.executor.graph_steps - graph_before
         for m in METRICS:
-            measured, modeled = float(row[m]), float(metrics[m])
-            rows.append({"run": run, "split": split, "metric": m, "measured": measured, "modeled": modeled,
-                         "rel_error": (modeled - measured) / measured if measured else float("nan")})
-        modeled_tl = llm.timeline.frame()
-        safe = re.sub(r"[^a-z0-9_]+", "_", run)
-        modeled_tl.to_csv(timelines / f"{safe}.csv", index=False)
-        measured_tl = pd.read_csv(ref / row["run"] / f"timeline_{row['policy']}_{row['workload']}.csv")
-        stalls = measured_tl["step_ms"] > STALL_MS
-        excess = float((measured_tl["step_ms"][stalls] - measured_tl["step_ms"].median()).sum() / 1e3)
-        tokens = float(row["output_throughput"] * row["duration_s"])
-        adjusted = tokens / (row["duration_s"] - excess)
-        stall_rows.append({"run": run, "split": split, "stall_steps": int(stalls.sum()), "stall_excess_s": excess,
-                           "measured_tok_s": float(row["output_throughput"]), "measured_without_stalls_tok_s": adjusted,
-                           "modeled_tok_s": float(metrics["output_throughput"]),
-                           "rel_error_without_stalls": float(metrics["output_throughput"]) / adjusted - 1})
-        for label, tl in (("measured", measured_tl), ("modeled", modeled_tl)):
-            bins = pd.cut(tl["running"], [0, 1, 4, 16, 64, 128, 512], right=True)
-            med = tl.groupby(bins, observed=True)["step_ms"].median()
-            for interval, v in med.items():
-                steps.append({"run": run, "split": split, "source": label, "running": str(interval),
-                              "median_step_ms": v})
-        print(f"{run} ({split}): " + ", ".join(
-            f"{m} {float(row[m]):.4g} -> {float(metrics[m]):.4g}" for m in METRICS)
-            + f"; measured stall steps {int(stalls.sum())} ({measured_tl['step_ms'][stalls].sum() / 1e3:.1f} s)",
-            flush=True)
+            measured = group[m].astype(float)
+            med, modeled = float(measured.median()), float(metrics[m])
+            rows.append({"run": key, "split": "validate", "metric": m, "measured": med,
+                         "measured_min": float(measured.min()),
+                         "measured_max": float(measured.max()), "repeats": len(measured), "modeled": modeled,
+                         "rel_error": (modeled - med) / med if med else float("nan"),
+                         "goal": GOALS.get(m, float("nan")), "graph_cap": caps[commit], "commit": commit})
+        safe = re.sub(r"[^a-z0-9_]+", "_", key)
+        llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
+        print(f"{key} (cap {caps[commit]}, {len(group)} measured): " + ", ".join(
+            f"{m} {float(group[m].median()):.4g} -> {float(metrics[m]):.4g}" for m in METRICS), flush=True)
     frame = pd.DataFrame(rows)
     Path(args.out_csv).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_csv, index=False)
-    pd.DataFrame(steps).to_csv(args.out_steps, index=False)
-    if args.out_stalls:
-        pd.DataFrame(stall_rows).to_csv(args.out_stalls, index=False)
-    figure(frame, pd.DataFrame(steps), args.figure)
+    figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), args.figure)
+
+
+def floor_steps(path: str, cost_params: str, hardware: str) -> pd.DataFrame:
+    """Each decode-floor segment's measured median step time beside the fitted cost model's."""
+    floor = pd.read_csv(path)
+    floor = floor[(floor["compiles"] == 0) & (floor["stalls"] == 0)]
+    params, gpu = CostParams.load(cost_params), load_gpu(hardware)
+    out = []
+    for layers, f in floor.groupby("layers"):
+        f = f.reset_index(drop=True)
+        cost = CostModel(spec_with_layers(f["model"].iloc[0], int(layers)), gpu, params)
+        x = floor_features(f, cost)
+        out.append(f.assign(modeled_ms=predict_steps(x, cost, params, sync=x["sync"])))
+    return pd.concat(out)
 
 
 def figure(frame: pd.DataFrame, steps: pd.DataFrame, path: str) -> None:
@@ -135,36 +147,35 @@ def figure(frame: pd.DataFrame, steps: pd.DataFrame, path: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = list(dict.fromkeys(frame["run"]))
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
-    ax = axes[0]
+    metrics = ["output_throughput", "mean_ttft_ms", "mean_tpot_ms", "forward_steps", "peak_concurrency",
+               "cuda_graph_steps"]
     colors = plt.cm.tab10(np.linspace(0, 1, 10))
-    for i, run in enumerate(runs):
-        s = steps[steps["run"] == run]
-        for source, style in (("measured", "-o"), ("modeled", "--x")):
-            d = s[s["source"] == source]
-            ax.plot(range(len(d)), d["median_step_ms"], style, color=colors[i % 10],
-                    label=f"{run} {source}" if source == "measured" else None, ms=4)
-    labels = list(dict.fromkeys(steps["running"]))
-    ax.set_xticks(range(len(labels)), labels, rotation=30)
-    ax.set_xlabel("running requests")
-    ax.set_ylabel("median step time (ms)")
-    ax.set_yscale("log")
-    ax.set_title("per-step time: measured (solid) vs modeled (dashed)")
-    ax.legend(fontsize=7)
-    ax = axes[1]
-    metrics = ["output_throughput", "mean_ttft_ms", "mean_tpot_ms", "forward_steps", "peak_concurrency"]
+    fig, (left, ax) = plt.subplots(1, 2, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1, 1.6]})
+    for (layers, mode), d in steps.groupby(["layers", "mode"]):
+        left.scatter(d["step_ms"], d["modeled_ms"], s=14, marker="o" if mode == "graph" else "x",
+                     label=f"{layers} layers, {mode}")
+    lim = [steps[["step_ms", "modeled_ms"]].min().min() * 0.8, steps[["step_ms", "modeled_ms"]].max().max() * 1.2]
+    left.plot(lim, lim, "k-", lw=0.8)
+    left.set_xscale("log")
+    left.set_yscale("log")
+    left.set_xlabel("measured median step (ms)")
+    left.set_ylabel("modeled step (ms)")
+    left.set_title("decode steps, every policy and batch 1-256 (fit data)")
+    left.legend(fontsize=7)
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
-        d = frame[(frame["run"] == run)].set_index("metric").loc[metrics]
-        hatch = "" if d["split"].iloc[0] == "fit" else "//"
-        ax.bar(np.arange(len(metrics)) + i * width, 100 * d["rel_error"], width, color=colors[i % 10], hatch=hatch,
-               label=f"{run} ({d['split'].iloc[0]})")
+        d = frame[frame["run"] == run].set_index("metric").loc[metrics]
+        lo = 100 * (d["measured_min"] - d["measured"]) / d["measured"]
+        hi = 100 * (d["measured_max"] - d["measured"]) / d["measured"]
+        x = np.arange(len(metrics)) + i * width
+        ax.bar(x, 100 * d["rel_error"], width, color=colors[i % 10], label=run)
+        ax.errorbar(x, np.zeros(len(x)), yerr=[-lo, hi], fmt="none", ecolor="k", capsize=2, lw=0.8)
     ax.axhline(0, color="k", lw=0.8)
     for y in (-8, 8):
         ax.axhline(y, color="gray", ls=":", lw=0.8)
     ax.set_xticks(np.arange(len(metrics)) + 0.4 - width / 2, metrics, rotation=20)
-    ax.set_ylabel("modeled vs measured (%)")
-    ax.set_title("per-run error (hatched: validation runs; dotted: +-8%)")
+    ax.set_ylabel("modeled vs measured median (%)")
+    ax.set_title("MODELED vs measured (H200, CUDA-graphed engine); whiskers: measured repeats' min-max")
     ax.legend(fontsize=7)
     save_figure(fig, path)
 

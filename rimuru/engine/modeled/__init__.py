@@ -23,6 +23,7 @@ __all__ = ["CostModel", "CostParams", "GpuProfile", "HostProfile", "ModeledExecu
 def build_modeled_executor(llm, config) -> ModeledExecutor:
     """The executor of ``LLM(..., executor="modeled")``: the engine's cache, loader and clock, the hotset's
     routing model, and the cost model of ``config.hardware`` with ``config.cost_params``."""
+    from rimuru.engine.cuda_graphs import decode_graphs_allowed, graph_max_batch
     from rimuru.engine.kv_manager import KVCacheManager
 
     if llm.spec.is_hybrid and type(llm.kv) is KVCacheManager:
@@ -41,6 +42,10 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
         host = load_host(config.host) if mode == "cpu" else None
         cost = CostModel(llm.spec, load_gpu(config.hardware), params, tp=config.tensor_parallel_size, host=host,
                          dtype_bytes=llm.pool.layout[EXPERT].dtype.itemsize)
+    # decode graphs where the torch engine on a GPU replays them (LLM._decode_graphs: no hybrid model yet)
+    graphs = decode_graphs_allowed(config, policy.name) and not llm.spec.is_hybrid
+    max_batch = graph_max_batch(config.max_num_seqs, policy.all_experts_resident, config.offload_graph_max_batch)
     return ModeledExecutor(cost, routing, llm.cache, llm.loader, llm.clock, experts_mode=mode,
-                           prefetch=config.prefetch == "predict", fixed_step_ms=config.modeled_step_ms)
+                           prefetch=config.prefetch == "predict", fixed_step_ms=config.modeled_step_ms,
+                           graph_max_batch=max_batch if graphs else None, max_model_len=llm.max_model_len)
 

@@ -1,6 +1,6 @@
-"""Fit ``CostParams`` to committed H200 measurements (kernel table, attention table, e2e timelines).
+"""Fit ``CostParams`` to committed H200 measurements (kernel table, attention table, decode-step segments).
 
-Three fits, each on the data that identifies its terms:
+Four fits, each on the data that identifies its terms:
 
 1. **MoE kernel** (``results/reference/kernel/kernel_*.csv``, contiguous provider): time =
    max(touched expert bytes / (HBM x hbm_eff), FLOPs / (bf16 x mma_eff)) + fixed; gives ``hbm_eff``,
@@ -8,15 +8,16 @@ Three fits, each on the data that identifies its terms:
 2. **Attention** (``results/reference/attention_h200.csv``, default triton provider): ``attn_eff`` = the
    median fraction of bf16 peak of the prefill cases; the decode cases' time above their HBM roofline
    adds to ``gpu_layer_us``.
-3. **Steps** (``results/reference/e2e/run_*/timeline_*.csv`` of the fit runs): host times, PCIe
-   efficiency and the predictor's recall, by robust least squares (soft-L1, so that the few steps that
-   include a JIT compile do not pull the fit) of each measured step time against the cost model fed
-   with that step's recorded work. The predictor's waste comes straight from the loads: recorded
-   expert loads minus expansions minus the routing model's expected misses.
+3. **Decode steps** (``results/reference/engine/decode_floor_detail.csv``: the CUDA-graphed engine, eager
+   and graphed segments of every policy at 1-256 running requests, 4 and 48 layers): host times per step,
+   per MoE layer (with and without a routing sync) and per request, the graphed step's host time, the
+   fixed per-layer device time, PCIe efficiency of bulk copies and of in-place reads, and the predictor's
+   recall, by robust least squares (soft-L1) of each segment's median step time against the cost model
+   fed with that segment's recorded work. Two layer counts tell per-step and per-layer host time apart.
+4. **Predictor waste** (e2e timelines of the ``fit`` runs): recorded expert loads minus expansions minus
+   the routing model's expected misses, per expected miss.
 
-With runs of one layer count only, per-step and per-layer host time are not separately identifiable:
-the fit then finds their sum at that layer count and splits it with ``step_share`` (stated in the
-output); runs with two layer counts free both.
+Fit 3 re-fits ``gpu_layer_us`` on whole steps (fits 1 and 2's fixed times are its starting point).
 """
 
 from __future__ import annotations
@@ -106,28 +107,10 @@ def prefetch_waste(runs: list[FitRun]) -> float:
     return max(0.0, extra / misses) if misses else 0.0
 
 
-def step_features(run: FitRun, cost: CostModel) -> dict[str, np.ndarray]:
-    """Per-step terms of the cost model from a recorded timeline (work spread evenly over the layers)."""
-    t = run.timeline
-    tokens = t["tokens"].to_numpy(float)
-    prefill = t["prefill_tokens"].to_numpy(float)
-    decode = t["decode_tokens"].to_numpy(float)
-    context = t["context_tokens"].to_numpy(float)
-    layers = cost.num_moe_layers
-    # attention: decode rows attend over (context - prefill) keys in all; the prefill chunk from position 0
-    decode_keys = np.maximum(context - prefill, 0)
-    pairs = decode_keys + prefill * (prefill + 1) / 2
-    kv_bytes = (context + tokens) * cost.kv_bytes_per_token_layer
-    expansions = t["adjust"].clip(lower=0).to_numpy(float)
-    loads = np.maximum(t["experts_loaded"].to_numpy(float) - expansions, 0)
-    return {"tokens": tokens, "decode": decode, "pairs": pairs, "kv_bytes": kv_bytes,
-            "touched": t["experts_touched"].to_numpy(float) / layers, "loads": loads / layers,
-            "expansions": expansions, "running": t["running"].to_numpy(float),
-            "samples": decode + (prefill > 0), "measured": t["step_ms"].to_numpy(float)}
-
-
-def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync: bool) -> np.ndarray:
-    """Vectorised over steps: the same terms and layer pipeline as ``CostModel.step`` (tests check they agree)."""
+def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync: bool | np.ndarray) -> np.ndarray:
+    """Vectorised over steps: the same terms and layer pipeline as ``CostModel.step`` (tests check they agree).
+    Steps with ``x["graphed"]`` set are decode-graph replays (``CostModel.graphed_step``); their
+    ``x["in_place"]`` experts per layer are read in place over PCIe."""
     g = cost.gpu
     roof = lambda b, f, e: np.maximum(b / (g.hbm_bytes_per_s * p.hbm_eff), f / (g.bf16_flops * e)) * 1e3  # noqa: E731
     attn = roof(x["kv_bytes"], cost.attn_flops_factor * x["pairs"], p.attn_eff)
@@ -140,10 +123,8 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     gpu_t = np.zeros_like(x["tokens"])
     copy_t = load(x["expansions"])
     for layer in range(layers):
-        if sync:
-            gpu_t = gpu_t + device + p.host_layer_sync_ms
-        else:
-            gpu_t = gpu_t + np.maximum(device + moe, p.host_layer_async_ms) - moe
+        overlapped = np.maximum(device + moe, p.host_layer_async_ms) - moe  # launches overlap the device
+        gpu_t = gpu_t + np.where(sync, device + p.host_layer_sync_ms, overlapped)
         r = p.prefetch_recall if layer > 0 else 0.0
         copy_t = np.maximum(copy_t, gpu_t) + load(x["loads"] * (1 - r))
         ready = copy_t
@@ -151,43 +132,70 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
             copy_t = copy_t + load(x["loads"] * p.prefetch_recall)
         gpu_t = np.maximum(gpu_t, ready) + moe
     head = roof(cost.lm_head_bytes, cost.lm_head_flops_per_row * x["samples"], p.mma_eff)
-    return p.host_step_ms + p.host_seq_us * 1e-3 * x["running"] + gpu_t + head
+    eager = p.host_step_ms + p.host_seq_us * 1e-3 * x["running"] + gpu_t + head
+    if "graphed" not in x:
+        return eager
+    in_place = x["in_place"]
+    moe_res = np.maximum((x["touched"] - in_place) * cost.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff),
+                         x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
+    reads = in_place * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.inplace_eff) * 1e3
+    graphed = (p.host_graph_step_ms + p.host_seq_us * 1e-3 * x["running"]
+               + layers * (attn + dense + p.gpu_layer_us * 1e-3 + moe_res + reads) + head)
+    return np.where(x["graphed"], graphed, eager)
 
 
-FREE = ("pcie_eff", "host_total_sync_ms", "host_layer_async_ms", "host_seq_us", "prefetch_recall")
+# ---------------------------------------------------------------------------------------------- decode floor
+FLOOR_FREE = ("host_step_ms", "host_layer_sync_ms", "host_layer_async_ms", "host_seq_us", "host_graph_step_ms",
+              "gpu_layer_us", "pcie_eff", "inplace_eff", "prefetch_recall")
 
 
-def fit_steps(runs: list[FitRun], costs: list[CostModel], base: CostParams, step_share: float = 0.25) -> tuple[
-        CostParams, dict]:
-    """Host times, PCIe efficiency and prefetch recall from the fit runs' per-step times."""
-    feats = [step_features(r, c) for r, c in zip(runs, costs)]
-    layer_counts = {c.num_moe_layers for c in costs}
-    if len(layer_counts) != 1:
-        raise NotImplementedError("fit runs with several layer counts: fit host_step_ms and host_layer_sync_ms apart")
-    layers = layer_counts.pop()
+def floor_features(frame: pd.DataFrame, cost: CostModel, prompt_len: int = 256, steps_per_segment: int = 11) -> dict:
+    """Per-row step work of ``decode_floor_gpu.py`` segments (one layer count): ``batch`` requests decoding after
+    ``prompt_len``-token prompts; segment ``order`` starts ``order x steps_per_segment`` steps in."""
+    b = frame["batch"].to_numpy(float)
+    layers = cost.num_moe_layers
+    context = b * (prompt_len + steps_per_segment * frame["order"].to_numpy(float) + steps_per_segment / 2)
+    graphed = (frame["graphed_steps"] > 0).to_numpy()
+    loaded = frame["experts_loaded"].to_numpy(float) / layers
+    return {"tokens": b, "decode": b, "pairs": context, "kv_bytes": (context + b) * cost.kv_bytes_per_token_layer,
+            "touched": frame["experts_touched"].to_numpy(float) / layers, "loads": np.where(graphed, 0.0, loaded),
+            "in_place": np.where(graphed, loaded, 0.0), "expansions": np.zeros(len(b)), "running": b, "samples": b,
+            "graphed": graphed, "sync": (frame["policy"] != "static").to_numpy(),
+            "measured": frame["step_ms"].to_numpy(float)}
+
+
+def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: CostParams) -> tuple[CostParams, dict]:
+    """Host times, fixed per-layer device time, PCIe efficiencies (bulk copies and in-place reads) and the
+    predictor's recall from the decode-floor segments (graphed and eager, every policy, one frame per layer
+    count): with two layer counts the per-step and per-layer host times are told apart."""
+    feats = [floor_features(f, c) for f, c in zip(frames, costs)]
 
     def params(theta) -> CostParams:
-        pcie, host_total, host_async, seq_us, recall = theta
-        return base.replace(pcie_eff=pcie, host_step_ms=host_total * step_share,
-                            host_layer_sync_ms=host_total * (1 - step_share) / layers,
-                            host_layer_async_ms=host_async, host_seq_us=seq_us, prefetch_recall=recall)
+        return base.replace(**dict(zip(FLOOR_FREE, map(float, theta))))
+
+    def predict(p: CostParams):
+        return [predict_steps(x, c, p, sync=x["sync"]) for x, c in zip(feats, costs)]
 
     def residuals(theta):
-        p = params(theta)
-        out = []
-        for run, cost, x in zip(runs, costs, feats):
-            pred = predict_steps(x, cost, p, sync=run.policy != "static")
-            out.append((pred - x["measured"]) / np.sqrt(x["measured"]))  # ms-weighted: long steps count more
-        return np.concatenate(out)
+        preds = predict(params(theta))
+        return np.concatenate([(pred - x["measured"]) / x["measured"] for pred, x in zip(preds, feats)])
 
-    fit = least_squares(residuals, x0=[0.9, 8.0, 1.5, 10.0, 0.5], loss="soft_l1", f_scale=1.0,
-                        bounds=([0.2, 0.0, 0.0, 0.0, 0.0], [1.2, 60.0, 20.0, 500.0, 1.0]))
+    x0 = [1.0, 1.0, 0.8, 10.0, 0.5, 40.0, 0.9, 0.8, 0.5]
+    lo = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.0]
+    hi = [60.0, 20.0, 20.0, 500.0, 20.0, 500.0, 1.2, 1.2, 1.0]
+    fit = least_squares(residuals, x0=x0, loss="soft_l1", f_scale=0.1, bounds=(lo, hi))
     p = params(fit.x)
-    report = {"free": list(FREE), "values": dict(zip(FREE, map(float, fit.x))), "layers": layers,
-              "step_share": step_share, "steps": int(sum(len(x["measured"]) for x in feats)), "per_run": {}}
-    for run, cost, x in zip(runs, costs, feats):
-        pred = predict_steps(x, cost, p, sync=run.policy != "static")
-        report["per_run"][run.name] = {
-            "measured_s": float(x["measured"].sum() / 1e3), "modeled_s": float(pred.sum() / 1e3),
-            "median_abs_rel_error": float(np.median(np.abs(pred - x["measured"]) / x["measured"]))}
+    report = {"free": list(FLOOR_FREE), "values": dict(zip(FLOOR_FREE, map(float, fit.x))),
+              "rows": int(sum(len(x["measured"]) for x in feats)), "per_group": {}}
+    for frame, pred, x in zip(frames, predict(p), feats):
+        err = (pred - x["measured"]) / x["measured"]
+        for (layers, policy, graphed), idx in frame.assign(graphed=x["graphed"]).groupby(
+                ["layers", "policy", "graphed"]).indices.items():
+            report["per_group"][f"{layers}L {policy} {'graph' if graphed else 'eager'}"] = {
+                "batches": sorted(map(int, frame["batch"].iloc[idx].unique())),
+                "median_abs_rel_error": float(np.median(np.abs(err[idx]))),
+                "max_abs_rel_error": float(np.abs(err[idx]).max())}
+    all_err = np.abs(np.concatenate([(pr - x["measured"]) / x["measured"] for pr, x in zip(predict(p), feats)]))
+    report["median_abs_rel_error"] = float(np.median(all_err))
+    report["max_abs_rel_error"] = float(all_err.max())
     return p, report

@@ -40,6 +40,8 @@ class CostParams:
     host_layer_async_ms: float = 1.0  # per layer without one (resident experts): overlaps the device
     prefetch_recall: float = 0.8  # fraction of a layer's misses the predictor loads ahead (layers >= 1)
     prefetch_waste: float = 0.05  # predicted experts loaded but not routed to, per miss
+    host_graph_step_ms: float = 0.5  # a step that replays a decode CUDA graph: its host time (no per-layer term)
+    inplace_eff: float = 0.8  # graphed offloading steps read missed experts in place: of pinned H2D bandwidth
     cpu_dram_eff: float = 0.6  # CPU-computed experts: of the host's DRAM bandwidth
     cpu_flops_eff: float = 0.3  # of the host's peak bf16 FLOPs
     cpu_layer_us: float = 60.0  # activations to the host and back, one sync per layer
@@ -76,6 +78,8 @@ class StepWork:
     cpu_share: np.ndarray | None = None  # [M] fraction of token->expert assignments computed on the host
     expansion_experts: int = 0  # cache expansions queued on the copy stream at step start
     sync_per_layer: bool = True  # paged experts: the host waits for routing in every MoE layer
+    graphed: bool = False  # the step replays a decode CUDA graph: no host work per layer, misses read in place
+    in_place: np.ndarray | None = None  # [M] graphed: experts read in place from pinned host memory over PCIe
 
     @property
     def tokens(self) -> int:
@@ -202,7 +206,36 @@ class CostModel:
         return np.where(experts > 0, np.maximum(read, compute) * 1e3 + p.cpu_layer_us * 1e-3, 0.0)
 
     # ------------------------------------------------------------------ one step
+    def in_place_ms(self, experts: np.ndarray) -> np.ndarray:
+        """[M] missed experts read in place by the graphed MoE kernel from pinned host memory over PCIe."""
+        return experts * self.expert_bytes / (self.gpu.pcie_h2d_bytes_per_s * self.params.inplace_eff) * 1e3
+
+    def graphed_step(self, w: StepWork) -> StepTime:
+        """One replay of a decode CUDA graph: the host's step work, then every layer back to back on the device
+        (no per-layer host time or sync); a layer's experts read the resident ones from HBM and the missed ones
+        in place over PCIe, one after the other."""
+        p = self.params
+        tokens = w.tokens
+        attn_full = self.attention_ms(w.q_lens, w.starts)
+        attn_lin = self.linear_attention_ms(w.q_lens) if self.linear_layers else 0.0
+        fixed = p.gpu_layer_us * 1e-3
+        dense = self.dense_ms(tokens) + 2 * self.allreduce_ms(tokens)  # NCCL all-reduces inside the graph
+        in_place = np.zeros(self.num_moe_layers) if w.in_place is None else np.asarray(w.in_place, float)
+        moe = self.moe_ms(np.asarray(w.touched, float) - in_place, tokens * self.top_k * np.ones(self.num_moe_layers))
+        reads = self.in_place_ms(in_place)
+        n_layers = len(self.layer_kinds)
+        attention = attn_full * self.full_layers + attn_lin * self.linear_layers
+        head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
+        host = p.host_graph_step_ms + p.host_seq_us * 1e-3 * len(w.q_lens)
+        device = attention + (dense + fixed) * n_layers + float(moe.sum() + reads.sum()) + head
+        return StepTime(total_ms=host + device, host_ms=host, attention_ms=attention,
+                        dense_ms=(dense + fixed) * n_layers + head, moe_ms=float(moe.sum() + reads.sum()),
+                        load_stall_ms=0.0, allreduce_ms=0.0, cpu_ms=0.0,
+                        loads_ms=float(reads.sum()))
+
     def step(self, w: StepWork) -> StepTime:
+        if w.graphed:
+            return self.graphed_step(w)
         p = self.params
         tokens = w.tokens
         attn_full = self.attention_ms(w.q_lens, w.starts) if len(w.q_lens) else 0.0

@@ -5,8 +5,11 @@ so the scheduler, allocator, adjuster, expert cache and loader bookkeeping of ``
 real around it. Per step it draws the routed experts of every MoE layer from a ``RoutingModel``,
 finds the misses against the cache's page table, books their loads with the loader (demand loads
 and the predictor's prefetches, as ``PagedExperts`` does) and advances the engine's virtual clock by
-the ``CostModel``'s step time. Outputs carry no text: every sampled token is id 0 and lengths follow
-the requests' ``max_tokens`` (``ignore_eos``, as ``vllm bench serve`` runs).
+the ``CostModel``'s step time. A pure decode step replays a CUDA graph when the torch engine would
+(``rimuru.engine.cuda_graphs.replays_graph`` with the engine's graph batch cap): its misses are read in
+place from pinned host memory (booked with the loader as the torch engine counts them), not loaded.
+Outputs carry no text: every sampled token is id 0 and lengths follow the requests' ``max_tokens``
+(``ignore_eos``, as ``vllm bench serve`` runs).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from rimuru.engine.clock import VirtualClock
+from rimuru.engine.cuda_graphs import replays_graph
 from rimuru.engine.modeled.cost import CostModel, StepTime, StepWork
 from rimuru.engine.modeled.routing import RoutingModel
 from rimuru.engine.scheduler import SchedulerOutput
@@ -28,8 +32,10 @@ _FIELDS = tuple(f.name for f in fields(StepTime))
 
 class ModeledExecutor:
     def __init__(self, cost: CostModel | None, routing: RoutingModel, cache: ExpertCache, loader: ExpertLoader,
-                 clock: VirtualClock, *, experts_mode: str, prefetch: bool, fixed_step_ms: float | None = None) -> None:
-        """``experts_mode``: ``paged`` (cache + loading buffers), ``resident`` (static) or ``cpu``."""
+                 clock: VirtualClock, *, experts_mode: str, prefetch: bool, fixed_step_ms: float | None = None,
+                 graph_max_batch: int | None = None, max_model_len: int = 0) -> None:
+        """``experts_mode``: ``paged`` (cache + loading buffers), ``resident`` (static) or ``cpu``;
+        ``graph_max_batch``: decode steps of at most this many requests replay a CUDA graph (None: none do)."""
         if experts_mode not in ("paged", "resident", "cpu"):
             raise ValueError(f"experts_mode must be paged, resident or cpu, got {experts_mode!r}")
         if cost is None and fixed_step_ms is None:
@@ -42,6 +48,9 @@ class ModeledExecutor:
         self.mode = experts_mode
         self.prefetch = prefetch and experts_mode == "paged"
         self.fixed_step_ms = fixed_step_ms
+        self.graph_max_batch = graph_max_batch
+        self.max_model_len = max_model_len
+        self.graph_steps = 0  # steps that replayed a decode graph, as TorchExecutor counts them
         self.experts_touched = 0  # (layer, expert) pairs computed, as the torch providers count them
         self.experts_on_cpu = 0
         self.last: StepTime | None = None
@@ -59,7 +68,9 @@ class ModeledExecutor:
         layers = touched.shape[0]
         zeros = np.zeros(layers, dtype=np.int64)
         cpu_experts = cpu_share = None
-        demand, prefetched = zeros, zeros
+        demand, prefetched, in_place = zeros, zeros, None
+        graphed = self.graph_max_batch is not None and replays_graph(out, self.graph_max_batch, self.max_model_len)
+        self.graph_steps += graphed
         if self.mode == "resident":
             on_device = touched.sum(axis=1)
         else:
@@ -71,6 +82,10 @@ class ModeledExecutor:
                 cpu_experts = misses
                 cpu_share = self.routing.share(~resident)
                 self.experts_on_cpu += int(misses.sum())
+            elif graphed:  # misses read in place over PCIe, counted as the torch engine counts them
+                on_device = touched.sum(axis=1)
+                in_place = misses
+                self.loader.account_loads(int(misses.sum()))
             else:
                 on_device = touched.sum(axis=1)
                 demand, prefetched = self._split_loads(misses, resident, touched)
@@ -81,7 +96,8 @@ class ModeledExecutor:
             step_ms = self.fixed_step_ms
         else:
             self.last = self.cost.step(StepWork(q, starts, samples, on_device, demand, prefetched, cpu_experts,
-                                                cpu_share, expansions, sync_per_layer=self.mode != "resident"))
+                                                cpu_share, expansions, sync_per_layer=self.mode != "resident",
+                                                graphed=graphed, in_place=in_place))
             step_ms = self.last.total_ms
             for k in _FIELDS:
                 self.totals[k] = self.totals.get(k, 0.0) + float(getattr(self.last, k))
