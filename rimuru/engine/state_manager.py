@@ -26,15 +26,21 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def state_bytes(layers: int, layout: PoolLayout) -> int:
+    """Bytes one request's states take: an SSM page and a conv run per GDN layer, conv runs packed into pages of
+    their parent class (SSM pages, or expert pages where conv rows do not divide an SSM page)."""
+    conv = layout[CONV]
+    parent_bytes = layout[conv.parent].page_bytes
+    conv_per_parent = (parent_bytes // conv.page_bytes) // conv.run
+    return layers * layout[SSM].page_bytes + _ceil(layers, conv_per_parent) * parent_bytes
+
+
 def state_l2_pages(spec: ModelSpec, layout: PoolLayout) -> int:
     """Expert-sized (L2) pages one request's states take: an SSM page and a conv run per GDN layer."""
     layers = len(spec.linear_attention_layers)
     if not layers:
         return 0
-    conv = layout[CONV]
-    conv_per_ssm = (layout[conv.parent].page_bytes // conv.page_bytes) // conv.run
-    state_bytes = (layers + _ceil(layers, conv_per_ssm)) * layout[SSM].page_bytes
-    return _ceil(state_bytes, layout[EXPERT].page_bytes)
+    return _ceil(state_bytes(layers, layout), layout[EXPERT].page_bytes)
 
 
 class StateManager:
@@ -48,7 +54,8 @@ class StateManager:
         self.num_layers = num_layers
         ssm, conv = layout[SSM], layout[CONV]
         self.ssm_per_huge = layout.huge_page_bytes // ssm.page_bytes
-        self.conv_per_ssm = (layout[conv.parent].page_bytes // conv.page_bytes) // conv.run
+        self.conv_parent = conv.parent  # SSM, or EXPERT where conv rows do not divide an SSM page
+        self.conv_per_ssm = (layout[conv.parent].page_bytes // conv.page_bytes) // conv.run  # runs per parent page
         self.conv_rows = conv.run
         self._ssm: dict[str, np.ndarray] = {}  # request id -> [num_layers] SSM page ids
         self._conv: dict[str, np.ndarray] = {}  # request id -> [num_layers] first conv row ids
@@ -56,16 +63,19 @@ class StateManager:
     def holds(self, request_id: str) -> bool:
         return request_id in self._ssm
 
+    def conv_parents_needed(self, free_conv: int) -> int:
+        """Parent pages (of class ``conv_parent``) one more request's conv runs split, given carved free runs."""
+        return _ceil(max(0, self.num_layers - free_conv), self.conv_per_ssm)
+
     def huge_pages_needed(self, free_ssm: int, free_conv: int) -> int:
-        """Huge pages one more request's states take, given carved free SSM pages and conv runs."""
-        ssm = self.num_layers + _ceil(max(0, self.num_layers - free_conv), self.conv_per_ssm)
+        """Huge pages one more request's SSM pages take, with its conv runs' parents when those are SSM pages
+        (expert-page parents are counted with the KV's: ``conv_parents_needed``)."""
+        ssm = self.num_layers + (self.conv_parents_needed(free_conv) if self.conv_parent == SSM else 0)
         return _ceil(max(0, ssm - free_ssm), self.ssm_per_huge)
 
     @property
     def bytes_per_request(self) -> int:
-        layout = self.allocator.layout
-        conv_parents = _ceil(self.num_layers, self.conv_per_ssm)
-        return (self.num_layers + conv_parents) * layout[SSM].page_bytes
+        return state_bytes(self.num_layers, self.allocator.layout)
 
     def allocate(self, request_id: str) -> None:
         if self.holds(request_id):
@@ -158,6 +168,8 @@ class HybridCacheManager:
             return self.allocator.can_allocate(KV, kv_need)
         st = self.allocator.stats()
         experts = _ceil(max(0, kv_need - st[KV]["carved_free"]), self.kv_per_expert)
+        if self.states.conv_parent == EXPERT:  # conv rows split expert pages, as KV pages do
+            experts += self.states.conv_parents_needed(st[CONV]["carved_free"])
         huge = _ceil(max(0, experts - st[EXPERT]["carved_free"]), self.expert_per_huge)
         huge += self.states.huge_pages_needed(st[SSM]["carved_free"], st[CONV]["carved_free"])
         return huge <= st["huge"]["free"]

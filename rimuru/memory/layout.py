@@ -53,6 +53,18 @@ class PageClass:
         return self.page_bytes * self.run
 
 
+def conv_parent(row: PageClass, l2: list[PageClass]) -> str:
+    """The L2 class a conv row page splits: the SSM page when rows divide it (a request's states side by side),
+    else the expert page. Qwen3.5-122B at TP=8 needs the second: a conv row is 1536 x 2 B (3 x 2^10, the conv
+    dim 12288 = 3 x 4096), the SSM page 8 x 128 x 128 x 4 B (2^19), the expert page 128 x 3072 x 2 B (3 x 2^18)."""
+    order = sorted(l2, key=lambda c: c.name != SSM)  # SSM first
+    for c in order:
+        if c.page_bytes % row.page_bytes == 0 and row.run * row.page_bytes <= c.page_bytes:
+            return c.name
+    raise ValueError(f"a conv row of {row.page_bytes} B (runs of {row.run}) divides none of the L2 pages "
+                     + ", ".join(f"{c.name} {c.page_bytes} B" for c in order))
+
+
 @dataclass(frozen=True)
 class PoolLayout:
     classes: tuple[PageClass, ...]
@@ -154,8 +166,9 @@ class PoolLayout:
             rows, conv_dim = conv
             if conv_dim % tp:
                 raise ValueError(f"conv dim {conv_dim} not divisible by tp={tp}")
-            parent = SSM if ssm_state is not None else EXPERT
-            classes.append(PageClass(CONV, 3, (conv_dim // tp,), conv_dtype, parent=parent, run=rows))
+            row = PageClass(CONV, 3, (conv_dim // tp,), conv_dtype, run=rows)
+            parent = conv_parent(row, [c for c in classes if c.level == 2])
+            classes.append(PageClass(CONV, 3, row.page_shape, conv_dtype, parent=parent, run=rows))
         return cls(tuple(classes), meta={"tp": tp})
 
     @classmethod

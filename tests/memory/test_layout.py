@@ -63,3 +63,46 @@ def test_from_spec_reads_bundled_qwen3_config():
     layout = PoolLayout.from_spec(ModelSpec.from_pretrained(path))
     assert layout.page_bytes(EXPERT) == QWEN3_30B_A3B.page_bytes(EXPERT)
     assert layout.page_bytes(KV) == QWEN3_30B_A3B.page_bytes(KV)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_qwen3_5_122b_conv_rows_split_expert_pages_at_every_tp(tp):
+    # conv dim 12288 = 3 x 4096: a row never divides the power-of-two SSM page, so it splits expert pages
+    from rimuru.models.spec import ModelSpec
+
+    layout = PoolLayout.from_spec(ModelSpec.from_pretrained("qwen3.5-122b-a10b"), tp=tp)
+    conv = layout[CONV]
+    assert conv.parent == EXPERT and conv.page_bytes == 12288 * 2 // tp
+    assert layout.page_bytes(SSM) == 64 // tp * 128 * 128 * 4 and layout.page_bytes(SSM) % conv.page_bytes
+    assert layout.page_bytes(EXPERT) % conv.page_bytes == 0 and conv.run * conv.page_bytes <= layout.page_bytes(EXPERT)
+    assert layout.huge_page_bytes % layout.page_bytes(SSM) == 0
+
+
+def test_conv_rows_that_divide_no_l2_page_are_rejected_naming_sizes():
+    with pytest.raises(ValueError, match=r"conv row of 3072 B .*divides none.*ssm 524288 B.*expert 524288 B"):
+        PoolLayout.build(hidden_size=2048, expert_intermediate=128, ssm_state=(8, 128, 128), conv=(3, 1536))
+
+
+def test_conv_parent_prefers_ssm_pages_and_always_divides():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(max_examples=200, deadline=None)
+    @given(hidden=st.sampled_from([256, 768, 1024, 2048, 3072]), inter=st.sampled_from([64, 128, 384, 768]),
+           heads=st.sampled_from([8, 16, 24, 32, 64]), conv_dim=st.sampled_from([1024, 1536, 4096, 8192, 12288]),
+           tp=st.sampled_from([1, 2, 4, 8]))
+    def check(hidden, inter, heads, conv_dim, tp):
+        try:
+            layout = PoolLayout.build(hidden_size=hidden, expert_intermediate=inter, ssm_state=(heads, 128, 128),
+                                      conv=(3, conv_dim), kv=(16, 2, 256), tp=tp)
+        except ValueError as exc:
+            assert any(s in str(exc) for s in ("divisible", "divides none", "does not divide"))
+            return
+        conv = layout[CONV]
+        parent = layout.page_bytes(conv.parent)
+        assert parent % conv.page_bytes == 0 and conv.run * conv.page_bytes <= parent
+        ssm = layout.page_bytes(SSM)
+        if ssm % conv.page_bytes == 0 and conv.run * conv.page_bytes <= ssm:
+            assert conv.parent == SSM  # unchanged wherever the SSM page takes the rows
+
+    check()
