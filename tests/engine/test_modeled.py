@@ -154,6 +154,28 @@ def test_modeled_engine_replays_graphs_for_small_decode_steps(options, expect_gr
     assert eligible > 0 and (t["decode_tokens"] > 8).any()  # both kinds of decode step occur
 
 
+def test_replay_admits_an_arrival_the_idle_engine_jumped_to(monkeypatch):
+    """Arrivals compare in absolute time, as rimuru.bench.inproc does: (start + a) - start rounds below a
+    for start 6.066, a 3.647, and an idle engine that jumped to start + a must still admit that request."""
+    import signal
+
+    start, a = 6.066, 3.647
+    assert (start + a) - start < a
+    llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", modeled_step_ms=5.0)
+    llm.clock.advance_to(start)
+
+    def hung(*_):
+        raise TimeoutError("replay did not admit the arrival it jumped to")
+
+    signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        m = replay(llm, [TraceRequest(10, 2, 0.0), TraceRequest(10, 2, a)])
+    finally:
+        signal.alarm(0)
+    assert m["completed"] == 2 and m["duration_s"] == pytest.approx(a + 0.010)
+
+
 def test_routing_model_marginals_and_seed():
     pi = np.array([[0.9, 0.6, 0.3, 0.2], [0.5, 0.5, 0.5, 0.5]])  # rows sum to top-2
     a, b = RoutingModel(pi, 2, seed=3), RoutingModel(pi, 2, seed=3)

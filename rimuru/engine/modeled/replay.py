@@ -58,8 +58,10 @@ def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tupl
     nxt = 0
     steps = 0
     while nxt < len(order) or llm.has_unfinished_requests():
-        now = clock.now() - start
-        while nxt < len(order) and trace[order[nxt]].arrival_time <= now:
+        now = clock.now()
+        # absolute times, as rimuru.bench.inproc compares them: (start + a) - start can round below a, and an
+        # idle engine that jumped to start + a would then wait for that arrival forever
+        while nxt < len(order) and start + trace[order[nxt]].arrival_time <= now:
             i = order[nxt]
             r = trace[i]
             rid = f"r{i}"
