@@ -53,6 +53,27 @@ def zc_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
 
 
+def split_fused_gdn_projections(dense: dict[str, torch.Tensor], spec: ModelSpec, layer: int) -> None:
+    """Qwen3-Next stores a GDN layer's input projections fused per key-head group — ``in_proj_qkvz`` rows
+    ``[q_g, k_g, v_g, z_g]`` and ``in_proj_ba`` rows ``[b_g, a_g]`` for each group g (transformers'
+    ``Qwen3NextGatedDeltaNet.fix_query_key_value_ordering`` regroups them on activations); Qwen3.5's layout, which
+    :class:`GatedDeltaNet` reads, is ``in_proj_qkv`` = ``[q; k; v]`` (the conv's channel order), ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``. The rows are regrouped once here, in place in ``dense`` (no-op when split)."""
+    p = f"model.layers.{layer}.linear_attn"
+    if f"{p}.in_proj_qkvz.weight" not in dense:
+        return
+    h, hv = spec.linear_num_key_heads, spec.linear_num_value_heads
+    dk, dv, r = spec.linear_key_head_dim, spec.linear_value_head_dim, hv // h
+    qkvz = dense.pop(f"{p}.in_proj_qkvz.weight")
+    q, k, v, z = torch.split(qkvz.view(h, 2 * dk + 2 * r * dv, -1), [dk, dk, r * dv, r * dv], dim=1)
+    dense[f"{p}.in_proj_qkv.weight"] = torch.cat([q.reshape(h * dk, -1), k.reshape(h * dk, -1),
+                                                  v.reshape(hv * dv, -1)])
+    dense[f"{p}.in_proj_z.weight"] = z.reshape(hv * dv, -1).contiguous()
+    b, a = torch.split(dense.pop(f"{p}.in_proj_ba.weight").view(h, 2 * r, -1), [r, r], dim=1)
+    dense[f"{p}.in_proj_b.weight"] = b.reshape(hv, -1).contiguous()
+    dense[f"{p}.in_proj_a.weight"] = a.reshape(hv, -1).contiguous()
+
+
 class GatedDeltaNet:
     """One linear-attention layer (transformers' ``Qwen3_5MoeGatedDeltaNet``); holds references to weights."""
 
@@ -154,6 +175,11 @@ class Qwen35MoeModel(QwenMoeModel):
         self.attention_config = AttentionConfig.from_spec(spec, comm.shard)  # this rank's attention shapes (warm-up)
         self.kv_index = {layer: i for i, layer in enumerate(spec.full_attention_layers)}
         self.gdn_index = {layer: i for i, layer in enumerate(spec.linear_attention_layers)}
+        if spec.model_type == "qwen3_next":
+            if comm.world_size > 1:
+                raise ValueError("qwen3_next runs on one device: its fused GDN projections are not sharded")
+            for layer in self.gdn_index:
+                split_fused_gdn_projections(dense, spec, layer)
         self.mixers: list[GatedAttention | GatedDeltaNet] = [
             GatedDeltaNet(spec, dense, i, gdn_impl, comm.shard) if i in self.gdn_index
             else GatedAttention(spec, dense, i, self.kv_index[i], rope, attention_impl, comm.shard)

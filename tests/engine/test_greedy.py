@@ -1,6 +1,6 @@
-"""Greedy outputs of every memory policy equal transformers' generate, on each tiny model (a plain MoE and the
-Qwen3.5 hybrid): all experts resident, a quarter cached, misses computed on the CPU, and elastic under
-pressure (shrinks and preemptions)."""
+"""Greedy outputs of every memory policy equal transformers' generate, on each tiny model (a plain MoE, the
+Qwen3.5 hybrid and the Qwen3-Next hybrid): all experts resident, a quarter cached, misses computed on the CPU, and
+elastic under pressure (shrinks and preemptions)."""
 
 import pytest
 import torch

@@ -14,7 +14,8 @@ from rimuru.memory import CONV, KV, SSM
 PROMPTS = [[9707, 11, 1879, 0], [3838, 374, 279, 6722, 315, 9625, 30], [40], [785, 3974, 13876, 38835, 34208, 916],
            [16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [1986, 374, 264, 1273], [22, 22], [100, 200, 300]]
 MAX_TOKENS = 12
-MODELS = ("tiny-qwen3-moe", "tiny-qwen3.5-moe")  # a plain MoE and a hybrid (Gated DeltaNet + gated attention)
+MODELS = ("tiny-qwen3-moe", "tiny-qwen3.5-moe", "tiny-qwen3-next")  # a plain MoE and two hybrids (Gated DeltaNet +
+# gated attention; Qwen3-Next stores its GDN input projections fused per key-head group)
 
 
 def write_tiny(tmp_path_factory, name: str) -> Path:

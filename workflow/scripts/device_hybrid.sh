@@ -8,6 +8,8 @@
 # fla-core==0.6.0 einops==0.8.2), installed with --target into $PYLIB; the token trace in .device/
 # (`rimuru workload sharegpt-all-at-once --token-ids --num-requests 400 --seed 0 --out .device/trace_sharegpt_400.jsonl`).
 # Usage on the GPU box: OUT=/tmp/out RIMURU_COMMIT=<commit> bash workflow/scripts/device_hybrid.sh
+# Pending (not yet run): the GPU tests and the tiled conv kernel's timings, without the e2e:
+#   TESTS=1 SECTIONS=conv E2E=0 bash workflow/scripts/device_hybrid.sh   (~1 min after a cold start)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 PYLIB=${PYLIB:-/tmp/pylib}
@@ -24,6 +26,7 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 timeout "${KERNEL_S:-50}" python3 workflow/scripts/bench_gdn_gpu.py --sections "${SECTIONS:-conv,prefill}" \
   --out "$OUT/kernel" 2>&1 | grep -v Warn | grep -v '^{' | tail -12
+[ "${E2E:-1}" = 1 ] || exit 0
 timeout "${E2E_S:-150}" python3 workflow/scripts/e2e_gpu.py --model qwen3.5-35b-a3b --layers "${LAYERS:-4}" --skew 0.7 \
   --gpu-synth --budget 24GiB --static-budget 80GiB --trace "${TRACE:-.device/trace_sharegpt_400.jsonl}" \
   --num-requests "${NREQ:-48}" --max-output "${MAX_OUTPUT:-48}" --rate "${RATE:-12}" --warmup-requests "${WARMUP:-16}" \
