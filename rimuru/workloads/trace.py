@@ -49,6 +49,18 @@ def build_trace(spec: WorkloadSpec, *, seed: int | None = None, num_requests: in
             for i, (s, t) in enumerate(zip(samples, times))]
 
 
+def read_token_trace(path: str | Path, num_requests: int | None = None, max_output: int = 0) -> list[TraceRequest]:
+    """The first ``num_requests`` requests of a trace written with ``rimuru workload --token-ids`` (every request
+    carries its prompt's token ids: no tokenizer needed), each output capped at ``max_output`` tokens (0: none)."""
+    trace = read_trace(path)[:num_requests]
+    if any(r.prompt_token_ids is None for r in trace):
+        raise ValueError(f"{path}: a request without prompt_token_ids; write the trace with "
+                         "`rimuru workload --token-ids`")
+    if max_output:
+        trace = [replace(r, output_len=min(r.output_len, max_output)) for r in trace]
+    return trace
+
+
 def write_trace(path: str | Path, requests: list[TraceRequest]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

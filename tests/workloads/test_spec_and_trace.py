@@ -8,6 +8,7 @@ import yaml
 from rimuru.cli import main
 from rimuru.workloads import build_trace, list_specs, load_spec, read_trace, write_trace
 from rimuru.workloads.spec import WorkloadSpec
+from rimuru.workloads.trace import read_token_trace
 
 
 @pytest.fixture
@@ -51,6 +52,12 @@ def test_trace_is_deterministic_and_round_trips(tiny_spec, tmp_path):
     assert read_trace(tmp_path / "t.jsonl") == a
     (tmp_path / "t.jsonl.gz").write_bytes(gzip.compress((tmp_path / "t.jsonl").read_bytes()))
     assert read_trace(tmp_path / "t.jsonl.gz") == a  # a gzip-compressed trace reads the same
+    with pytest.raises(ValueError, match="--token-ids"):  # the GPU scripts' reader needs token ids
+        read_token_trace(tmp_path / "t.jsonl")
+    ids = [dataclasses.replace(r, prompt_token_ids=(1, 2, 3)) for r in a]
+    write_trace(tmp_path / "ids.jsonl", ids)
+    capped = read_token_trace(tmp_path / "ids.jsonl", 3, max_output=4)
+    assert [r.output_len for r in capped] == [min(r.output_len, 4) for r in ids[:3]]
 
 
 def test_workload_command_writes_the_same_file_for_the_same_seed(tiny_spec, tmp_path, capsys):

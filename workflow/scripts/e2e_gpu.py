@@ -23,7 +23,6 @@ arrival at 0): the Poisson rows' arrival times differ from what this version dra
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import sys
@@ -47,7 +46,7 @@ from rimuru.models.spec import ModelSpec
 from rimuru.models.synthetic_memory import SyntheticCheckpoint
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
-from rimuru.workloads.trace import read_trace
+from rimuru.workloads.trace import read_token_trace
 
 
 def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:
@@ -111,11 +110,10 @@ def main() -> None:
                                generate_on_device=args.gpu_synth).load(device, dtype)
     print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     full = ModelSpec.from_pretrained(args.model)
-    trace = read_trace(args.trace)[: args.num_requests]
-    if any(r.prompt_token_ids is None for r in trace):
-        raise SystemExit(f"{args.trace}: write the trace with `rimuru workload --token-ids`")
-    if args.max_output:
-        trace = [dataclasses.replace(r, output_len=min(r.output_len, args.max_output)) for r in trace]
+    try:
+        trace = read_token_trace(args.trace, args.num_requests, args.max_output)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     cap = f", outputs <= {args.max_output}" if args.max_output else ""
 
     # hotset: route calibration prompts (the first 64 of the trace, truncated) with every expert resident

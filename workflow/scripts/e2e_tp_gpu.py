@@ -26,7 +26,6 @@ from the same scheduled arrival, token times at sampling inside the step, numpy 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import os
@@ -52,7 +51,7 @@ from rimuru.models.spec import ModelSpec
 from rimuru.models.synthetic_memory import SyntheticCheckpoint
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
-from rimuru.workloads.trace import TraceRequest, read_trace
+from rimuru.workloads.trace import TraceRequest, read_token_trace
 
 T0 = time.perf_counter()
 NVLINK_GBPS = 450.0  # H200 NVLink 4: 900 GB/s bidirectional, 450 GB/s each way
@@ -206,11 +205,10 @@ def main() -> None:
         link = "none (CPU dry run)"
     gbps = NVLINK_GBPS if link == "NVLink" else PCIE_GBPS
     full = ModelSpec.from_pretrained(args.model)
-    trace = read_trace(args.trace)[: args.num_requests]
-    if any(r.prompt_token_ids is None for r in trace):
-        raise SystemExit(f"{args.trace}: write the trace with `rimuru workload --token-ids`")
-    if args.max_output:
-        trace = [dataclasses.replace(r, output_len=min(r.output_len, args.max_output)) for r in trace]
+    try:
+        trace = read_token_trace(args.trace, args.num_requests, args.max_output)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     common = dict(device=args.device, dtype=dtype, seed=args.seed)
 
     if not args.skip_static:
