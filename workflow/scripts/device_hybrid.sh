@@ -13,7 +13,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 PYLIB=${PYLIB:-/tmp/pylib}
-mkdir -p "$OUT"
+# everything lands in $RES and comes back as one $OUT/results.tar.gz (the device tool returns a limited number
+# of files: the first call lost its kernel CSV and most timelines to that limit)
+RES=${RES:-/tmp/hybrid_results}
+mkdir -p "$OUT" "$RES"
+trap 'tar czf "$OUT/results.tar.gz" -C "$RES" .' EXIT
 python3 -m pip install -q --no-index --no-deps --target "$PYLIB" "${WHL_DIR:-.whl}"/*.whl 2>&1 | tail -2
 # TRITON_CACHE_AUTOTUNING: fla's autotuning results are kept on disk, so the e2e process reuses the kernel bench's
 export PYTHONUNBUFFERED=1 PYTHONPATH=".:$PYLIB" TRITON_CACHE_AUTOTUNING=1
@@ -25,10 +29,10 @@ if [ "${TESTS:-1}" = 1 ]; then
     tests/engine/test_hybrid.py 2>&1 | grep -v Warn | tail -12
 fi
 timeout "${KERNEL_S:-50}" python3 workflow/scripts/bench_gdn_gpu.py --sections "${SECTIONS:-conv,prefill}" \
-  --out "$OUT/kernel" 2>&1 | grep -v Warn | grep -v '^{' | tail -12
+  --out "$RES/kernel" 2>&1 | grep -v Warn | grep -v '^{' | tail -12
 [ "${E2E:-1}" = 1 ] || exit 0
 timeout "${E2E_S:-150}" python3 workflow/scripts/e2e_gpu.py --model qwen3.5-35b-a3b --layers "${LAYERS:-4}" --skew 0.7 \
   --gpu-synth --budget 24GiB --static-budget 80GiB --trace "${TRACE:-.device/trace_sharegpt_400.jsonl}" \
   --num-requests "${NREQ:-48}" --max-output "${MAX_OUTPUT:-48}" --rate "${RATE:-12}" --warmup-requests "${WARMUP:-16}" \
   --runs "${RUNS:-elastic:poisson,fixed:poisson,elastic:burst,fixed:burst,static:burst}" --repeats "${REPEATS:-2}" \
-  --calibration-prompts 32 --out "$OUT/e2e" 2>&1 | grep -v Warn | tail -"${TAIL:-45}"
+  --calibration-prompts 32 --out "$RES/e2e" 2>&1 | grep -v Warn | tail -"${TAIL:-45}"
