@@ -203,27 +203,35 @@ def test_bad_sizes_are_clear_errors(model_dir, tmp_path):
         LLM(model_dir, **BASE, tensor_parallel_size=0)
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("RIMURU_TP8") != "1", reason="8 processes: opt in with RIMURU_TP8=1")
-def test_eight_ranks_greedy_identical(tmp_path):
-    """The 8-GPU configuration's CPU stand-in: TP=8 (2 KV heads replicated over 8 ranks) on a tiny 8-head model.
-    Opt-in (eight processes on a 2-core CI machine): ``RIMURU_TP8=1 pytest -k eight_ranks``."""
-    from rimuru.models.checkpoint import hub_config, write_synthetic_checkpoint
+def assert_eight_ranks_identical(tmp_path, config: dict, policy: str) -> None:
+    """A synthetic checkpoint of ``config`` served at TP=8 and in one process: the same greedy outputs."""
+    from rimuru.models.checkpoint import write_synthetic_checkpoint
 
-    config = hub_config("tiny-qwen3-moe")
-    # f = 128: an expert page of one rank (16 x 64 fp32) must still hold whole KV pages (16 tokens x 1 head x 16)
-    config.update(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2, moe_intermediate_size=128)
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
     model = write_synthetic_checkpoint(tmp_path / "cfg" / "config.json", tmp_path / "ckpt", dtype=torch.float32,
                                        tokenizer=False)
-    options = dict(BASE, gpu_memory_budget="400MiB", policy="fixed", initial_cache_experts=6)
+    options = dict(BASE, gpu_memory_budget="400MiB", policy=policy,
+                   **({} if policy == "static" else {"initial_cache_experts": 6}))
     expected = generate(LLM(model, **options))
     llm = LLM(model, **options, tensor_parallel_size=8)
     try:
         assert generate(llm) == expected
     finally:
         llm.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("RIMURU_TP8") != "1", reason="8 processes: opt in with RIMURU_TP8=1")
+def test_eight_ranks_greedy_identical(tmp_path):
+    """The 8-GPU configuration's CPU stand-in: TP=8 (2 KV heads replicated over 8 ranks) on a tiny 8-head model.
+    Opt-in (eight processes on a 2-core CI machine): ``RIMURU_TP8=1 pytest -k eight_ranks``."""
+    from rimuru.models.checkpoint import hub_config
+
+    config = hub_config("tiny-qwen3-moe")
+    # f = 128: an expert page of one rank (16 x 64 fp32) must still hold whole KV pages (16 tokens x 1 head x 16)
+    config.update(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2, moe_intermediate_size=128)
+    assert_eight_ranks_identical(tmp_path, config, "fixed")
 
 
 @pytest.mark.slow
@@ -233,25 +241,14 @@ def test_eight_ranks_hybrid_greedy_identical(tmp_path, policy):
     """Issue 14's TP=8 path on a tiny Qwen3.5 hybrid: GDN layers split 8 ways (1 key head and 2 value heads per
     rank), attention heads 1 per rank with the 2 KV heads replicated; greedy identical to one process.
     Opt-in: ``RIMURU_TP8=1 pytest -k eight_ranks``."""
-    from rimuru.models.checkpoint import hub_config, write_synthetic_checkpoint
+    from rimuru.models.checkpoint import hub_config
 
     config = hub_config("tiny-qwen3.5-moe")
     # pages at TP=8, fp32: expert 16 x 64 (4 KiB) holds KV pages (2 x 16 tokens x 1 head x 16: 2 KiB); an SSM page
     # (2 value heads x 16 x 16: 2 KiB) holds conv rows of 512 / 8 channels (256 B), three of them per request
     config.update(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=8, linear_num_value_heads=16,
                   moe_intermediate_size=128, shared_expert_intermediate_size=64)
-    (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
-    model = write_synthetic_checkpoint(tmp_path / "cfg" / "config.json", tmp_path / "ckpt", dtype=torch.float32,
-                                       tokenizer=False)
-    options = dict(BASE, gpu_memory_budget="400MiB", policy=policy, **({} if policy == "static" else
-                                                                         {"initial_cache_experts": 6}))
-    expected = generate(LLM(model, **options))
-    llm = LLM(model, **options, tensor_parallel_size=8)
-    try:
-        assert generate(llm) == expected
-    finally:
-        llm.close()
+    assert_eight_ranks_identical(tmp_path, config, policy)
 
 
 def _children(pid: int) -> list[int]:

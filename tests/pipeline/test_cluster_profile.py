@@ -12,14 +12,12 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+from tests.pipeline.scratch import ROOT, SNAKEMAKE, workflow_copy
+
 PROFILE = ROOT / "workflow/profiles/slurm/config.yaml"
 
 
@@ -48,12 +46,7 @@ def test_parse_plan_reads_rules_and_resources():
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    if not SNAKEMAKE.exists():
-        pytest.skip(f"no snakemake next to {sys.executable}")
-    work = tmp_path_factory.mktemp("slurm")
-    for name in ("Snakefile", "workflow", "config", "baselines", "workloads"):
-        src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
+    work = workflow_copy(tmp_path_factory, "slurm")
     shutil.copytree(ROOT / "results/reference", work / "results/reference")
     # as after `make real-venvs`: the real systems' rules are planned only where their venvs are built
     real = yaml.safe_load((ROOT / "config/default.yaml").read_text()).get("real", {})

@@ -8,16 +8,14 @@ a second run has nothing to do.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+from tests.pipeline.scratch import SNAKEMAKE, workflow_copy
+
 TABLES = ["results/e2e/e2e", "results/case/case", "results/eol/eol", "results/kernel/overhead",
           "results/kernel/placement", "results/timeline/step_floor", "results/real/real"]
 FIGURES = ["figures/e2e.png", "figures/case.png", "figures/eol.png", "figures/kernel.png",
@@ -30,12 +28,7 @@ qwen3-30b-a3b (4/48 layers),elastic,32,burst,inf,200,3.5,700.0,120.0,400.0,30.0,
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    if not SNAKEMAKE.exists():
-        pytest.skip(f"no snakemake next to {sys.executable}")
-    work = tmp_path_factory.mktemp("pipeline")
-    for name in ("Snakefile", "workflow", "config", "baselines", "workloads"):
-        src = ROOT / name
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
+    work = workflow_copy(tmp_path_factory, "pipeline")
     ref = work / "results/reference/e2e"
     ref.mkdir(parents=True)
     (ref / "e2e.csv").write_text(REFERENCE_E2E)
