@@ -56,7 +56,7 @@ rule modeled_fidelity:
     shell:
         "{PY} {SCRIPTS}/modeled_fidelity.py --reference {FIDELITY[reference]} --hotset {input.hotset} "
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
-        "--graph-cap {params.caps} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
+        "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
 
 

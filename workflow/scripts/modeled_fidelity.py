@@ -4,7 +4,8 @@ modeled mode and compare.
 Each (run, policy, workload) of ``--reference``/e2e.csv (results/reference/e2e/graphs: ABBA repeats) is
 re-run once — a modeled run is deterministic — with the same model shape (layers as run), scaled budget
 (checked: the same initial cache), policy, KV reserve, hotset (``--hotset``), request lengths (checked:
-the same output tokens), arrivals (the seeded numpy Poisson draws of the measuring script), decode-graph
+the same output tokens), arrivals (``--arrivals``: ``inproc``, rimuru.workloads.arrivals as e2e_gpu.py draws
+them for rimuru.bench.inproc's loop, or ``legacy``, the numpy draws of its earlier loop), decode-graph
 batch cap (``--graph-cap COMMIT=N``: the cap the measured commit had) and the discarded warm-up pass of
 the trace's first ``--warmup-requests`` requests, with the cost parameters of ``--cost-params`` (fitted on
 other data: every row here is a validation run). Measured values are the median over the repeats, with
@@ -33,6 +34,7 @@ from rimuru.engine.modeled.reference import e2e_scaled_budget, parse_run_model, 
 from rimuru.engine.modeled.replay import TraceRequest, arrivals, replay, run_batch
 from rimuru.models.spec import ModelSpec
 from rimuru.units import parse_bytes
+from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
 
 METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "forward_steps", "peak_concurrency",
            "expert_gb_loaded", "cuda_graph_steps")
@@ -42,6 +44,13 @@ GOALS = {"output_throughput": 0.08, "mean_ttft_ms": 0.08, "forward_steps": 0.02,
 def command_arg(command: str, name: str, default=None):
     args = shlex.split(command)
     return args[args.index(name) + 1] if name in args else default
+
+
+def draw_arrivals(kind: str, n: int, rate: float | None, seed: int) -> np.ndarray:
+    if kind == "legacy":
+        return arrivals(n, rate, seed)
+    spec = ArrivalSpec(kind="poisson", rate=rate) if rate else ArrivalSpec()
+    return np.asarray(arrival_times(spec, n, seed), dtype=float)
 
 
 def graph_caps(items: list[str]) -> dict[str, int]:
@@ -61,6 +70,8 @@ def main() -> None:
     ap.add_argument("--lengths", required=True, help="CSV prompt_len,output_len (modeled_trace.py)")
     ap.add_argument("--cost-params", required=True)
     ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--arrivals", choices=("inproc", "legacy"), default="inproc",
+                    help="how the measuring script drew Poisson arrivals (see the module docstring)")
     ap.add_argument("--graph-cap", nargs="+", default=[], help="COMMIT=N: offloading decode-graph cap of a commit")
     ap.add_argument("--decode-floor", required=True, help="decode-floor segments (the step-time fit): figure")
     ap.add_argument("--out-csv", required=True)
@@ -100,7 +111,7 @@ def main() -> None:
             raise SystemExit(f"{key}: the lengths file is not the run's trace (output tokens differ)")
         rate = None if np.isinf(row["request_rate"]) else float(row["request_rate"])
         trace = [TraceRequest(int(p), int(o), float(a)) for p, o, a in
-                 zip(lengths["prompt_len"][:n], lengths["output_len"][:n], arrivals(n, rate, seed))]
+                 zip(lengths["prompt_len"][:n], lengths["output_len"][:n], draw_arrivals(args.arrivals, n, rate, seed))]
         warm = int(command_arg(command, "--warmup-requests", 0))
         before = [list(zip(lengths["prompt_len"][:warm].astype(int), lengths["output_len"][:warm].astype(int)))]
         if warm:

@@ -71,12 +71,14 @@ def splits_table(frame: pd.DataFrame) -> pd.DataFrame:
             continue
         e = elastic.iloc[0]
         best = fixed.loc[fixed["output_throughput"].idxmax()]
-        median = float(np.median(fixed["output_throughput"]))
+        median = float(np.median(fixed["output_throughput"]))  # the 5th of the 9 splits ranked by throughput
+        middle = fixed[fixed["system"] == "split50"]["output_throughput"]  # the other reading: the middle size
         out.append({
             "load": load, "elastic_tok_s": e["output_throughput"], "best_split": best["system"],
             "best_split_tok_s": best["output_throughput"], "median_split_tok_s": median,
             "elastic_vs_best": e["output_throughput"] / best["output_throughput"],
             "elastic_vs_median": e["output_throughput"] / median,
+            "elastic_vs_split50": e["output_throughput"] / float(middle.iloc[0]) if len(middle) else np.nan,
             "elastic_mean_ttft_ms": e["mean_ttft_ms"], "best_split_mean_ttft_ms": best["mean_ttft_ms"],
             "goal_vs_best_0.95": e["output_throughput"] / best["output_throughput"] >= 0.95,
             "goal_vs_median_1.3_burst": (e["output_throughput"] / median >= 1.3) if "burst" in load else None,
@@ -114,7 +116,9 @@ def main() -> None:
     lines = [f"# Elastic against every fixed split — {setup} — {LABEL}", "",
              "Fixed split F: the fixed policy (Fate's cross-layer predictor) with a cache of F of the pool's free "
              "expert pages, never resized. Goals (issue 15): elastic >= 0.95x the best split at every load, "
-             ">= 1.3x the median split under bursts.", "", markdown(splits)]
+             ">= 1.3x the median split under bursts. The median split is the median throughput of the nine "
+             "splits (the 5th ranked); `elastic_vs_split50` reads it as the middle cache size instead.", "",
+             markdown(splits)]
     open(args.splits_md, "w").write("\n".join(lines) + "\n")
     figures(paper, splits_rows, args.paper_figure, args.splits_figure)
 
