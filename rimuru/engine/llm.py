@@ -488,6 +488,22 @@ class LLM:
             return contextlib.nullcontext()
         return self._local_executor.use_graphs(enabled)
 
+    @contextlib.contextmanager
+    def collective_timing(self):
+        """With tensor parallelism, within the block rank 0 times each all-reduce (CUDA events:
+        ``comm.pop_all_reduce_ms``) and records each worker's lateness per step (``executor.pop_lateness``); both
+        start empty. A no-op on one rank."""
+        if self.tp_group is None:
+            yield
+            return
+        self.comm.pop_all_reduce_ms()
+        self.executor.pop_lateness()
+        self.comm.timing = self.executor.timing = True
+        try:
+            yield
+        finally:
+            self.comm.timing = self.executor.timing = False
+
     def fall_back_to_eager(self) -> None:
         """Serve every later step eagerly (after a failed graph capture, say): the executor drops its decode
         graphs, as ``enforce_eager`` would have from the start."""

@@ -66,9 +66,10 @@ def test_greedy_identical_to_one_process(model_dir, policy):
     try:
         assert llm.memory_report["tensor_parallel_size"] == 2
         assert llm.pool.layout.page_bytes(EXPERT) * 2 == single.pool.layout.page_bytes(EXPERT)
-        llm.executor.timing = True  # rank 0 records when each worker received each step and launched its forward
-        assert run(llm) == expected
-        late = llm.executor.pop_lateness()
+        with llm.collective_timing():  # rank 0 records when each worker received each step and launched its forward
+            assert run(llm) == expected
+            late = llm.executor.pop_lateness()
+        assert not llm.executor.timing and not llm.comm.timing  # off again after the block
         assert len(late) == llm.stats().forward_steps and not any(x["graphed"] for x in late)  # CPU: no graphs
         assert all(x["received_late_ms"][0] >= 0 for x in late)  # one clock: a message arrives after it was sent
         assert llm.executor.pop_lateness() == []

@@ -88,21 +88,16 @@ def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> dict:
     while any(r.num_uncomputed_tokens > 1 for r in llm.scheduler.running) or llm.scheduler.waiting:
         llm.step()
     tp = isinstance(llm.executor, TensorParallelExecutor)
-    if tp:
-        comm.timing = llm.executor.timing = True
-        comm.pop_all_reduce_ms()
-        llm.executor.pop_lateness()
     step_ms, ar_ms = [], []
     running = len(llm.scheduler.running)
     first = len(llm.timeline.records)
-    for _ in range(steps):
-        t = time.perf_counter()
-        llm.step()
-        step_ms.append((time.perf_counter() - t) * 1e3)
-        ar_ms.append(comm.pop_all_reduce_ms() if tp else 0.0)
-    late = llm.executor.pop_lateness() if tp else []
-    if tp:
-        comm.timing = llm.executor.timing = False
+    with llm.collective_timing():
+        for _ in range(steps):
+            t = time.perf_counter()
+            llm.step()
+            step_ms.append((time.perf_counter() - t) * 1e3)
+            ar_ms.append(comm.pop_all_reduce_ms() if tp else 0.0)
+        late = llm.executor.pop_lateness() if tp else []
     graphed = sum(r.cuda_graph for r in list(llm.timeline.records)[first:])
     for rid in [r.request_id for r in list(llm.scheduler.running) + list(llm.scheduler.waiting)]:
         llm.abort_request(rid)
