@@ -228,6 +228,11 @@ class DecodeGraphs:
         self._pending = True
         return logits[:n]
 
+    def release(self) -> None:
+        """Destroy the captured graphs (whoever still holds this object): with tensor parallelism they hold
+        collectives of the group, which must go before the group does."""
+        self.graphs.clear()
+
     def settle(self) -> None:
         """After the step synchronised: fold the last replay's device counters into the provider's totals."""
         if self._pending:

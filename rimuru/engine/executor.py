@@ -53,7 +53,9 @@ class TorchExecutor:
             self._replay = previous
 
     def drop_graphs(self) -> None:
-        """Run every later step eagerly and release the captured graphs."""
+        """Run every later step eagerly and destroy the captured graphs."""
+        if self.graphs is not None:
+            self.graphs.release()
         self.graphs = None
 
     # ------------------------------------------------------------------ eager inputs

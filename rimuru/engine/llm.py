@@ -218,10 +218,8 @@ class LLM:
         tensor parallelism they hold captured collectives of the group being closed, and an NCCL communicator
         torn down while a graph still holds its collectives can hang (PyTorch issue 115388)."""
         if self.tp_group is not None:
-            graphs = self.graphs
-            if graphs is not None:
-                graphs.graphs.clear()  # the CUDA graphs themselves, whoever else still holds the DecodeGraphs
-                self._local_executor.drop_graphs()
+            if self._local_executor is not None:
+                self._local_executor.drop_graphs()  # destroys the CUDA graphs themselves
             self.tp_group.close()
 
     def _decode_graphs(self, host_weights: torch.Tensor) -> DecodeGraphs | None:

@@ -92,12 +92,16 @@ class _StubGraphs:
 
     def __init__(self) -> None:
         self.marker = torch.full((1, 1), -7.0)
+        self.released = False
 
     def can_run(self, out) -> bool:
         return True
 
     def run(self, out) -> torch.Tensor:
         return self.marker
+
+    def release(self) -> None:
+        self.released = True
 
 
 def test_executor_owns_its_graphs_use_graphs_turns_replay_off_for_a_block():
@@ -121,7 +125,7 @@ def test_executor_owns_its_graphs_use_graphs_turns_replay_off_for_a_block():
     assert eager.shape == (1, llm.spec.vocab_size) and executor.execute(out) is stub.marker
     assert (executor.graph_steps, executor.eager_steps) == (3, 2)
     executor.drop_graphs()
-    assert executor.graphs is None and executor.execute(out) is not stub.marker
+    assert stub.released and executor.graphs is None and executor.execute(out) is not stub.marker
 
 
 def test_warmup_or_eager_reports_a_failed_warmup_and_serves_eagerly(monkeypatch):
