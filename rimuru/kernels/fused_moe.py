@@ -230,14 +230,20 @@ def pick_configs(num_tokens: int, top_k: int, num_experts: int, f: int, d: int) 
 
 
 def warmup_token_counts(num_experts: int, top_k: int, f: int, d: int) -> list[int]:
-    """One batch size per distinct tile choice for this shape: running ``fused_moe`` once at each
-    compiles every kernel variant serving can hit (so no request pays a JIT compile)."""
-    seen: dict[MoeConfigs, int] = {}
+    """One batch size per kernel variant serving can hit for this shape: each distinct tile choice, on each
+    side of the alignment's fused-scatter limit (``moe_align`` launches a different kernel pair past
+    ``FUSED_SCATTER_MAX_PAIRS``). Running ``fused_moe`` once at each compiles them all, so no request pays a
+    JIT compile. Tile choices are constant over intervals of the batch size, so the first batch past the
+    limit stands for every interval that crosses it."""
+    from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS
+
+    seen: dict[tuple[MoeConfigs, bool], int] = {}
     table = TUNED.get((num_experts, f, d))
     counts = sorted(table) if table else [max(1, int(min(b, 64.0) * num_experts / top_k)) for b, _ in
                                           BY_ROWS_PER_EXPERT]
-    for m in counts:
-        seen.setdefault(pick_configs(m, top_k, num_experts, f, d), m)
+    limit = FUSED_SCATTER_MAX_PAIRS // top_k
+    for m in sorted({*counts, limit, limit + 1}):
+        seen.setdefault((pick_configs(m, top_k, num_experts, f, d), m * top_k <= FUSED_SCATTER_MAX_PAIRS), m)
     return sorted(seen.values())
 
 

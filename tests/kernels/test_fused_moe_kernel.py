@@ -167,3 +167,20 @@ def test_negative_page_ids_read_host_pages_zero_copy(T):
         with_host_copy[row] = host[3 * e:3 * e + 3]
         table2[e] = row.to(torch.int32)
     assert _rel(fused_moe(ref_in, w, ids, with_host_copy, table2), ref) < 1e-4
+
+
+@pytest.mark.parametrize("shape", [(8, 2, 32, 64), (128, 8, 768, 2048), (256, 8, 512, 2048), (60, 4, 1408, 2048)])
+def test_warmup_token_counts_cover_every_variant_a_step_can_launch(shape):
+    """Every (tile choice, fused-scatter or not) a batch of 1..8192 tokens picks is compiled by warm-up. The
+    H200 no-compile test caught the tiny model's warm-up compiling only the fused-scatter alignment (one count,
+    2 pairs): its first 211-token prefill compiled the two-launch alignment (2 compiles)."""
+    from rimuru.kernels.fused_moe import pick_configs, warmup_token_counts
+    from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS
+
+    experts, k, f, d = shape
+
+    def variant(m):
+        return pick_configs(m, k, experts, f, d), m * k <= FUSED_SCATTER_MAX_PAIRS
+
+    warmed = {variant(m) for m in warmup_token_counts(experts, k, f, d)}
+    assert {variant(m) for m in range(1, 8193)} == warmed
