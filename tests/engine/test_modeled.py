@@ -79,7 +79,7 @@ def test_allreduce_and_cpu_experts_by_hand(spec):
 def test_step_matches_the_vectorised_calibration_form():
     """CostModel.step and calibration.predict_steps are one model: same numbers on the same work."""
     spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
-    params = CostParams(prefetch_recall=0.5, host_step_ms=1.0, host_seq_us=20.0, gpu_layer_us=15.0)
+    params = CostParams(prefetch_recall=0.5, host_step_ms=1.0, host_seq_us=20.0, gpu_layer_us=15.0, token_us=3.0)
     cost = CostModel(spec, load_gpu("h200"), params)
     layers = spec.num_moe_layers
     q, starts = np.array([1, 1, 1]), np.array([10, 20, 30])
@@ -185,6 +185,53 @@ def test_routing_model_marginals_and_seed():
     assert np.allclose(draws, 0.5, atol=0.04)
     with pytest.raises(ValueError):
         RoutingModel(np.zeros((2, 4)), 2)
+
+
+def test_prefill_chunks_route_as_fewer_independent_tokens():
+    pi = np.array([[0.9, 0.6, 0.3, 0.2], [0.5, 0.5, 0.5, 0.5]])
+    independent = RoutingModel(pi, 2)
+    assert independent.effective_tokens([1, 1, 100]) == 102
+    r = RoutingModel(pi, 2, chunk_scale=2.0, chunk_exponent=0.5)
+    # decode tokens count one each; a chunk of 100 counts min(100, 2 * 100 ** 0.5) = 20, one of 3 min(3, 3.46) = 3
+    assert r.effective_tokens([1, 1, 100]) == pytest.approx(22.0)
+    assert r.effective_tokens([3]) == pytest.approx(3.0)
+    assert r.touch_probability(2.5)[1, 0] == pytest.approx(1 - 0.5**2.5)
+    with pytest.raises(ValueError, match="chunk_exponent"):
+        RoutingModel(pi, 2, chunk_exponent=1.5)
+
+
+def test_chunk_routing_fit_recovers_the_correlation_it_was_drawn_with():
+    """fit_chunk_routing on steps whose touched counts follow a known (scale, exponent): it finds them, and the
+    independent-token model it replaces is off on the same steps."""
+    import pandas as pd
+
+    from rimuru.engine.modeled.calibration import FitRun, fit_chunk_routing
+
+    rng = np.random.default_rng(0)
+    pi = rng.dirichlet(np.full(64, 0.3), size=4) * 8
+    truth = RoutingModel(pi, 8, chunk_scale=2.5, chunk_exponent=0.7)
+    prefill = np.array([20, 40, 80, 120, 200, 300, 450, 700, 1000, 1500])
+    decode = np.array([0, 1, 2, 0, 3, 1, 0, 2, 1, 0])
+    touched = [truth.expected_touched(d + truth.effective_tokens([q])).sum() for d, q in zip(decode, prefill)]
+    timeline = pd.DataFrame({"prefill_tokens": prefill, "decode_tokens": decode, "experts_touched": touched})
+    fit = fit_chunk_routing([FitRun("synthetic", timeline, None, "fixed", RoutingModel(pi, 8), None)])
+    assert fit["routing_chunk_scale"] == pytest.approx(2.5, rel=0.05)
+    assert fit["routing_chunk_exponent"] == pytest.approx(0.7, rel=0.03)
+    assert fit["median_abs_rel_error"] < 0.005 < fit["independent_median_abs_rel_error"]
+
+
+def test_token_term_of_an_eager_step_by_hand(spec):
+    """token_us adds per computed token to an eager step, not to a graph replay."""
+    base = CostModel(spec, GPU, UNIT)
+    with_tokens = CostModel(spec, GPU, UNIT.replace(token_us=5.0))
+    layers = spec.num_moe_layers
+    zero = np.zeros(layers)
+    w = StepWork(np.array([100, 1]), np.array([0, 50]), samples=2, touched=np.full(layers, 10), demand=zero,
+                 prefetched=zero)
+    assert with_tokens.step(w).total_ms - base.step(w).total_ms == pytest.approx(101 * 5e-3)
+    g = StepWork(np.array([1, 1]), np.array([10, 50]), samples=2, touched=np.full(layers, 10), demand=zero,
+                 prefetched=zero, graphed=True, in_place=zero)
+    assert with_tokens.step(g).total_ms == pytest.approx(base.step(g).total_ms)
 
 
 def test_virtual_clock():

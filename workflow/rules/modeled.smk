@@ -10,7 +10,9 @@ REF = "results/reference"
 def calibration_inputs(w):
     return (glob.glob(f"{REF}/kernel/kernel_*.csv") + [f"{REF}/attention_h200.csv", f"{REF}/e2e/e2e.csv",
                                                       f"{REF}/{MODELED['decode_floor']}"]
-            + glob.glob(f"{REF}/e2e/run_*/timeline_*.csv") + glob.glob(f"{REF}/e2e/run_*/hotset.json"))
+            + glob.glob(f"{REF}/e2e/run_*/timeline_*.csv") + glob.glob(f"{REF}/e2e/run_*/hotset.json")
+            + [f"{REF}/{k.rsplit(':', 1)[0].rsplit('/', 1)[0]}/timelines_{k.rsplit(':', 1)[0].rsplit('/', 1)[1]}.csv.gz"
+               for k in MODELED["fit_timelines"]])
 
 
 FIDELITY = MODELED["fidelity"]
@@ -33,10 +35,14 @@ rule modeled_lengths:
 rule modeled_calibrate:
     input: calibration_inputs
     output: "results/modeled/calibration.json"
-    params: fit=",".join(MODELED["fit_runs"])
+    params:
+        fit=",".join(MODELED["fit_runs"]),
+        routing=",".join(MODELED["routing_fit_runs"]),
+        timelines=",".join(MODELED["fit_timelines"]),
     log: "results/logs/modeled/calibrate.log"
     shell:
         "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {MODELED[decode_floor]} --fit-runs {params.fit} "
+        "--routing-fit-runs {params.routing} --fit-timelines {params.timelines} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
@@ -51,12 +57,14 @@ rule modeled_fidelity:
         csv="results/modeled/fidelity.csv",
         figure="figures/modeled_fidelity.png",
         timelines=directory("results/modeled/fidelity_timelines"),
-    params: caps=" ".join(f"{c}={n}" for c, n in FIDELITY["graph_caps"].items())
+    params:
+        caps=" ".join(f"{c}={n}" for c, n in FIDELITY["graph_caps"].items()),
+        fit=" ".join(k.rsplit(":", 1)[0].rsplit("/", 1)[1] + "/" + k.rsplit(":", 1)[1] for k in MODELED["fit_timelines"]),
     log: "results/logs/modeled/fidelity.log"
     shell:
         "{PY} {SCRIPTS}/modeled_fidelity.py --reference {FIDELITY[reference]} --hotset {input.hotset} "
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
-        "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
+        "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --fit {params.fit} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
 
 

@@ -15,7 +15,14 @@ from pathlib import Path
 
 import pandas as pd
 
-from rimuru.engine.modeled.calibration import FitRun, fit_attention, fit_decode_floor, fit_moe_kernel, prefetch_waste
+from rimuru.engine.modeled.calibration import (
+    FitRun,
+    fit_attention,
+    fit_chunk_routing,
+    fit_decode_floor,
+    fit_moe_kernel,
+    prefetch_waste,
+)
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import load_gpu
 from rimuru.engine.modeled.reference import parse_run_model, spec_with_layers
@@ -49,6 +56,13 @@ def main() -> None:
                     help="decode-step segments (decode_floor_gpu.py), relative to --reference: the step-time fit")
     ap.add_argument("--fit-runs", required=True,
                     help="RUN:POLICY:WORKLOAD,... rows of e2e/e2e.csv whose timelines give the predictor's waste")
+    ap.add_argument("--routing-fit-runs", default="",
+                    help="RUN:POLICY:WORKLOAD,... rows of e2e/e2e.csv (Poisson: one prefill chunk per step) whose "
+                         "timelines give the prefill chunks' routing correlation (routing_chunk_*)")
+    ap.add_argument("--fit-timelines", default="",
+                    help="DIR/RUN:POLICY,... measured per-step timelines (DIR/timelines_RUN.csv.gz under --reference, "
+                         "every repeat of POLICY) fitted jointly with the decode-floor segments: prefill, mixed and "
+                         "decode steps of serving runs; the fidelity check counts these runs as fit, not validation")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -73,8 +87,8 @@ def main() -> None:
     e2e_path = ref / "e2e" / "e2e.csv"
     e2e = pd.read_csv(e2e_path)
     data.append(data_entry(e2e_path, e2e))
-    runs = []
-    for key in args.fit_runs.split(","):
+
+    def fit_run(key: str, chunk: dict) -> FitRun:
         run, policy, workload = key.split(":")
         row = e2e[(e2e["run"] == run) & (e2e["policy"] == policy) & (e2e["workload"] == workload)]
         if len(row) != 1:
@@ -85,9 +99,17 @@ def main() -> None:
         hotset_path = ref / "e2e" / run / "hotset.json"
         hotset = Hotset.load(hotset_path)
         timeline = pd.read_csv(timeline_path)
-        data += [data_entry(timeline_path), data_entry(hotset_path)]
-        runs.append(FitRun(key, timeline, spec, policy, RoutingModel.from_hotset(hotset, spec.top_k),
-                           hotset.global_order()))
+        data.extend([data_entry(timeline_path), data_entry(hotset_path)])
+        return FitRun(key, timeline, spec, policy, RoutingModel.from_hotset(hotset, spec.top_k, **chunk),
+                      hotset.global_order())
+
+    routing_fit = {}
+    if args.routing_fit_runs:
+        routing_fit = fit_chunk_routing([fit_run(k, {}) for k in args.routing_fit_runs.split(",")])
+        base = base.replace(routing_chunk_scale=routing_fit["routing_chunk_scale"],
+                            routing_chunk_exponent=routing_fit["routing_chunk_exponent"])
+    chunk = {"chunk_scale": base.routing_chunk_scale, "chunk_exponent": base.routing_chunk_exponent}
+    runs = [fit_run(k, chunk) for k in args.fit_runs.split(",")]
     base = base.replace(prefetch_waste=prefetch_waste(runs))
     floor_path = ref / args.decode_floor
     floor = pd.read_csv(floor_path)
@@ -95,13 +117,32 @@ def main() -> None:
     data.append(data_entry(floor_path, floor))
     frames = [f.reset_index(drop=True) for _, f in floor.groupby("layers")]
     floor_costs = [CostModel(spec_with_layers(f["model"].iloc[0], int(f["layers"].iloc[0])), gpu, base) for f in frames]
-    params, steps = fit_decode_floor(frames, floor_costs, base)
+    timelines = []
+    for key in filter(None, args.fit_timelines.split(",")):
+        path, policy = key.rsplit(":", 1)
+        folder, run = path.rsplit("/", 1)
+        t_path = ref / folder / f"timelines_{run}.csv.gz"
+        runs_path = ref / folder / "e2e.csv"
+        t_all, t_runs = pd.read_csv(t_path), pd.read_csv(runs_path)
+        t_frame = t_all[t_all["policy"] == policy].reset_index(drop=True)
+        row = t_runs[(t_runs["run"] == run) & (t_runs["policy"] == policy)]
+        if t_frame.empty or row.empty:
+            raise SystemExit(f"--fit-timelines {key}: no {policy} steps in {t_path} or no row in {runs_path}")
+        name, layers = parse_run_model(row.iloc[0]["model"])
+        timelines.append((f"{run}/{policy}", t_frame, CostModel(spec_with_layers(name, layers), gpu, base), policy))
+        data += [data_entry(t_path), data_entry(runs_path, row)]
+    params, steps = fit_decode_floor(frames, floor_costs, base, timelines)
     params = params.replace(fitted={
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
-        "fit_runs": args.fit_runs.split(","), "data": data,
+        "routing_fit": routing_fit, "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
+        "fit_runs": args.fit_runs.split(","), "fit_timelines": list(filter(None, args.fit_timelines.split(","))),
+        "data": data,
         "assumptions": [
             "step times: the decode-floor segments (pure decode steps of the CUDA-graphed engine, eager and graphed, "
-            "4 and 48 layers); prefill and mixed steps use the same host terms and the kernel/attention rooflines",
+            "4 and 48 layers) and, jointly, every step of the --fit-timelines runs (prefill, mixed, eager and graphed "
+            "decode: token_us is identified there); the kernel/attention rooflines give the device terms' shape",
+            "fit-timeline steps: prefill chunks per step estimated as prefill tokens / 256 (rounded up), their "
+            "attention pairs as chunks from position 0 (the timeline records neither)",
             "segment context: prompts of 256 tokens plus 11 steps per earlier segment (decode_floor_gpu.py defaults)",
             "predictor waste: from the fit runs' recorded loads (the eager engine before CUDA graphs; the predictor "
             "is unchanged since)",
@@ -113,6 +154,9 @@ def main() -> None:
           f"fixed {kernel['moe_fixed_us']:.1f} us "
           f"(median error {kernel['median_rel_error']:.1%}); attention: attn_eff {attention['attn_eff']:.3f}")
     print("steps:", {k: round(v, 3) for k, v in steps["values"].items()}, "waste", round(params.prefetch_waste, 3))
+    for name, r in steps["timeline_groups"].items():
+        print(f"  {name}: {r['steps']} steps, measured {r['measured_ms_sum'] / 1e3:.2f} s, modeled "
+              f"{r['modeled_ms_sum'] / 1e3:.2f} s, median step error {r['median_rel_error']:+.1%}")
     for name, r in steps["per_group"].items():
         print(f"  {name} (batches {r['batches']}): median step error {r['median_abs_rel_error']:.1%}, "
               f"worst {r['max_abs_rel_error']:.1%}")

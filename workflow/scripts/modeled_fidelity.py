@@ -7,12 +7,13 @@ re-run once — a modeled run is deterministic — with the same model shape (la
 the same output tokens), arrivals (``--arrivals``: ``inproc``, rimuru.workloads.arrivals as e2e_gpu.py draws
 them for rimuru.bench.inproc's loop, or ``legacy``, the numpy draws of its earlier loop), decode-graph
 batch cap (``--graph-cap COMMIT=N``: the cap the measured commit had) and the discarded warm-up pass of
-the trace's first ``--warmup-requests`` requests, with the cost parameters of ``--cost-params`` (fitted on
-other data: every row here is a validation run). Measured values are the median over the repeats, with
-their min and max. Writes fidelity.csv (run, split, metric, measured, min, max, repeats, modeled,
-rel_error; ``split`` is ``validate`` for every row: the step times are fitted on the decode-floor
-segments, not on these runs), the modeled per-step timelines and a figure: per-step time of the
-decode-floor segments (measured vs modeled: the fit) and every run's metrics (the validation).
+the trace's first ``--warmup-requests`` requests, with the cost parameters of ``--cost-params``.
+Measured values are the median over the repeats, with their min and max.
+Writes fidelity.csv (run, split, metric, measured, min, max, repeats, modeled,
+rel_error; ``split`` is ``fit`` for the runs of ``--fit``, whose per-step timelines the calibration fitted
+the step times on beside the decode-floor segments, ``validate`` for the others), the modeled per-step
+timelines and a figure: per-step time of the decode-floor segments (measured vs modeled: fit data) and
+every run's metrics.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def main() -> None:
     ap.add_argument("--arrivals", choices=("inproc", "legacy"), default="inproc",
                     help="how the measuring script drew Poisson arrivals (see the module docstring)")
     ap.add_argument("--graph-cap", nargs="+", default=[], help="COMMIT=N: offloading decode-graph cap of a commit")
+    ap.add_argument("--fit", nargs="*", default=[],
+                    help="RUN/POLICY of runs whose per-step timelines the calibration fitted on: their rows are `fit`")
     ap.add_argument("--decode-floor", required=True, help="decode-floor segments (the step-time fit): figure")
     ap.add_argument("--out-csv", required=True)
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
@@ -122,7 +125,8 @@ def main() -> None:
         for m in METRICS:
             measured = group[m].astype(float)
             med, modeled = float(measured.median()), float(metrics[m])
-            rows.append({"run": key, "split": "validate", "metric": m, "measured": med,
+            split = "fit" if f"{run}/{policy}" in args.fit else "validate"
+            rows.append({"run": key, "split": split, "metric": m, "measured": med,
                          "measured_min": float(measured.min()),
                          "measured_max": float(measured.max()), "repeats": len(measured), "modeled": modeled,
                          "rel_error": (modeled - med) / med if med else float("nan"),
@@ -179,7 +183,9 @@ def figure(frame: pd.DataFrame, steps: pd.DataFrame, path: str) -> None:
         lo = 100 * (d["measured_min"] - d["measured"]) / d["measured"]
         hi = 100 * (d["measured_max"] - d["measured"]) / d["measured"]
         x = np.arange(len(metrics)) + i * width
-        ax.bar(x, 100 * d["rel_error"], width, color=colors[i % 10], label=run)
+        split = d["split"].iloc[0]
+        ax.bar(x, 100 * d["rel_error"], width, color=colors[i % 10], label=f"{run} ({split})",
+               hatch="//" if split == "fit" else None)
         ax.errorbar(x, np.zeros(len(x)), yerr=[-lo, hi], fmt="none", ecolor="k", capsize=2, lw=0.8)
     ax.axhline(0, color="k", lw=0.8)
     for y in (-8, 8):

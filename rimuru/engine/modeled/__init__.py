@@ -32,13 +32,15 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
             "cache manager of issue 12), so a modeled run of a hybrid model would under-count its memory")
     policy = llm.policy
     mode = "resident" if policy.all_experts_resident else "paged" if policy.loads_experts else "cpu"
-    routing = RoutingModel.from_hotset(llm.hotset, llm.spec.top_k, seed=config.seed)
+    params = CostParams.load(config.cost_params) if config.cost_params else CostParams()
+    routing = RoutingModel.from_hotset(llm.hotset, llm.spec.top_k, seed=config.seed,
+                                       chunk_scale=params.routing_chunk_scale,
+                                       chunk_exponent=params.routing_chunk_exponent)
     if routing.shape != (llm.spec.num_moe_layers, llm.spec.num_experts):
         raise ValueError(f"hotset has {routing.shape} (layers, experts), the model "
                          f"{(llm.spec.num_moe_layers, llm.spec.num_experts)}")
     cost = None
     if config.modeled_step_ms is None:
-        params = CostParams.load(config.cost_params) if config.cost_params else CostParams()
         host = load_host(config.host) if mode == "cpu" else None
         cost = CostModel(llm.spec, load_gpu(config.hardware), params, tp=config.tensor_parallel_size, host=host,
                          dtype_bytes=llm.pool.layout[EXPERT].dtype.itemsize)

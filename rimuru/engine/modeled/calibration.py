@@ -16,6 +16,14 @@ Four fits, each on the data that identifies its terms:
    fed with that segment's recorded work. Two layer counts tell per-step and per-layer host time apart.
 4. **Predictor waste** (e2e timelines of the ``fit`` runs): recorded expert loads minus expansions minus
    the routing model's expected misses, per expected miss.
+5. **Prefill routing correlation** (``fit_chunk_routing``: e2e timelines of Poisson runs, one new prompt per
+   step): a prompt's tokens share experts, so a chunk of ``q`` tokens touches as many experts as
+   ``min(q, scale x q^exponent)`` independent tokens; fitted to the recorded experts touched per step.
+6. **Serving steps** (``timeline_features``, jointly with fit 3): every step of the measured per-step
+   timelines of the graphed e2e runs named for fitting (prefill, mixed, eager and graphed decode steps),
+   with ``token_us`` (per token of an eager step) free. Decode-floor segments alone fit pure decode only;
+   a serving run's prefill and mixed steps and its small graphed decode batches (a Poisson run's steps)
+   need the per-token term and the host path of the commit the runs were measured at.
 
 Fit 3 re-fits ``gpu_layer_us`` on whole steps (fits 1 and 2's fixed times are its starting point).
 """
@@ -87,10 +95,51 @@ def expected_misses(run: FitRun) -> np.ndarray:
     rank[run.cache_order[:, 0] * experts + run.cache_order[:, 1]] = np.arange(layers * experts)
     rank = rank.reshape(layers, experts)
     out = np.empty(len(run.timeline))
-    for i, (tokens, cached) in enumerate(zip(run.timeline["tokens"], run.timeline["cached_experts"])):
-        p = run.routing.touch_probability(int(tokens))
+    t = run.timeline
+    for i, (tokens, cached) in enumerate(zip(step_effective_tokens(t, run.routing), t["cached_experts"])):
+        p = run.routing.touch_probability(tokens)
         out[i] = p[rank >= cached].sum()
     return out
+
+
+def step_effective_tokens(timeline: pd.DataFrame, routing: RoutingModel, chunk_tokens: int = 256) -> np.ndarray:
+    """Per recorded step: its decode tokens plus its prefill tokens as chunks of at most ``chunk_tokens`` (the
+    timeline does not record the chunks), in the routing model's effective tokens."""
+    out = np.empty(len(timeline))
+    for i, (decode, prefill) in enumerate(zip(timeline["decode_tokens"], timeline["prefill_tokens"])):
+        n = -(-int(prefill) // chunk_tokens)
+        chunks = [prefill / n] * n if n else []
+        out[i] = decode + routing.effective_tokens(chunks) if chunks else decode
+    return out
+
+
+def fit_chunk_routing(runs: list[FitRun]) -> dict:
+    """``routing_chunk_scale`` and ``routing_chunk_exponent`` from the steps that computed one prefill chunk
+    (Poisson runs: one new request at a time) beside their decode tokens: recorded experts touched against the
+    routing model's expectation, relative least squares."""
+    rows = []
+    for run in runs:
+        t = run.timeline
+        t = t[(t["prefill_tokens"] > 1) & (t["prefill_tokens"] <= 2048)]
+        rows += [(run.routing, int(d), float(q), float(m)) for d, q, m in
+                 zip(t["decode_tokens"], t["prefill_tokens"], t["experts_touched"])]
+    if not rows:
+        raise ValueError("no prefill steps in the routing fit runs")
+
+    def residuals(theta):
+        scale, exponent = theta
+        out = np.empty(len(rows))
+        for i, (routing, decode, q, measured) in enumerate(rows):
+            teff = decode + min(q, scale * q ** exponent)
+            out[i] = routing.expected_touched(teff).sum() / measured - 1
+        return out
+
+    # diff_step: touch probabilities are cached per 0.01 effective tokens
+    fit = least_squares(residuals, x0=[1.0, 0.9], bounds=([0.1, 0.2], [10.0, 1.0]), diff_step=0.01)
+    err = np.abs(residuals(fit.x))
+    base = np.abs(residuals([1.0, 1.0]))
+    return {"routing_chunk_scale": float(fit.x[0]), "routing_chunk_exponent": float(fit.x[1]), "steps": len(rows),
+            "median_abs_rel_error": float(np.median(err)), "independent_median_abs_rel_error": float(np.median(base))}
 
 
 def prefetch_waste(runs: list[FitRun]) -> float:
@@ -132,7 +181,7 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
             copy_t = copy_t + load(x["loads"] * p.prefetch_recall)
         gpu_t = np.maximum(gpu_t, ready) + moe
     head = roof(cost.lm_head_bytes, cost.lm_head_flops_per_row * x["samples"], p.mma_eff)
-    eager = p.host_step_ms + p.host_seq_us * 1e-3 * x["running"] + gpu_t + head
+    eager = p.host_step_ms + p.host_seq_us * 1e-3 * x["running"] + p.token_us * 1e-3 * x["tokens"] + gpu_t + head
     if "graphed" not in x:
         return eager
     in_place = x["in_place"]
@@ -164,30 +213,78 @@ def floor_features(frame: pd.DataFrame, cost: CostModel, prompt_len: int = 256, 
             "measured": frame["step_ms"].to_numpy(float)}
 
 
-def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: CostParams) -> tuple[CostParams, dict]:
+def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_tokens: int = 256) -> dict:
+    """Per-step work of a measured e2e timeline (``LLM.timeline``: one row per forward step, ``step_ms`` the whole
+    ``LLM.step``). Graphed steps read their recorded misses in place; an eager step's recorded loads are its
+    expansions (``adjust`` > 0, queued first) and the per-layer misses. Not recorded, so estimated: the number of
+    prefill chunks (``prefill_tokens / chunk_tokens``, rounded up; they add per-request host time) and their
+    attention pairs (chunks of up to ``chunk_tokens`` from position 0: a small term at these lengths)."""
+    layers = cost.num_moe_layers
+    graphed = (frame["cuda_graph"] == 1).to_numpy()
+    tokens = frame["tokens"].to_numpy(float)
+    prefill = frame["prefill_tokens"].to_numpy(float)
+    decode = frame["decode_tokens"].to_numpy(float)
+    context = frame["context_tokens"].to_numpy(float)
+    expansions = np.where(graphed, 0.0, frame["adjust"].clip(lower=0).to_numpy(float))
+    loaded = (frame["experts_loaded"].to_numpy(float) - expansions) / layers
+    chunks = decode + np.ceil(prefill / chunk_tokens)
+    pairs = (context - prefill) + prefill * (np.minimum(prefill, chunk_tokens) + 1) / 2
+    return {"tokens": tokens, "decode": decode, "pairs": pairs,
+            "kv_bytes": (context + tokens) * cost.kv_bytes_per_token_layer,
+            "touched": frame["experts_touched"].to_numpy(float) / layers, "loads": np.where(graphed, 0.0, loaded),
+            "in_place": np.where(graphed, loaded, 0.0), "expansions": expansions, "running": chunks,
+            "samples": chunks, "graphed": graphed, "sync": np.full(len(frame), policy != "static"),
+            "measured": frame["step_ms"].to_numpy(float),
+            "kind": np.where(prefill == 0, np.where(graphed, "decode graph", "decode eager"),
+                             np.where(decode == 0, "prefill", "mixed"))}
+
+
+def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: CostParams,
+                     timelines: list[tuple[str, pd.DataFrame, CostModel, str]] = ()) -> tuple[CostParams, dict]:
     """Host times, fixed per-layer device time, PCIe efficiencies (bulk copies and in-place reads) and the
     predictor's recall from the decode-floor segments (graphed and eager, every policy, one frame per layer
-    count): with two layer counts the per-step and per-layer host times are told apart."""
+    count): with two layer counts the per-step and per-layer host times are told apart.
+
+    ``timelines`` ((name, timeline, cost, policy) of the fit runs' e2e per-step timelines) join the fit with
+    ``token_us`` free: every forward step of a serving run (prefill, mixed, eager and graphed decode), weighted so
+    that the timelines together count as much as the decode-floor segments."""
     feats = [floor_features(f, c) for f, c in zip(frames, costs)]
+    tfeats = [timeline_features(f, c, pol) for _, f, c, pol in timelines]
+    free = FLOOR_FREE + (("token_us",) if timelines else ())
+    n_floor = sum(len(x["measured"]) for x in feats)
+    n_steps = sum(len(x["measured"]) for x in tfeats)
+    weight = np.sqrt(n_floor / n_steps) if n_steps else 0.0
 
     def params(theta) -> CostParams:
-        return base.replace(**dict(zip(FLOOR_FREE, map(float, theta))))
+        return base.replace(**dict(zip(free, map(float, theta))))
 
-    def predict(p: CostParams):
-        return [predict_steps(x, c, p, sync=x["sync"]) for x, c in zip(feats, costs)]
+    def predict(p: CostParams, xs, cs):
+        return [predict_steps(x, c, p, sync=x["sync"]) for x, c in zip(xs, cs)]
 
     def residuals(theta):
-        preds = predict(params(theta))
-        return np.concatenate([(pred - x["measured"]) / x["measured"] for pred, x in zip(preds, feats)])
+        p = params(theta)
+        floor = [(pred - x["measured"]) / x["measured"] for pred, x in zip(predict(p, feats, costs), feats)]
+        steps = [weight * (pred - x["measured"]) / x["measured"]
+                 for pred, x in zip(predict(p, tfeats, [c for _, _, c, _ in timelines]), tfeats)]
+        return np.concatenate(floor + steps)
 
-    x0 = [1.0, 1.0, 0.8, 10.0, 0.5, 40.0, 0.9, 0.8, 0.5]
-    lo = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.0]
-    hi = [60.0, 20.0, 20.0, 500.0, 20.0, 500.0, 1.2, 1.2, 1.0]
+    x0 = [1.0, 1.0, 0.8, 10.0, 0.5, 40.0, 0.9, 0.8, 0.5] + ([1.0] if timelines else [])
+    lo = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.0] + ([0.0] if timelines else [])
+    hi = [60.0, 20.0, 20.0, 500.0, 20.0, 500.0, 1.2, 1.2, 1.0] + ([100.0] if timelines else [])
     fit = least_squares(residuals, x0=x0, loss="soft_l1", f_scale=0.1, bounds=(lo, hi))
     p = params(fit.x)
-    report = {"free": list(FLOOR_FREE), "values": dict(zip(FLOOR_FREE, map(float, fit.x))),
-              "rows": int(sum(len(x["measured"]) for x in feats)), "per_group": {}}
-    for frame, pred, x in zip(frames, predict(p), feats):
+    report = {"free": list(free), "values": dict(zip(free, map(float, fit.x))),
+              "rows": int(n_floor), "timeline_steps": int(n_steps), "timeline_weight": float(weight),
+              "per_group": {}, "timeline_groups": {}}
+    for (name, _, c, _), x in zip(timelines, tfeats):
+        pred = predict_steps(x, c, p, sync=x["sync"])
+        for kind in sorted(set(x["kind"])):
+            idx = x["kind"] == kind
+            report["timeline_groups"][f"{name} {kind}"] = {
+                "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
+                "modeled_ms_sum": float(pred[idx].sum()),
+                "median_rel_error": float(np.median((pred[idx] - x["measured"][idx]) / x["measured"][idx]))}
+    for frame, pred, x in zip(frames, predict(p, feats, costs), feats):
         err = (pred - x["measured"]) / x["measured"]
         for (layers, policy, graphed), idx in frame.assign(graphed=x["graphed"]).groupby(
                 ["layers", "policy", "graphed"]).indices.items():
@@ -195,7 +292,8 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
                 "batches": sorted(map(int, frame["batch"].iloc[idx].unique())),
                 "median_abs_rel_error": float(np.median(np.abs(err[idx]))),
                 "max_abs_rel_error": float(np.abs(err[idx]).max())}
-    all_err = np.abs(np.concatenate([(pr - x["measured"]) / x["measured"] for pr, x in zip(predict(p), feats)]))
+    all_err = np.abs(np.concatenate([(pr - x["measured"]) / x["measured"] for pr, x in zip(predict(p, feats, costs),
+                                                                                             feats)]))
     report["median_abs_rel_error"] = float(np.median(all_err))
     report["max_abs_rel_error"] = float(all_err.max())
     return p, report

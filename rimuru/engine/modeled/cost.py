@@ -36,6 +36,8 @@ class CostParams:
     gpu_layer_us: float = 40.0  # device time per layer that no roofline term covers (small kernels)
     host_step_ms: float = 3.0  # schedule, prepare inputs, sample, update: once per step
     host_seq_us: float = 10.0  # per scheduled request
+    token_us: float = 0.0  # eager step, per computed token: work no roofline or per-request term covers (input
+    # preparation and routing bookkeeping that grow with a prefill chunk, the MoE's per-token gather/scatter)
     host_layer_sync_ms: float = 2.0  # per layer with a routing sync (paged experts): host and device serial
     host_layer_async_ms: float = 1.0  # per layer without one (resident experts): overlaps the device
     prefetch_recall: float = 0.8  # fraction of a layer's misses the predictor loads ahead (layers >= 1)
@@ -45,6 +47,8 @@ class CostParams:
     cpu_dram_eff: float = 0.6  # CPU-computed experts: of the host's DRAM bandwidth
     cpu_flops_eff: float = 0.3  # of the host's peak bf16 FLOPs
     cpu_layer_us: float = 60.0  # activations to the host and back, one sync per layer
+    routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
+    routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     fitted: dict = field(default_factory=dict, compare=False)  # how and on what the numbers were fitted
 
     def replace(self, **changes) -> CostParams:
@@ -257,7 +261,7 @@ class CostModel:
         gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, expansion)
         gpu_end += tail
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
-        host = p.host_step_ms + p.host_seq_us * 1e-3 * len(w.q_lens)
+        host = p.host_step_ms + p.host_seq_us * 1e-3 * len(w.q_lens) + p.token_us * 1e-3 * tokens
         total = host + gpu_end + head
         n_layers = len(self.layer_kinds)
         return StepTime(
