@@ -49,10 +49,15 @@ class Communicator(Protocol):
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over ranks (agreeing on one memory decision)."""
 
+    @property
+    def selection_report(self) -> dict:
+        """Which all-reduce backend runs (rimuru/distributed/allreduce.py); empty on one rank."""
+
 
 class SingleProcess:
     shard = ONE_RANK
     world_size = 1
+    selection_report: dict = {}
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t
@@ -65,29 +70,79 @@ SINGLE = SingleProcess()
 
 
 class TorchDistributed:
-    """All-reduce over the default ``torch.distributed`` group (initialised by the caller)."""
+    """The all-reduce of a tensor-parallel rank over the default ``torch.distributed`` group (initialised by the
+    caller), through a named backend (rimuru/distributed/allreduce.py): the process group's own all-reduce (NCCL,
+    gloo) until :meth:`select_all_reduce` picks one at engine start (``symm_mem`` on GPUs with peer access)."""
 
     def __init__(self, shard: Shard, device: torch.device) -> None:
+        from rimuru.distributed.allreduce import AllReduceBackend, ProcessGroupAllReduce
+
         self.shard = shard
         self.device = device
         self.world_size = shard.world
         self.timing = False
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.calls = 0
+        group = ProcessGroupAllReduce("nccl" if device.type == "cuda" else "gloo")
+        self.backend: AllReduceBackend = group  # the one in use; written by select_all_reduce / use_all_reduce
+        self.backends: dict[str, AllReduceBackend] = {group.name: group}  # built so far (all ranks alike)
+        self.selection_report: dict = {"all_reduce": group.name}
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    # ------------------------------------------------------------------ backends
+    def _context(self, dtype: torch.dtype):
         import torch.distributed as dist
 
+        from rimuru.distributed.allreduce import AllReduceContext
+
+        return AllReduceContext(self.device, self.shard.rank, self.world_size, dtype, dist.group.WORLD.group_name)
+
+    def agree(self, ok: bool) -> bool:
+        """True when ``ok`` holds on every rank (a collective)."""
+        return self.min_int(int(ok)) == 1
+
+    def select_all_reduce(self, requested: str, dtype: torch.dtype) -> dict:
+        """Choose the all-reduce backend on every rank at once (engine start; a collective); returns the report."""
+        from rimuru.distributed.allreduce import select_all_reduce
+
+        sel = select_all_reduce(requested, self._context(dtype), self.agree)
+        self.backend = self.backends[sel.backend.name] = sel.backend
+        self.selection_report = sel.report()
+        return self.selection_report
+
+    def use_all_reduce(self, name: str, dtype: torch.dtype) -> None:
+        """Switch every later all-reduce to backend ``name`` (built now if it was not: a collective, every rank
+        calls it at once). Decode graphs captured before keep the backend they captured: recapture them
+        (rimuru.distributed.allreduce_ab.use_all_reduce does both on every rank)."""
+        from rimuru.distributed.allreduce import AllReduceUnavailable, all_reduce_candidates, build_backend
+
+        if name not in self.backends:
+            all_reduce_candidates(name, self.device.type)  # a clear error for a name that cannot run here
+            backend, reason = build_backend(name, self._context(dtype), self.agree)
+            if backend is None:
+                raise AllReduceUnavailable(f"all_reduce={name!r}: {reason}")
+            self.backends[name] = backend
+        self.backend = self.backends[name]
+
+    def release_peers(self, dead: list[int]) -> None:
+        """A rank died (rank 0's monitor thread): let this rank's kernels waiting for it finish."""
+        for backend in list(self.backends.values()):
+            backend.release_peers(dead)
+
+    def close(self) -> None:
+        for backend in self.backends.values():
+            backend.close()
+
+    # ------------------------------------------------------------------ the call
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.timing and t.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            dist.all_reduce(t)
+            t = self.backend.all_reduce(t)
             end.record()
             self._events.append((start, end))
-        else:
-            dist.all_reduce(t)
-        return t
+            return t
+        return self.backend.all_reduce(t)
 
     def min_int(self, value: int) -> int:
         import torch.distributed as dist
@@ -107,14 +162,25 @@ class TorchDistributed:
         return total
 
 
-def time_all_reduces(comm: TorchDistributed, rows: int, cols: int, dtype: torch.dtype, calls: int, iters: int) -> float:
+def time_all_reduces(comm: TorchDistributed, rows: int, cols: int, dtype: torch.dtype, calls: int, iters: int,
+                     backend: str | None = None) -> float:
     """Milliseconds for ``calls`` all-reduces of a ``[rows, cols]`` tensor — what one decode step of a model with
     ``calls`` all-reduces spends in them when no rank waits for another. Every rank calls this at once.
 
     On a GPU the ``calls`` all-reduces are captured in one CUDA graph (as in a graphed decode step) and the graph
     is replayed ``iters`` times back to back after a synchronising all-reduce, so a rank's late start is paid
     once, not per replay; the result is the total over the replays / ``iters``. On the CPU (gloo) the calls run
-    eagerly."""
+    eagerly. ``backend``: one of ``comm.backends`` (None: the one in use), restored after."""
+    in_use = comm.backend
+    comm.backend = comm.backends[backend] if backend else in_use
+    try:
+        return _time_all_reduces(comm, rows, cols, dtype, calls, iters)
+    finally:
+        comm.backend = in_use
+
+
+def _time_all_reduces(comm: TorchDistributed, rows: int, cols: int, dtype: torch.dtype, calls: int,
+                      iters: int) -> float:
     device = comm.device
     t = torch.ones(rows, cols, dtype=dtype, device=device)
     if device.type != "cuda":

@@ -76,6 +76,7 @@ class TensorParallelGroup:
             raise ValueError(f"tensor_parallel_size={world} needs {world} GPUs from {device}, "
                              f"this machine has {torch.cuda.device_count()}")
         self.error: TensorParallelError | None = None
+        self.comm = None  # rank 0's communicator (set by the engine): the monitor releases its waits on a dead rank
         self.dead: dict[int, int | None] = {}  # rank -> exit code, written by the monitor
         self.step = 0
         self._closed = False
@@ -120,6 +121,11 @@ class TensorParallelGroup:
                 self.dead[rank] = proc.exitcode
                 if self.backend == "nccl":  # unblock rank 0's collectives waiting for the dead rank
                     self._abort()
+                    if self.comm is not None:  # and its peer-memory kernels spinning at a barrier for it
+                        try:
+                            self.comm.release_peers([rank])
+                        except Exception:  # noqa: BLE001 - best effort: the engine ends with the error anyway
+                            pass
 
     def _abort(self) -> None:
         from torch.distributed import distributed_c10d
@@ -212,19 +218,32 @@ class TensorParallelGroup:
         except TensorParallelError as exc:
             raise self.fail(exc) from exc
 
-    def bench_all_reduce(self, comm, rows: int, cols: int, dtype: torch.dtype, calls: int, iters: int) -> dict:
+    def bench_all_reduce(self, comm, rows: int, cols: int, dtype: torch.dtype, calls: int, iters: int,
+                         backend: str | None = None) -> dict:
         """Time ``calls`` all-reduces of ``[rows, cols]`` on every rank at once (rimuru.distributed.comm.
-        time_all_reduces: one CUDA graph replayed back to back on GPUs); rank 0's result with every rank's."""
+        time_all_reduces: one CUDA graph replayed back to back on GPUs) through ``backend`` (one already built on
+        every rank; None: the one in use); rank 0's result with every rank's."""
         from rimuru.distributed.comm import time_all_reduces
 
-        self.send(("bench_all_reduce", rows, cols, dtype, calls, iters))
+        name = backend or comm.backend.name
+        self.send(("bench_all_reduce", rows, cols, dtype, calls, iters, name))
         try:
-            mine = time_all_reduces(comm, rows, cols, dtype, calls, iters)
+            mine = time_all_reduces(comm, rows, cols, dtype, calls, iters, name)
         except Exception as exc:  # noqa: BLE001
             raise self.fail(exc) from exc
         others = [ms for (ms,) in self.gather("benched")]
         return {"rows": rows, "cols": cols, "dtype": str(dtype).removeprefix("torch."), "calls": calls,
-                "iters": iters, "ms_per_group": mine, "ms_per_group_by_rank": [mine, *others]}
+                "iters": iters, "all_reduce": name, "ms_per_group": mine, "ms_per_group_by_rank": [mine, *others]}
+
+    def use_all_reduce(self, llm, name: str) -> None:
+        """Every rank switches its all-reduce to backend ``name`` and recaptures its decode graphs with it (an A/B
+        of all-reduce backends on one engine: the same weights, pools and graphs' buckets)."""
+        self.send(("all_reduce", name))
+        try:
+            switch_all_reduce(llm, name)
+        except Exception as exc:  # noqa: BLE001
+            raise self.fail(exc) from exc
+        self.gather("switched")
 
     def close(self) -> None:
         if self._closed:
@@ -296,7 +315,7 @@ class TensorParallelExecutor:
         try:
             logits = self.local.execute(out, graphed)
             launched = time.perf_counter()
-            synchronize(self.device)  # on NCCL a dead peer surfaces here (the monitor aborts the group)
+            wait_for_step(group, self.device)  # a dead or silent peer surfaces here, never a hang
         except Exception as exc:  # noqa: BLE001 - every failure of a collective step ends the engine
             raise group.fail(exc) from exc
         group.raise_if_failed()
@@ -313,6 +332,34 @@ class TensorParallelExecutor:
         it launched its own forward (positive: the worker was late; its all-reduces made rank 0 wait)."""
         late, self._late = self._late, []
         return late
+
+
+def wait_for_step(group: TensorParallelGroup, device: torch.device) -> None:
+    """Rank 0 waits for its step's device work by polling an event, never blocked inside the driver: a
+    symmetric-memory all-reduce spins on the GPU at a barrier for its peers and has no timeout, so a blocking
+    synchronise would wait forever for a dead or stopped rank. Here a dead rank (the monitor's record) ends the wait
+    at once, and a step longer than ``timeout_s`` ends it with the timeout error naming the ranks behind."""
+    if device.type != "cuda":
+        return
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + group.timeout_s
+    while not done.query():
+        if group.dead:
+            raise group.fail()
+        if time.monotonic() > deadline:
+            raise group.fail(TimeoutError(f"step {group.step} timed out after {group.timeout_s:.0f} s"))
+        time.sleep(0)  # let the monitor thread in
+
+
+def switch_all_reduce(llm, name: str) -> None:
+    """This rank's part of :meth:`TensorParallelGroup.use_all_reduce`: the backend, then the graphs again."""
+    llm.comm.use_all_reduce(name, llm.config.torch_dtype)
+    graphs = llm.graphs
+    if graphs is not None and graphs.graphs:
+        graphs.release()
+        graphs.capture()
+    synchronize(llm.device)
 
 
 # ---------------------------------------------------------------------- the worker process
@@ -372,6 +419,9 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
                 from rimuru.distributed.comm import time_all_reduces
 
                 conn.send(("benched", time_all_reduces(llm.comm, *message[1:])))
+            elif kind == "all_reduce":
+                switch_all_reduce(llm, message[1])
+                conn.send(("switched",))
             elif kind == "check":
                 apply_ops(message[1], llm.kv, llm.cache)
                 llm.check_integrity()

@@ -41,6 +41,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (one process and one device each; modeled: one process) the layers are
     # sharded over; the budget is per rank
     tp_timeout_s: float = 300.0  # a rank silent this long in a collective ends the engine
+    all_reduce: str = "auto"  # tensor parallelism's all-reduce (rimuru/distributed/allreduce.py): auto (symm_mem, a
+    # one-shot over NVLink peer memory, then nccl, on GPUs; gloo on CPUs) | nccl | symm_mem | symm_mem_two_shot | gloo
     enforce_eager: bool = False  # no CUDA graphs: every step runs the eager forward
     offload_graph_max_batch: int | None = None  # offloading policies replay decode graphs up to this batch
     # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice
@@ -59,6 +61,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
+        from rimuru.distributed.allreduce import all_reduce_candidates
+
+        all_reduce_candidates(self.all_reduce, "cuda" if self.modeled else self.torch_device.type)  # modeled: a GPU
         if self.offload_graph_max_batch is not None and (
                 isinstance(self.offload_graph_max_batch, bool) or not isinstance(self.offload_graph_max_batch, int)
                 or self.offload_graph_max_batch < 0):

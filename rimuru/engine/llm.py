@@ -104,6 +104,9 @@ class LLM:
                 init_process_group("nccl" if device.type == "cuda" else "gloo", tp_port, shard.rank, shard.world,
                                    config.tp_timeout_s)
             self.comm = TorchDistributed(shard, device)
+            self._collective(lambda: self.comm.select_all_reduce(config.all_reduce, dtype))  # every rank at once
+            if self.tp_group is not None:
+                self.tp_group.comm = self.comm  # a dead rank: the monitor releases kernels waiting for it
         if config.modeled and config.record_routing:
             raise ValueError("record_routing needs the real forward pass (executor='torch')")
         ckpt: LoadedCheckpoint | None = None
@@ -196,7 +199,7 @@ class LLM:
         self._generated = 0
         self._failed = 0
         self._prompt_scores: dict[str, dict[int, TokenLogprob]] = {}  # prompt_logprobs until the first token
-        self.memory_report = {**plan.report(), "tensor_parallel_size": tp}
+        self.memory_report = {**plan.report(), "tensor_parallel_size": tp, **self.comm.selection_report}
         if self.tp_group is not None:  # rank 0 decides; from now on every allocator change is replayed
             oplog: list = []
             self.kv.oplog = self.cache.oplog = oplog

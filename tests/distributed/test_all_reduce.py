@@ -1,0 +1,213 @@
+"""The all-reduce backends' selection and fallback (rimuru/distributed/allreduce.py), on the CPU: the pure
+decisions, the agreement between ranks (a fake collective, then a real one over gloo in 2 processes), and the
+engine's choice on gloo. The symmetric-memory kernels themselves need GPUs with peer access
+(workflow/scripts/e2e_tp_gpu.py measures them)."""
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from rimuru.distributed.allreduce import (
+    ALL_REDUCE_CHOICES,
+    SYMM_MEM_MAX_BYTES,
+    AllReduceContext,
+    AllReduceUnavailable,
+    BackendEntry,
+    ProcessGroupAllReduce,
+    all_reduce_candidates,
+    build_backend,
+    select_all_reduce,
+    symm_mem_takes,
+    symm_mem_unavailable,
+)
+from rimuru.engine.config import EngineConfig
+
+CUDA_CTX = AllReduceContext(torch.device("cuda", 0), 0, 2, torch.bfloat16, "0")
+CPU_CTX = AllReduceContext(torch.device("cpu"), 0, 2, torch.float32, "0")
+
+
+def test_candidates_per_device_and_clear_errors():
+    assert all_reduce_candidates("auto", "cuda") == ("symm_mem", "nccl")  # NCCL is the fallback
+    assert all_reduce_candidates("auto", "cpu") == ("gloo",)
+    assert all_reduce_candidates("gloo", "cpu") == ("gloo",)
+    assert all_reduce_candidates("nccl", "cuda") == ("nccl",)
+    assert all_reduce_candidates("symm_mem_two_shot", "cuda") == ("symm_mem_two_shot",)  # explicit: no fallback
+    for name in ("nccl", "symm_mem", "symm_mem_two_shot"):
+        with pytest.raises(ValueError, match="needs GPUs"):
+            all_reduce_candidates(name, "cpu")
+    with pytest.raises(ValueError, match="CPU backend"):
+        all_reduce_candidates("gloo", "cuda")
+    with pytest.raises(ValueError, match="all_reduce must be one of"):
+        all_reduce_candidates("multimem", "cuda")
+    with pytest.raises(ValueError, match="all_reduce must be one of"):
+        EngineConfig(all_reduce="one_shot", device="cpu")
+    with pytest.raises(ValueError, match="needs GPUs"):
+        EngineConfig(all_reduce="symm_mem", device="cpu")  # before any process starts
+    assert EngineConfig().all_reduce == "auto" and set(ALL_REDUCE_CHOICES) >= {"auto", "nccl", "gloo", "symm_mem"}
+
+
+def test_size_dtype_and_layout_route():
+    bf16 = torch.bfloat16
+    decode = 128 * 2048 * 2  # a decode step's [128, 2048] bf16 partial sum: 512 KiB
+    assert symm_mem_takes(decode, 0, bf16, True, bf16, SYMM_MEM_MAX_BYTES)
+    assert symm_mem_takes(SYMM_MEM_MAX_BYTES, 0, bf16, True, bf16, SYMM_MEM_MAX_BYTES)  # the buffer, exactly
+    assert not symm_mem_takes(SYMM_MEM_MAX_BYTES + 16, 0, bf16, True, bf16, SYMM_MEM_MAX_BYTES)  # over: NCCL
+    assert not symm_mem_takes(2048 * 2048 * 2, 0, bf16, True, bf16, SYMM_MEM_MAX_BYTES)  # a 2048-token prefill
+    assert not symm_mem_takes(decode, 0, torch.float16, True, bf16, SYMM_MEM_MAX_BYTES)  # not the buffer's dtype
+    assert not symm_mem_takes(decode, 0, bf16, False, bf16, SYMM_MEM_MAX_BYTES)  # not contiguous
+    assert not symm_mem_takes(decode, 2, bf16, True, bf16, SYMM_MEM_MAX_BYTES)  # misaligned view
+    assert not symm_mem_takes(6, 0, bf16, True, bf16, SYMM_MEM_MAX_BYTES)  # 3 elements: not 16-byte aligned
+    assert not symm_mem_takes(0, 0, bf16, True, bf16, SYMM_MEM_MAX_BYTES)
+
+
+def test_symm_mem_is_refused_with_a_reason_where_it_cannot_run(monkeypatch):
+    assert "CUDA" in symm_mem_unavailable(CPU_CTX)
+    fp16 = AllReduceContext(torch.device("cuda", 0), 0, 2, torch.float16, "0")
+    assert "bf16 and fp32" in symm_mem_unavailable(fp16)
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
+    assert "multicast must stay off" in symm_mem_unavailable(CUDA_CTX)
+
+
+class FakeBackend:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def all_reduce(self, t):
+        return t
+
+    def release_peers(self, dead):
+        pass
+
+    def close(self):
+        self.log.append(("close", self.name))
+
+
+def fake_registry(log, check=None, build_fails=False):
+    def build(ctx, group):
+        log.append(("build", "symm_mem"))
+        if build_fails:
+            raise RuntimeError("rendezvous failed")
+        return FakeBackend("symm_mem", log)
+
+    return {"symm_mem": BackendEntry(check or (lambda ctx: None), build),
+            "nccl": BackendEntry(lambda ctx: None, lambda ctx, group: group)}
+
+
+class Agreement:
+    """A fake collective: this rank's value AND the other ranks' (``others``: their answers, in order)."""
+
+    def __init__(self, others):
+        self.others, self.calls = list(others), 0
+
+    def __call__(self, ok):
+        self.calls += 1
+        return ok and self.others.pop(0)
+
+
+def test_auto_takes_symm_mem_when_every_rank_builds_it():
+    log = []
+    sel = select_all_reduce("auto", CUDA_CTX, Agreement([True, True]), fake_registry(log))
+    assert sel.backend.name == "symm_mem" and sel.skipped == {}
+    assert sel.report() == {"all_reduce": "symm_mem", "all_reduce_requested": "auto", "all_reduce_skipped": {}}
+
+
+def test_auto_falls_back_to_nccl_when_this_rank_cannot():
+    log = []
+    agree = Agreement([True, True, True])
+    sel = select_all_reduce("auto", CUDA_CTX, agree, fake_registry(log, check=lambda ctx: "no peer access"))
+    assert isinstance(sel.backend, ProcessGroupAllReduce) and sel.backend.name == "nccl"
+    assert sel.skipped == {"symm_mem": "no peer access"}
+    assert ("build", "symm_mem") not in log  # never enters the collective set-up alone
+    assert agree.calls == 3  # 1 for symm_mem (refused), 2 for nccl: the same count on every rank
+
+
+def test_a_rank_that_cannot_makes_every_rank_fall_back_before_the_setup():
+    log = []
+    sel = select_all_reduce("auto", CUDA_CTX, Agreement([False, True, True]), fake_registry(log))
+    assert sel.backend.name == "nccl" and sel.skipped == {"symm_mem": "unavailable on another rank"}
+    assert log == []  # this rank passed its check, but no rank builds when one cannot
+
+
+def test_a_setup_that_fails_anywhere_is_closed_everywhere():
+    log = []
+    sel = select_all_reduce("auto", CUDA_CTX, Agreement([True, False, True, True]), fake_registry(log))
+    assert sel.backend.name == "nccl" and sel.skipped == {"symm_mem": "set-up failed on another rank"}
+    assert log == [("build", "symm_mem"), ("close", "symm_mem")]
+    log.clear()
+    sel = select_all_reduce("auto", CUDA_CTX, Agreement([True, True, True]), fake_registry(log, build_fails=True))
+    assert sel.backend.name == "nccl" and "rendezvous failed" in sel.skipped["symm_mem"]
+
+
+def test_an_explicit_choice_has_no_fallback():
+    with pytest.raises(AllReduceUnavailable, match="no peer access"):
+        select_all_reduce("symm_mem", CUDA_CTX, Agreement([True]),
+                          fake_registry([], check=lambda ctx: "no peer access"))
+
+
+def _rank(rank, port, fails_on, queue):
+    import torch.distributed as dist
+
+    from rimuru.distributed.comm import Shard, TorchDistributed
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        comm = TorchDistributed(Shard(rank, 2), torch.device("cpu"))
+        report = comm.select_all_reduce("auto", torch.float32)
+        t = torch.full((4, 8), float(rank + 1))
+        comm.all_reduce(t)
+        log = []
+        registry = {"fake": BackendEntry(lambda ctx: "no peer access" if rank == fails_on else None,
+                                         lambda ctx, group: FakeBackend("fake", log))}
+        backend, reason = build_backend("fake", comm._context(torch.float32), comm.agree, registry)
+        queue.put((rank, report["all_reduce"], float(t[0, 0]), backend is None, reason, log))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001
+        queue.put((rank, "error", repr(exc), None, None, None))
+
+
+def test_ranks_agree_over_gloo():
+    """Two real ranks (gloo): the engine's all-reduce is gloo and sums; a backend that one rank cannot run is
+    built by neither, the other rank learning it from the agreement."""
+    from rimuru.distributed.group import _free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, 1, queue), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(queue.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.terminate()
+    assert [g[1] for g in got] == ["gloo", "gloo"], got
+    assert [g[2] for g in got] == [3.0, 3.0]  # 1 + 2 on both ranks
+    assert [g[3] for g in got] == [True, True]  # neither built it
+    assert got[0][4] == "unavailable on another rank" and got[1][4] == "no peer access"
+    assert got[0][5] == [] and got[1][5] == []
+
+
+def test_engine_reports_its_all_reduce_on_gloo(tmp_path):
+    from rimuru.engine.llm import LLM
+    from rimuru.engine.sampling_params import SamplingParams
+    from rimuru.models.checkpoint import write_synthetic_checkpoint
+
+    model = write_synthetic_checkpoint("tiny-qwen3-moe", tmp_path / "m", seed=0, dtype=torch.float32, tokenizer=False)
+    opts = dict(device="cpu", dtype=torch.float32, activation_reserve="1MiB", gpu_memory_budget="400MiB",
+                policy="static")
+    with pytest.raises(ValueError, match="needs GPUs"):
+        LLM(model, **opts, tensor_parallel_size=2, all_reduce="symm_mem")  # a clear error, no process left
+    prompts, params = [[9707, 11, 1879, 0], [40]], SamplingParams(max_tokens=6, ignore_eos=True)
+    expected = [o.output_token_ids for o in LLM(model, **opts).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model, **opts, tensor_parallel_size=2)
+    try:
+        assert llm.memory_report["all_reduce"] == "gloo" and llm.memory_report["all_reduce_requested"] == "auto"
+        assert [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    finally:
+        llm.close()
+    assert not any(p.is_alive() for p in llm.tp_group.procs)
