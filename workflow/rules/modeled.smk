@@ -2,6 +2,8 @@
 # against every committed H200 e2e run, and the paper's configurations at full scale, modeled.
 # Re-calibration is one target: `snakemake modeled_calibrate` (or results/modeled/calibration.json);
 # it re-runs whenever a file under results/reference/ that it reads changes (a re-measured e2e run).
+# Every job writes a benchmark (results/logs/modeled/bench/: wall and CPU seconds); modeled_pipeline_time.py
+# sums them per rule and estimates the pipeline's wall time on an idle 2-core machine from them.
 
 MODELED = config["modeled"]
 REF = "results/reference"
@@ -27,6 +29,7 @@ rule modeled_lengths:
     output: "results/modeled/lengths_{workload}_{n}.csv"
     params: path=lambda w: workload_path(w.workload)
     log: "results/logs/modeled/lengths_{workload}_{n}.log"
+    benchmark: "results/logs/modeled/bench/lengths_{workload}_{n}.tsv"
     shell:
         "{PY} {SCRIPTS}/modeled_trace.py --workload {params.path} --num-requests {wildcards.n} "
         "--out {output} > {log} 2>&1"
@@ -40,6 +43,7 @@ rule modeled_calibrate:
         routing=",".join(MODELED["routing_fit_runs"]),
         timelines=",".join(MODELED["fit_timelines"]),
     log: "results/logs/modeled/calibrate.log"
+    benchmark: "results/logs/modeled/bench/calibrate.tsv"
     shell:
         "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {MODELED[decode_floor]} --fit-runs {params.fit} "
         "--routing-fit-runs {params.routing} --fit-timelines {params.timelines} "
@@ -61,6 +65,7 @@ rule modeled_fidelity:
         caps=" ".join(f"{c}={n}" for c, n in FIDELITY["graph_caps"].items()),
         fit=" ".join(k.rsplit(":", 1)[0].rsplit("/", 1)[1] + "/" + k.rsplit(":", 1)[1] for k in MODELED["fit_timelines"]),
     log: "results/logs/modeled/fidelity.log"
+    benchmark: "results/logs/modeled/bench/fidelity.tsv"
     shell:
         "{PY} {SCRIPTS}/modeled_fidelity.py --reference {FIDELITY[reference]} --hotset {input.hotset} "
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
@@ -90,10 +95,26 @@ rule modeled_paper_run:
                                                           if k != "loads"}}),
         loads=lambda w: json.dumps(PAPER["systems"][w.system].get("loads", PAPER["loads"])),
     log: "results/logs/modeled/paper/{setup}/{system}.log"
+    benchmark: "results/logs/modeled/bench/paper/{setup}/{system}.tsv"
     shell:
         "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' --loads '{params.loads}' "
         "--lengths {input.lengths} --num-requests {PAPER[num_requests]} --hotset {input.hotset} "
         "--cost-params {input.calibration} --out {output} > {log} 2>&1"
+
+
+def elastic_from_paper():
+    """The splits' elastic row is the paper's run of the same system on the same setup at the same loads when the
+    paper runs one (same engine options and seed: the same deterministic run), so it is read from there, not run
+    twice."""
+    system = PAPER["systems"].get(SPLITS["baseline"], {})
+    loads = system.get("loads", PAPER["loads"])
+    return (SPLITS["setup"] in PAPER["setups"] and set(system) <= {"baseline", "loads"}
+            and system.get("baseline") == SPLITS["baseline"]
+            and all(k in loads and float(loads[k]) == float(v) for k, v in SPLITS["loads"].items()))
+
+
+SPLITS_ELASTIC = (f"results/modeled/paper/{SPLITS['setup']}/{SPLITS['baseline']}.json" if elastic_from_paper()
+                  else f"results/modeled/splits/{SPLITS['setup']}/elastic.json")
 
 
 rule modeled_split_run:
@@ -109,6 +130,7 @@ rule modeled_split_run:
                                         if w.split.startswith("split") else {})}),
         loads=json.dumps(SPLITS["loads"]),
     log: "results/logs/modeled/splits/{setup}/{split}.log"
+    benchmark: "results/logs/modeled/bench/splits/{setup}/{split}.tsv"
     shell:
         "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' --loads '{params.loads}' "
         "--lengths {input.lengths} --num-requests {PAPER[num_requests]} --hotset {input.hotset} "
@@ -119,7 +141,8 @@ rule modeled_paper_tables:
     input:
         paper=expand("results/modeled/paper/{setup}/{system}.json", setup=PAPER["setups"], system=PAPER["systems"]),
         splits=expand("results/modeled/splits/{setup}/{split}.json", setup=SPLITS["setup"],
-                      split=[split_name(f) for f in SPLITS["fractions"]] + ["elastic"]),
+                      split=[split_name(f) for f in SPLITS["fractions"]]),
+        elastic=SPLITS_ELASTIC,
     output:
         paper_csv="results/modeled/paper.csv",
         paper_md="results/modeled/paper.md",
@@ -127,8 +150,11 @@ rule modeled_paper_tables:
         splits_md="results/modeled/splits.md",
         paper_fig="figures/modeled_paper.png",
         splits_fig="figures/modeled_splits.png",
+    benchmark: "results/logs/modeled/bench/paper_tables.tsv"
+    params: loads=json.dumps(SPLITS["loads"])
     shell:
         "{PY} {SCRIPTS}/modeled_tables.py --paper {input.paper} --splits {input.splits} "
+        "--splits-elastic {input.elastic} --splits-loads '{params.loads}' "
         "--paper-csv {output.paper_csv} --paper-md {output.paper_md} --splits-csv {output.splits_csv} "
         "--splits-md {output.splits_md} --paper-figure {output.paper_fig} --splits-figure {output.splits_fig}"
 
@@ -147,6 +173,7 @@ rule modeled_case_run:
         setup=json.dumps(MCASE["setup"]),
         system=lambda w: json.dumps({"name": w.system, **MCASE["systems"][w.system]}),
     log: "results/logs/modeled/case/{system}.log"
+    benchmark: "results/logs/modeled/bench/case/{system}.tsv"
     shell:
         "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' "
         "--loads '{{\"burst\": \"trace\"}}' --lengths {input.lengths} --num-requests {MCASE[num_requests]} "
@@ -165,6 +192,7 @@ rule modeled_eol_run:
                                      "engine_options": MEOL["engine_options"],
                                      **({"eol_extra": int(w.extra)} if w.extra != "none" else {})}),
     log: "results/logs/modeled/eol/{extra}.log"
+    benchmark: "results/logs/modeled/bench/eol/{extra}.tsv"
     shell:
         "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' "
         "--loads '{{\"all-at-once\": \"inf\"}}' --lengths {input.lengths} --num-requests {MEOL[num_requests]} "
@@ -181,6 +209,7 @@ rule modeled_case_eol_tables:
         eol_md="results/modeled/eol.md",
         eol_csv="results/modeled/eol.csv",
         figure="figures/modeled_case_eol.png",
+    benchmark: "results/logs/modeled/bench/case_eol_tables.tsv"
     shell:
         "{PY} {SCRIPTS}/modeled_case_eol.py --case {input.case} --eol {input.eol} --case-md {output.case_md} "
         "--case-csv {output.case_csv} --eol-md {output.eol_md} --eol-csv {output.eol_csv} --figure {output.figure}"

@@ -89,7 +89,10 @@ def splits_table(frame: pd.DataFrame) -> pd.DataFrame:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--paper", nargs="+", required=True)
-    ap.add_argument("--splits", nargs="+", required=True)
+    ap.add_argument("--splits", nargs="+", required=True,
+                    help="the fixed splits' runs (and elastic, unless given below)")
+    ap.add_argument("--splits-elastic", help="a run of the elastic system on the splits' setup (the paper's own run)")
+    ap.add_argument("--splits-loads", help="JSON {load: rate}: the splits' loads, the rows taken from --splits-elastic")
     for name in ("paper-csv", "paper-md", "splits-csv", "splits-md", "paper-figure", "splits-figure"):
         ap.add_argument(f"--{name}", required=True)
     args = ap.parse_args()
@@ -110,6 +113,10 @@ def main() -> None:
              "Not run:", ""] + [f"* {r.setup} {r.system}: {r.note}" for r in notes.itertuples()]
     open(args.paper_md, "w").write("\n".join(lines) + "\n")
     splits_rows = load_rows(args.splits)
+    if args.splits_elastic:
+        elastic = load_rows([args.splits_elastic])
+        elastic = elastic[elastic["load"].isin(json.loads(args.splits_loads))].assign(system="elastic")
+        splits_rows = pd.concat([splits_rows[splits_rows["system"] != "elastic"], elastic], ignore_index=True)
     splits = splits_table(splits_rows)
     splits.to_csv(args.splits_csv, index=False)
     setup = splits_rows["setup_label"].iloc[0] if len(splits_rows) else ""

@@ -47,8 +47,8 @@ class RoutingModel:
     def effective_tokens(self, q_lens) -> float:
         """Independent tokens equivalent to a step's chunks (``q_lens``: tokens per scheduled request)."""
         q = np.asarray(q_lens, dtype=np.float64)
-        if self.chunk_exponent == 1.0 and self.chunk_scale >= 1.0:
-            return float(q.sum())
+        if (self.chunk_exponent == 1.0 and self.chunk_scale >= 1.0) or not len(q) or q.max() <= 1:
+            return float(q.sum())  # independent tokens, or decode tokens only
         return float(np.where(q > 1, np.minimum(q, self.chunk_scale * q ** self.chunk_exponent), q).sum())
 
     @property
