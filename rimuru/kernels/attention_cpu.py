@@ -4,16 +4,20 @@ Same signature as :func:`rimuru.kernels.paged_attention.paged_attention`; the to
 :mod:`rimuru.kernels.attention_reference` stays the oracle (tests/kernels/test_attention_cpu.py).
 
 A step's requests are split into at most two groups, each one batched call of
-``torch.nn.functional.scaled_dot_product_attention`` (GQA through ``enable_gqa``):
+``torch.nn.functional.scaled_dot_product_attention`` over K and V gathered to ``[Rg, Hkv, Lmax, D]``:
 
-- decode requests (one query each): ``q [Rd, H, 1, D]`` over their pages gathered to ``[Rd, Hkv, Lmax, D]``,
-  keys past a request's length masked;
+- decode requests (one query each): the query's ``G = H / Hkv`` heads of one KV head are SDPA's query rows,
+  ``q [Rd, Hkv, G, D]``, so a KV head is read once for its whole group (no K/V repeated for GQA) and the mask,
+  keys past a request's length, is one ``[Rd, 1, 1, Lmax]`` row;
 - prefill / chunked-prefill requests: queries padded to ``[Rp, H, Qmax, D]``, a causal mask offset by
   each request's cached length.
 
-Gathering the pages is one indexing of the KV view with the block tables (``[R, nb, 2, B, Hkv, D]``), so
-a request's cost is its own pages; padding is up to the longest request of its group. Splitting decode from
-prefill keeps a mixed step from padding every decode query to the longest prompt.
+The gather is one ``index_select`` of head rows from the pool's KV pages (``[P, 2, B, Hkv, D]`` viewed as
+``[P * 2 * B * Hkv, D]``) per K and V, already in the ``[Rg, Hkv, L, D]`` layout SDPA reads. A position past a
+request's length reads the request's position 0 instead (always written, so finite: the pool is not zeroed and
+a NaN read would poison ``probs @ V`` even where masked); the mask hides it. Padding is up to the longest
+request of its group; splitting decode from prefill keeps a mixed step from padding every decode query to the
+longest prompt.
 """
 
 from __future__ import annotations
@@ -24,56 +28,48 @@ import torch.nn.functional as F
 from rimuru.kernels.attention_reference import kv_tensor
 
 
-def _gather_pages(kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                  max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of each row of ``block_tables [R, *]``, each ``[R, Lpad, Hkv, D]`` (Lpad = pages * B >= max_len).
-
-    Slots past a request's length must read as zeros: they are never written for that request (the pool is not
-    zeroed, and a padded block-table entry points at any page), and a masked score of NaN garbage, or 0 * NaN
-    in probs @ V, would still poison the row. So only each request's own pages are copied, into zeroed buffers
-    (a padded page is never read), and then the unwritten tail of each request's last page is zeroed: at most
-    B - 1 slots per request, instead of a masked pass over the whole padded K and V.
-    """
-    block = kv.shape[2]
+def _gather_kv(kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+               max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V of each row of ``block_tables [R, *]`` as ``[R, Hkv, max_len, D]``, and ``valid [R, max_len]``
+    (position < the request's ``seq_lens``). Invalid positions hold a copy of the request's position 0."""
+    _, _, block, kv_heads, dim = kv.shape
+    num_req = block_tables.shape[0]
     num_blocks = -(-max_len // block)
     table = block_tables[:, :num_blocks].long()
-    num_req = table.shape[0]
-    shape = (num_req, num_blocks * block, kv.shape[3], kv.shape[4])
-    used = (seq_lens + block - 1) // block  # [R] pages holding the request's tokens
-    live = torch.arange(num_blocks, device=kv.device)[None, :] < used[:, None]  # [R, nb]
-    if bool(live.all()):
-        k = kv[:, 0][table]  # [R, nb, B, Hkv, D]
-        v = kv[:, 1][table]
-    else:
-        pages = table[live]  # [P] the live pages, row-major: the same order as the True entries of `live`
-        k = kv.new_zeros(num_req, num_blocks, *kv.shape[2:])
-        v = kv.new_zeros(num_req, num_blocks, *kv.shape[2:])
-        k[live] = kv[:, 0][pages]
-        v[live] = kv[:, 1][pages]
-    k, v = k.view(shape), v.view(shape)  # [R, Lpad, Hkv, D]
-    pos = torch.arange(shape[1], device=kv.device)[None, :]
-    tail = (pos >= seq_lens[:, None]) & (pos < (used * block)[:, None])  # [R, Lpad] unwritten slots of live pages
-    rows, slots = tail.nonzero(as_tuple=True)  # index pairs: a boolean mask would be a full masked_fill pass
-    if rows.numel():
-        k[rows, slots] = 0
-        v[rows, slots] = 0
-    return k, v
+    offsets = torch.arange(block, device=kv.device)
+    # row of the token's K at head 0 in [P * 2 * B * Hkv, D], counted in tokens here (x Hkv below)
+    token = (table[:, :, None] * (2 * block) + offsets).view(num_req, num_blocks * block)[:, :max_len]
+    valid = torch.arange(max_len, device=kv.device)[None, :] < seq_lens[:, None]  # [R, L]
+    token = torch.where(valid, token, token[:, :1])
+    rows = (token[:, None, :] * kv_heads + torch.arange(kv_heads, device=kv.device)[None, :, None]).view(-1)
+    flat = kv.view(-1, dim) if kv.is_contiguous() else kv.reshape(-1, dim)
+    k = flat.index_select(0, rows).view(num_req, kv_heads, max_len, dim)
+    v = flat.index_select(0, rows + block * kv_heads).view(num_req, kv_heads, max_len, dim)
+    return k, v, valid
 
 
-def _group_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, q_starts: torch.Tensor,
-                     q_lens: torch.Tensor, seq_lens: torch.Tensor, max_q: int, max_len: int, scale: float,
-                     out: torch.Tensor) -> None:
-    """Attention of one group of requests, written into ``out`` at their packed rows.
+def _decode_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      max_len: int, scale: float) -> torch.Tensor:
+    """One query per request, ``q [Rd, H, D]`` -> ``[Rd, H, D]``."""
+    num_req, heads, dim = q.shape
+    k, v, valid = _gather_kv(kv, block_tables, seq_lens, max_len)
+    kv_heads = k.shape[1]
+    qg = q.view(num_req, kv_heads, heads // kv_heads, dim)  # query head h reads KV head h // G
+    o = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=valid[:, None, None, :],
+                                       scale=scale)
+    return o.reshape(num_req, heads, dim)
+
+
+def _prefill_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tensor, q_starts: torch.Tensor,
+                       q_lens: torch.Tensor, seq_lens: torch.Tensor, max_q: int, max_len: int, scale: float,
+                       out: torch.Tensor) -> None:
+    """Causal attention of a group of requests' query chunks, written into ``out`` at their packed rows.
 
     ``q_starts/q_lens/seq_lens [Rg]`` (int64) locate each request's queries in the packed ``q [T, H, D]``.
     """
     num_req = q_lens.shape[0]
     heads, dim = q.shape[1], q.shape[2]
-    k, v = _gather_pages(kv, block_tables, seq_lens, max_len)  # [Rg, Lpad, Hkv, D]
-    lpad = k.shape[1]
-    k_pos = torch.arange(lpad, device=q.device)
-    k = k.transpose(1, 2).to(q.dtype)  # [Rg, Hkv, Lpad, D]
-    v = v.transpose(1, 2).to(q.dtype)
+    k, v, _ = _gather_kv(kv, block_tables, seq_lens, max_len)  # [Rg, Hkv, L, D]
     i = torch.arange(max_q, device=q.device)  # [Qmax]
     valid = i[None, :] < q_lens[:, None]  # [Rg, Qmax]
     rows = (q_starts[:, None] + i[None, :])[valid]  # [Tg] packed row of each valid (r, i)
@@ -81,9 +77,9 @@ def _group_attention(q: torch.Tensor, kv: torch.Tensor, block_tables: torch.Tens
     qp[valid] = q[rows]
     # query i of request r sits at position seq_len - q_len + i and sees keys at positions <= it
     q_pos = (seq_lens - q_lens)[:, None] + i[None, :]  # [Rg, Qmax]
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [Rg, Qmax, Lpad]; also hides keys past seq_len
+    mask = torch.arange(max_len, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [Rg, Qmax, L]
     mask = mask | ~valid[:, :, None]  # padded query rows see everything: no all-masked (NaN) rows
-    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None],
+    o = F.scaled_dot_product_attention(qp.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
                                        scale=scale, enable_gqa=heads != k.shape[1])  # [Rg, H, Qmax, D]
     out[rows] = o.transpose(1, 2)[valid].to(out.dtype)
 
@@ -106,25 +102,29 @@ def paged_attention_cpu(
     """
     kv = kv_tensor(kv_view)
     out = torch.empty_like(q) if out is None else out
-    if q.shape[0] == 0:
+    num_tokens, num_req = q.shape[0], seq_lens.shape[0]
+    if num_tokens == 0:
         return out
-    cu = cu_query_lens.to(torch.int64)
-    starts, q_lens = cu[:-1], cu[1:] - cu[:-1]
     lens = seq_lens.to(torch.int64)
-    if max_query_len is None:
-        max_query_len = int(q_lens.max())
     if max_seq_len is None:
         max_seq_len = int(lens.max())
-    if max_query_len <= 1:  # pure decode (or empty requests): one group, Qmax = 1
-        _group_attention(q, kv, block_tables, starts, q_lens, lens, 1, max_seq_len, scale, out)
-        return out
-    is_decode = q_lens <= 1
-    for group in (is_decode, ~is_decode):
-        idx = group.nonzero().flatten()
-        if idx.numel() == 0:
-            continue
+    if num_tokens == num_req and (max_query_len is None or max_query_len <= 1):
+        if max_query_len is not None or bool((cu_query_lens[1:] - cu_query_lens[:-1] == 1).all()):
+            out.copy_(_decode_attention(q, kv, block_tables, lens, max_seq_len, scale))  # one query each, in order
+            return out
+    cu = cu_query_lens.to(torch.int64)
+    starts, q_lens = cu[:-1], cu[1:] - cu[:-1]
+    if max_query_len is None:
+        max_query_len = int(q_lens.max())
+    one = q_lens == 1
+    idx = one.nonzero().flatten()
+    if idx.numel():
+        d_starts = starts[idx]
+        out[d_starts] = _decode_attention(q[d_starts], kv, block_tables[idx], lens[idx], int(lens[idx].max()),
+                                          scale).to(out.dtype)
+    if max_query_len > 1:
+        idx = (q_lens > 1).nonzero().flatten()
         g_qlens, g_lens = q_lens[idx], lens[idx]
-        g_maxq = 1 if group is is_decode else int(g_qlens.max())
-        g_maxlen = int(g_lens.max())
-        _group_attention(q, kv, block_tables[idx], starts[idx], g_qlens, g_lens, g_maxq, g_maxlen, scale, out)
+        _prefill_attention(q, kv, block_tables[idx], starts[idx], g_qlens, g_lens, int(g_qlens.max()),
+                           int(g_lens.max()), scale, out)
     return out
