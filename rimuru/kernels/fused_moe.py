@@ -9,7 +9,8 @@ Two launches of one kernel over the expert-grouped schedule of :mod:`rimuru.kern
 2. ``DOWN``: ``y = h @ W2^T`` with W2 stored transposed as a ``[f, d]`` page, scaled by the
    routing weight in the epilogue; the wrapper sums the ``k`` routed rows of each token.
 
-Under TRITON_INTERPRET=1 (CPU) use fp32: Triton 3.9's interpreter mis-computes bf16 ``tl.dot``.
+Under TRITON_INTERPRET=1 (CPU) use fp32: Triton 3.9's interpreter mis-computes bf16 ``tl.dot``. fp32 inputs run
+``tl.dot`` in IEEE fp32 (Triton's default on the GPU would be TF32), as the paged attention kernels do.
 
 ``PAGED=False`` is the contiguous baseline over ``[E, 3, f, d]``: the same kernel, whose page id
 ``3e + proj`` is computed instead of loaded — the overhead ablation compares exactly one load.
@@ -37,7 +38,7 @@ def fused_moe_kernel(
     # meta-parameters
     TOP_K: tl.constexpr, GATE_UP: tl.constexpr, PAGED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, HOST_PAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, HOST_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile of one expert's rows. Grid ``(max_blocks * cdiv(N, BLOCK_N),)``.
 
@@ -103,8 +104,8 @@ def fused_moe_kernel(
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w1 = tl.load(w1_ptrs, mask=k_mask[:, None], other=0.0)
                 w3 = tl.load(w3_ptrs, mask=k_mask[:, None], other=0.0)
-            acc1 = tl.dot(a, w1, acc1)
-            acc3 = tl.dot(a, w3, acc3)
+            acc1 = tl.dot(a, w1, acc1, input_precision=DOT_PRECISION)
+            acc3 = tl.dot(a, w3, acc3, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             w1_ptrs += BLOCK_K
             w3_ptrs += BLOCK_K
@@ -129,7 +130,7 @@ def fused_moe_kernel(
                 k_mask = offs_k < K - k0 * BLOCK_K
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w2 = tl.load(w2_ptrs, mask=k_mask[:, None], other=0.0)
-            acc = tl.dot(a, w2, acc)
+            acc = tl.dot(a, w2, acc, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
             w2_ptrs += BLOCK_K * D
         out = acc
@@ -257,7 +258,9 @@ def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment, *, N, K, F, 
         N, K, F, D, align.num_pairs, a.stride(0), c.stride(0),
         TOP_K=top_k, GATE_UP=gate_up, PAGED=paged, MUL_ROUTED_WEIGHT=not gate_up,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=K % cfg.block_k == 0, HOST_PAGES=host is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EVEN_K=K % cfg.block_k == 0, HOST_PAGES=host is not None,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # fp32 means fp32 (no TF32) on the GPU
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 

@@ -1,6 +1,9 @@
 """The engine on a tiny fp32 Qwen3.5-MoE hybrid (Gated DeltaNet + gated attention) against transformers' generate,
 with SSM and conv states in pool pages (greedy per policy: tests/engine/test_greedy.py)."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -95,7 +98,25 @@ def test_state_warmup_gives_its_pages_back_and_changes_no_output(ckpt, reference
 
 
 @pytest.fixture(scope="module")
-def reference_cuda(model_dir):
+def ieee_fp32_dots():
+    """fp32 means fp32 on both sides: fla's chunked GDN kernels call ``tl.dot`` without a precision, which Triton runs
+    in TF32 on the GPU; TF32 rounding, applied in a different chunking by transformers and by the engine, turned a
+    near-tie into a different greedy token at 2026-11-30 (H200, main a31de00: one sequence of six diverged at its
+    9th token). ``TRITON_F32_DEFAULT=ieee`` is read when a kernel compiles, so it is set before either side compiles
+    fla's kernels (a fresh Triton cache dir keeps TF32 binaries of an earlier process out)."""
+    saved = {k: os.environ.get(k) for k in ("TRITON_F32_DEFAULT", "TRITON_CACHE_DIR")}
+    os.environ["TRITON_F32_DEFAULT"] = "ieee"
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-ieee-")
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def reference_cuda(model_dir, ieee_fp32_dots):
     """transformers on CUDA: where fla-core imports, transformers' Qwen3.5 takes its GDN kernels, which cannot run on
     CPU tensors. Its causal conv (torch) and recurrent decode (fla) stay independent of our Triton kernels."""
     return transformers_greedy(model_dir, device="cuda")
@@ -103,7 +124,7 @@ def reference_cuda(model_dir):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["static", "elastic"])
-def test_gpu_greedy_matches_transformers(model_dir, reference_cuda, policy):
+def test_gpu_greedy_matches_transformers(model_dir, reference_cuda, ieee_fp32_dots, policy):
     """The CUDA path (Triton GDN decode and conv, fla's chunked prefill, paged attention, fused MoE) on the fp32
     tiny hybrid against transformers' generate."""
     pytest.importorskip("fla.ops.gated_delta_rule")
