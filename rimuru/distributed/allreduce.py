@@ -116,8 +116,15 @@ def all_reduce_candidates(requested: str, device_type: str) -> tuple[str, ...]:
     return (requested,)
 
 
+_SYMM_GROUP: list = []  # the process group this process's symmetric memory was set up with (at most one)
+
+
 def _rendezvous(buffer: torch.Tensor, group_name: str):
+    import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
+
+    if not _SYMM_GROUP:
+        _SYMM_GROUP.append(dist.group.WORLD)
 
     try:
         return symm_mem.rendezvous(buffer, group_name)
@@ -206,6 +213,14 @@ def symm_mem_unavailable(ctx: AllReduceContext) -> str | None:
         return f"PyTorch's symmetric-memory all-reduce sums bf16 and fp32, not {ctx.dtype}"
     if os.environ.setdefault(MULTICAST_OFF, "1") != "1":
         return f"{MULTICAST_OFF}={os.environ[MULTICAST_OFF]!r}: NVLink multicast must stay off on these machines"
+    if _SYMM_GROUP:
+        import torch.distributed as dist
+
+        if _SYMM_GROUP[0] is not dist.group.WORLD:
+            # PyTorch numbers its rendezvous exchanges per process (and older releases keep one store per group
+            # name): a later engine's fresh workers would wait for keys this process never writes
+            return ("symmetric memory was set up for an earlier process group of this process; one engine with "
+                    "tensor parallelism per process can use it")
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
         ops = torch.ops.symm_mem

@@ -170,9 +170,10 @@ def time_all_reduces(comm: TorchDistributed, rows: int, cols: int, dtype: torch.
     On a GPU the ``calls`` all-reduces are captured in one CUDA graph (as in a graphed decode step) and the graph
     is replayed ``iters`` times back to back after a synchronising all-reduce, so a rank's late start is paid
     once, not per replay; the result is the total over the replays / ``iters``. On the CPU (gloo) the calls run
-    eagerly. ``backend``: one of ``comm.backends`` (None: the one in use), restored after."""
+    eagerly. ``backend``: an all-reduce backend's name (None: the one in use); the one in use is restored after."""
     in_use = comm.backend
-    comm.backend = comm.backends[backend] if backend else in_use
+    if backend:
+        comm.use_all_reduce(backend, dtype)  # built now on every rank if it was not (they all run this at once)
     try:
         return _time_all_reduces(comm, rows, cols, dtype, calls, iters)
     finally:

@@ -65,6 +65,8 @@ def test_symm_mem_is_refused_with_a_reason_where_it_cannot_run(monkeypatch):
     assert "CUDA" in symm_mem_unavailable(CPU_CTX)
     fp16 = AllReduceContext(torch.device("cuda", 0), 0, 2, torch.float16, "0")
     assert "bf16 and fp32" in symm_mem_unavailable(fp16)
+    monkeypatch.setattr("rimuru.distributed.allreduce._SYMM_GROUP", [object()])  # set up with another group
+    assert "earlier process group" in symm_mem_unavailable(CUDA_CTX)  # refused: no rendezvous that cannot match
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
     assert "multicast must stay off" in symm_mem_unavailable(CUDA_CTX)
 

@@ -148,7 +148,7 @@ def write_e2e(rows: list[dict], out: Path) -> None:
 def kill_check(llm: LLM, trace: list[TraceRequest], out: Path, backend: str) -> None:
     """SIGKILL rank 1 with requests running: seconds until the engine raises the error naming it."""
     kill = {**kill_rank_under_load(llm, token_ids(trace, 32), timeout_s=90),
-            "backend": backend, **provenance()}
+            "backend": backend, "all_reduce": llm.memory_report["all_reduce"], **provenance()}
     (out / "kill.json").write_text(json.dumps(kill, indent=1))
     log(json.dumps(kill))
 
@@ -173,6 +173,12 @@ def main() -> None:
     ap.add_argument("--batches", default="64,128")
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--ar-iters", type=int, default=50, help="graph replays timed per all-reduce measurement")
+    ap.add_argument("--ar-rows", default="1,16,256,512,1024", help="more rows for the all-reduce size sweep")
+    ap.add_argument("--all-reduce", default="auto", help="the TP engines' all-reduce (rimuru/distributed/allreduce.py)")
+    ap.add_argument("--ab-all-reduce", default="nccl", help="a second all-reduce for the static step's A/B ('': none)")
+    ap.add_argument("--serving-all-reduce", default="nccl",
+                    help="the all-reduce of the hybrid and serving engines: the same for every engine of the A/B (one "
+                    "engine per process can use symm_mem; the static part's engine is that one)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--policies", default="fixed,elastic")
     ap.add_argument("--workloads", default="burst,poisson")
@@ -206,6 +212,7 @@ def main() -> None:
         raise SystemExit(str(exc)) from None
     common = dict(device=args.device, dtype=dtype, seed=args.seed)
 
+    args.ar_rows = [int(r) for r in args.ar_rows.split(",") if r]
     if not args.skip_static:
         static_part(args, full, common, out, link, gbps, trace)
         gc.collect()
@@ -221,9 +228,24 @@ def main() -> None:
     log("done")
 
 
+def greedy_check(one: LLM, many: LLM, prompts, params, label: str, tp: int, dtype, prov: dict) -> dict:
+    ref = [o.output_token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    got = [o.output_token_ids for o in many.generate(prompts, params, use_tqdm=False)]
+    many.check_integrity()
+    return {"model": label, "all_reduce": many.comm.backend.name, "prompts": len(ref),
+            "identical_sequences": sum(x == y for x, y in zip(ref, got)), "tokens": sum(map(len, ref)),
+            "identical_tokens_position_wise": sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)),
+            "first_divergence": [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                                 for x, y in zip(ref, got)], "dtype": str(dtype),
+            "tensor_parallel_size": tp, "cuda_graphs": bool(many.graphs), **prov}
+
+
 def static_part(args, full, common, out, link, gbps, trace) -> None:
-    """Decode step TP=1 vs TP=N, both graphed (static: every expert resident), ABBA, with rank 1's lateness and the
-    step's all-reduces timed alone."""
+    """Decode step TP=1 vs TP=N, both graphed (static: every expert resident), with rank 1's lateness and the step's
+    all-reduces timed alone. The TP=N engine starts with ``--all-reduce`` (auto: the one-shot over peer memory where
+    it runs); ``--ab-all-reduce`` names a second backend to compare on the same engine (every rank switches and
+    recaptures its graphs): the order TP1, B, A, A, B, TP1 (A: the engine's, B: the other) is ABBA for every pair, after
+    a warm-up pass of all three."""
     tp, prov = args.tp, provenance()
     recipe = SyntheticCheckpoint(args.model, seed=args.seed, routing_skew=args.skew, num_layers=args.static_layers,
                                  repeat_first_layer=True)
@@ -232,61 +254,100 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
     engine_opts = dict(policy="static", max_num_seqs=max(batches), **common)
     one = LLM(recipe, gpu_memory_budget=args.static_budget_tp1, **engine_opts)
     warm1 = one.warmup(1024)
-    many = LLM(recipe, gpu_memory_budget=args.static_budget, tensor_parallel_size=tp, **engine_opts)
+    many = LLM(recipe, gpu_memory_budget=args.static_budget, tensor_parallel_size=tp, all_reduce=args.all_reduce,
+               **engine_opts)
     warmn = many.warmup(1024)
-    log(f"static engines ready: TP=1 {warm1}, TP={tp} {warmn}")
+    first = many.comm.backend.name
+    # the second backend of the A/B; the CPU dry run (gloo only) runs the same sequence with gloo twice
+    other = args.ab_all_reduce if args.ab_all_reduce and (args.ab_all_reduce != first or args.device == "cpu") else None
+    log(f"static engines ready: TP=1 {warm1}, TP={tp} {warmn}, all-reduce {many.memory_report['all_reduce']} "
+        f"(skipped: {many.memory_report['all_reduce_skipped']}); A/B against {other}")
     try:
         greedy_prompts = token_ids(trace, 16, 64)
         greedy_params = SamplingParams(max_tokens=32, ignore_eos=True)
-        ref = [o.output_token_ids for o in one.generate(greedy_prompts, greedy_params, use_tqdm=False)]
-        got = [o.output_token_ids for o in many.generate(greedy_prompts, greedy_params, use_tqdm=False)]
-        many.check_integrity()
-        greedy = {"model": label, "prompts": len(ref), "identical_sequences": sum(x == y for x, y in zip(ref, got)),
-                  "tokens": sum(map(len, ref)),
-                  "identical_tokens_position_wise": sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)),
-                  "first_divergence": [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                                       for x, y in zip(ref, got)], "dtype": str(common["dtype"]),
-                  "tensor_parallel_size": tp, "cuda_graphs": bool(many.graphs), **prov}
+        greedy = [greedy_check(one, many, greedy_prompts, greedy_params, label, tp, common["dtype"], prov)]
+        log(f"greedy ({first}): {greedy[-1]['identical_sequences']}/{greedy[-1]['prompts']} sequences identical")
         (out / "greedy.json").write_text(json.dumps(greedy, indent=1))
-        log(f"greedy: {greedy['identical_sequences']}/{len(ref)} sequences identical")
 
-        step_rows, ar_rows = [], []
         prompts = token_ids(trace, first=128)
-        for b in batches:
-            ps = (prompts * (b // len(prompts) + 1))[:b]
-            for engine in (one, many):  # warm-up pass, not recorded
-                decode_steps(engine, ps, 4)
-            bucket = next((x for x in (many.graphs.buckets if many.graphs else ()) if x >= b), b)
-            ar = many.tp_group.bench_all_reduce(many.comm, bucket, full.hidden_size, common["dtype"],
-                                                2 * args.static_layers, args.ar_iters)
-            floor = allreduce_floor_ms(many.spec, bucket, tp, gbps)
-            ar_rows.append({"batch": b, "rows": bucket, **ar, "floor_ms": floor, "link": link, "model": label,
-                            **prov})
-            log(f"all-reduces of one step alone (B={b}): {ar['ms_per_group']:.3f} ms, floor {floor:.3f} ms")
-            for rep in range(args.repeats):
-                order = (("tp1", one), (f"tp{tp}", many))
-                for name, engine in order if rep % 2 == 0 else order[::-1]:
-                    seg = decode_steps(engine, ps, args.decode_steps)
-                    steps = seg.pop("step_ms")
-                    is_tp = engine is many
-                    step_rows.append({
-                        "batch": b, "engine": name, "repeat": rep, "tensor_parallel_size": engine.comm.world_size,
-                        "step_ms_median": statistics.median(steps), "step_ms_min": min(steps),
-                        "step_ms_max": max(steps), "steps": len(steps), **seg,
-                        "all_reduce_calls_per_step": 2 * args.static_layers if is_tp else 0,
-                        "all_reduce_alone_ms": ar["ms_per_group"] if is_tp else None,
-                        "all_reduce_floor_ms": floor if is_tp else None,
-                        "link": link, "model": label,
-                        "budget": args.static_budget if is_tp else args.static_budget_tp1, **prov})
-                    log(json.dumps({k: step_rows[-1][k] for k in (
-                        "batch", "engine", "repeat", "step_ms_median", "graphed_steps", "rank1_received_late_ms",
-                        "rank1_launched_late_ms")}))
+        per_batch = {b: (prompts * (b // len(prompts) + 1))[:b] for b in batches}
+        step_rows, ar_rows = [], []
+
+        def segment(name: str, engine: LLM, rep: int) -> None:
+            for b, ps in per_batch.items():
+                seg = decode_steps(engine, ps, args.decode_steps)
+                steps = seg.pop("step_ms")
+                is_tp = engine is many
+                bucket = next((x for x in (many.graphs.buckets if many.graphs else ()) if x >= b), b)
+                step_rows.append({
+                    "batch": b, "engine": name, "repeat": rep, "tensor_parallel_size": engine.comm.world_size,
+                    "all_reduce": engine.comm.backend.name if is_tp else None,
+                    "step_ms_median": statistics.median(steps), "step_ms_min": min(steps),
+                    "step_ms_max": max(steps), "steps": len(steps), **seg,
+                    "all_reduce_calls_per_step": 2 * args.static_layers if is_tp else 0,
+                    "all_reduce_floor_ms": allreduce_floor_ms(many.spec, bucket, tp, gbps) if is_tp else None,
+                    "link": link, "model": label,
+                    "budget": args.static_budget if is_tp else args.static_budget_tp1, **prov})
+                log(json.dumps({k: step_rows[-1][k] for k in (
+                    "batch", "engine", "repeat", "step_ms_median", "step_ms_min", "step_ms_max", "graphed_steps",
+                    "rank1_received_late_ms", "rank1_launched_late_ms", "rank0_send_to_launch_ms")}))
             pd.DataFrame(step_rows).to_csv(out / "step_tp.csv", index=False)
+
+        def warm(engine: LLM) -> None:  # warm-up pass, not recorded
+            for ps in per_batch.values():
+                decode_steps(engine, ps, 4)
+
+        def switch(name: str) -> None:
+            t = time.perf_counter()
+            many.tp_group.use_all_reduce(many, name)
+            log(f"all-reduce -> {name}: graphs recaptured on every rank in {time.perf_counter() - t:.1f} s")
+
+        # the all-reduces of one step alone, each backend, at the decode buckets and a sweep of sizes
+        names = [first] + ([other] if other else [])
+        buckets = many.graphs.buckets if many.graphs else ()
+        rows = sorted({next((x for x in buckets if x >= b), b) for b in batches} | set(args.ar_rows))
+        for name in names:
+            for r in rows:
+                ar = many.tp_group.bench_all_reduce(many.comm, r, full.hidden_size, common["dtype"],
+                                                    2 * args.static_layers, args.ar_iters, backend=name)
+                floor = allreduce_floor_ms(many.spec, r, tp, gbps)
+                ar_rows.append({**ar, "us_per_call": ar["ms_per_group"] * 1e3 / ar["calls"], "floor_ms": floor,
+                                "link": link, "model": label, **prov})
+                log(f"all-reduces of one step alone ({name}, {r} rows): {ar['ms_per_group']:.3f} ms "
+                    f"({ar_rows[-1]['us_per_call']:.1f} us/call), floor {floor:.3f} ms")
             pd.DataFrame(ar_rows).to_csv(out / "all_reduce.csv", index=False)
+
+        A, tp_name = ("tp1", one), f"tp{tp}"
+        warm(one)
+        warm(many)
+        if other:
+            switch(other)
+            greedy.append(greedy_check(one, many, greedy_prompts, greedy_params, label, tp, common["dtype"], prov))
+            log(f"greedy ({other}): {greedy[-1]['identical_sequences']}/{greedy[-1]['prompts']} sequences identical")
+            (out / "greedy.json").write_text(json.dumps(greedy, indent=1))
+            warm(many)
+            # now on `other` (B): TP1, B, A, A, B, TP1
+            for rnd in range(max(1, args.repeats // 2)):  # each variant twice per round
+                segment(*A, 2 * rnd)
+                segment(f"{tp_name}-{other}", many, 2 * rnd)
+                switch(first)
+                segment(f"{tp_name}-{first}", many, 2 * rnd)
+                segment(f"{tp_name}-{first}", many, 2 * rnd + 1)
+                switch(other)
+                segment(f"{tp_name}-{other}", many, 2 * rnd + 1)
+                segment(*A, 2 * rnd + 1)
+            switch(first)  # the engine closes on the backend it started with
+        else:
+            for rep in range(args.repeats):  # TP1, TPN, TPN, TP1
+                order = (A, (f"{tp_name}-{first}", many))
+                for name, engine in order if rep % 2 == 0 else order[::-1]:
+                    segment(name, engine, rep)
     finally:
         log("closing the TP engine")
+        t = time.perf_counter()
         many.close()
-        del one, many
+        log(f"TP engine closed in {time.perf_counter() - t:.1f} s")
+        one = many = None  # noqa: F841 - the engines go now (the closures above hold these names)
 
 
 def e2e_part(args, full, trace, common, out, cuda) -> None:
@@ -323,7 +384,7 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
             continue
         budget = budgets[policy]
         llm = LLM(model_dir, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve,
-                  hotset=args.hotset or None, tensor_parallel_size=tp, **common)
+                  hotset=args.hotset or None, tensor_parallel_size=tp, all_reduce=args.serving_all_reduce, **common)
         try:
             llm.warmup(2560)
             for workload in args.workloads.split(","):
@@ -355,6 +416,7 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                         "duration_s": duration, "stalls": stalls, "compiles": compiles,
                         "graphed_steps": int(frame["cuda_graph"].sum()), "engine_build": gi,
                         "warmup_pass": "same workload, discarded", "tensor_parallel_size": tp, "repeat": rep,
+                        "all_reduce": llm.memory_report["all_reduce"],
                         **provenance()})
                     log(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "output_throughput",
                                                                "mean_ttft_ms", "mean_tpot_ms", "stalls", "compiles",
@@ -363,10 +425,13 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
             if gi == len(groups) - 1:
                 kill_check(llm, trace, out, "nccl" if cuda else "gloo")
         finally:
+            t = time.perf_counter()
             llm.close()
+            log(f"engine closed in {time.perf_counter() - t:.1f} s (workers alive: "
+                f"{sum(p.is_alive() for p in llm.tp_group.procs)})")
         del llm
         gc.collect()
-        if cuda:
+        if cuda and gi < len(groups) - 1:  # not after the killed rank: nothing more runs on this device
             torch.cuda.empty_cache()
         write_e2e(rows, out)
         pd.concat(timelines).to_csv(out / "timeline.csv", index=False)
@@ -378,6 +443,7 @@ def hybrid_part(args, common, out) -> None:
     fla-core may be missing, so prefill would not run on the Triton path)."""
     recipe = SyntheticCheckpoint(args.hybrid_model, seed=args.seed, num_layers=args.hybrid_layers)
     opts = dict(policy="static", gpu_memory_budget=args.hybrid_budget, max_num_seqs=16, **common)
+    tp_opts = dict(tensor_parallel_size=args.tp, all_reduce=args.serving_all_reduce)
     prompts = [[9707, 11, 1879, 0], [3838, 374, 279, 6722, 315, 9625, 30], [40], [785, 3974, 13876, 38835],
                [16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [1986, 374, 264, 1273], [22, 22], [100, 200]]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -390,7 +456,7 @@ def hybrid_part(args, common, out) -> None:
         result["tp1_generate_s"] = time.perf_counter() - t
         del one
         gc.collect()
-        many = LLM(recipe, tensor_parallel_size=args.tp, **opts)
+        many = LLM(recipe, **tp_opts, **opts)
         try:
             t = time.perf_counter()
             got = [o.output_token_ids for o in many.generate(prompts, params, use_tqdm=False)]

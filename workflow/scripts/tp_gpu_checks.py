@@ -1,7 +1,8 @@
 """Tensor parallelism on GPUs, the checks the CPU tests make with gloo, here with NCCL (one device call).
 
 A tiny fp32 Qwen3-MoE (reference attention/MoE implementations: no kernel compile): greedy outputs at
-TP=N identical to TP=1, every rank's integrity, then rank 1 SIGKILLed mid-generation: seconds until the
+TP=N identical to TP=1 with each all-reduce of ``--all-reduce`` (nccl, then auto: the one-shot over peer memory
+where it runs), every rank's integrity, then rank 1 SIGKILLed mid-generation on the last engine: seconds until the
 engine raises the error naming it, and whether this process (rank 0) survived to report it.
 Writes ``checks.json`` under ``--out``.
 """
@@ -30,6 +31,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run (gloo)")
+    ap.add_argument("--all-reduce", default="nccl,auto", help="each an engine, greedy vs TP=1; the last one's rank "
+                    "1 is killed")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -42,14 +45,22 @@ def main() -> None:
     one = LLM(model, **options)
     ref = [o.output_token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)]
     del one
-    llm = LLM(model, **options, tensor_parallel_size=args.tp)
-    got = [o.output_token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    llm.check_integrity()
-    result = {"tensor_parallel_size": args.tp, "backend": "nccl" if args.device == "cuda" else "gloo",
-              "greedy_identical": got == ref,
-              "identical_sequences": sum(a == b for a, b in zip(ref, got)), "prompts": len(ref),
-              "integrity": "every rank checked, states equal"}
-    print(json.dumps(result), flush=True)
+    result = {"tensor_parallel_size": args.tp, "backend": "nccl" if args.device == "cuda" else "gloo", "greedy": []}
+    names = args.all_reduce.split(",")
+    for i, name in enumerate(names):  # the last engine stays for the killed rank
+        llm = LLM(model, **options, tensor_parallel_size=args.tp, all_reduce=name)
+        got = [o.output_token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        llm.check_integrity()
+        result["greedy"].append({"all_reduce": llm.memory_report["all_reduce"], "requested": name,
+                                 "skipped": llm.memory_report["all_reduce_skipped"], "greedy_identical": got == ref,
+                                 "identical_sequences": sum(a == b for a, b in zip(ref, got)), "prompts": len(ref),
+                                 "integrity": "every rank checked, states equal"})
+        print(json.dumps(result["greedy"][-1]), flush=True)
+        if i < len(names) - 1:
+            t = time.perf_counter()
+            llm.close()
+            result["greedy"][-1]["close_s"] = time.perf_counter() - t
+    result["kill_all_reduce"] = llm.memory_report["all_reduce"]
     kill = kill_rank_under_load(llm, PROMPTS, timeout_s=60)
     result.update({"kill_seconds_to_error": kill["seconds_to_error"], "kill_error": kill["error"],
                    "workers_alive_after": kill["workers_alive_after"],
