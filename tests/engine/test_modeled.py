@@ -220,6 +220,21 @@ def test_chunk_routing_fit_recovers_the_correlation_it_was_drawn_with():
     assert fit["median_abs_rel_error"] < 0.005 < fit["independent_median_abs_rel_error"]
 
 
+def test_load_floor_takes_each_layer_count_from_the_newest_file(tmp_path):
+    import pandas as pd
+
+    from rimuru.engine.modeled.calibration import load_floor
+
+    def segs(layers, commit, compiles=0):
+        return pd.DataFrame({"layers": layers, "commit": commit, "compiles": compiles, "stalls": 0, "step_ms": 1.0})
+
+    new, old = tmp_path / "new.csv", tmp_path / "old.csv"
+    pd.concat([segs([4, 4], "new"), segs([4], "new", compiles=1)]).to_csv(new, index=False)
+    segs([4, 48, 48], "old").to_csv(old, index=False)
+    floor = load_floor([new, old])
+    assert sorted(zip(floor["layers"], floor["commit"])) == [(4, "new"), (4, "new"), (48, "old"), (48, "old")]
+
+
 def test_token_term_of_an_eager_step_by_hand(spec):
     """token_us adds per computed token to an eager step, not to a graph replay."""
     base = CostModel(spec, GPU, UNIT)

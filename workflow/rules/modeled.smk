@@ -10,8 +10,8 @@ REF = "results/reference"
 
 
 def calibration_inputs(w):
-    return (glob.glob(f"{REF}/kernel/kernel_*.csv") + [f"{REF}/attention_h200.csv", f"{REF}/e2e/e2e.csv",
-                                                      f"{REF}/{MODELED['decode_floor']}"]
+    return (glob.glob(f"{REF}/kernel/kernel_*.csv") + [f"{REF}/attention_h200.csv", f"{REF}/e2e/e2e.csv"]
+            + [f"{REF}/{f}" for f in MODELED["decode_floor"]]
             + glob.glob(f"{REF}/e2e/run_*/timeline_*.csv") + glob.glob(f"{REF}/e2e/run_*/hotset.json")
             + [f"{REF}/{k.rsplit(':', 1)[0].rsplit('/', 1)[0]}/timelines_{k.rsplit(':', 1)[0].rsplit('/', 1)[1]}.csv.gz"
                for k in MODELED["fit_timelines"]])
@@ -40,12 +40,13 @@ rule modeled_calibrate:
     output: "results/modeled/calibration.json"
     params:
         fit=",".join(MODELED["fit_runs"]),
+        floor=" ".join(MODELED["decode_floor"]),
         routing=",".join(MODELED["routing_fit_runs"]),
         timelines=",".join(MODELED["fit_timelines"]),
     log: "results/logs/modeled/calibrate.log"
     benchmark: "results/logs/modeled/bench/calibrate.tsv"
     shell:
-        "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {MODELED[decode_floor]} --fit-runs {params.fit} "
+        "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {params.floor} --fit-runs {params.fit} "
         "--routing-fit-runs {params.routing} --fit-timelines {params.timelines} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
@@ -56,7 +57,7 @@ rule modeled_fidelity:
         lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
         runs=f"{FIDELITY['reference']}/e2e.csv",
         hotset=FIDELITY["hotset"],
-        floor=f"{REF}/{MODELED['decode_floor']}",
+        floor=[f"{REF}/{f}" for f in MODELED["decode_floor"]],
     output:
         csv="results/modeled/fidelity.csv",
         figure="figures/modeled_fidelity.png",

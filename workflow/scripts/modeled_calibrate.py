@@ -1,7 +1,7 @@
 """Fit the modeled executor's cost parameters to the committed H200 measurements.
 
 Inputs (results/reference/): the fused-MoE kernel tables, the attention table, the decode-step segments
-of the CUDA-graphed engine (engine/decode_floor_detail.csv: step times) and the per-step timelines of the
+of the CUDA-graphed engine (decode_floor_gpu.py's detail CSVs: step times) and the per-step timelines of the
 e2e runs marked ``fit`` (their expert loads give the predictor's waste). Output: a CostParams JSON whose
 ``fitted`` entry names every input file with the commit that last changed it and the commit recorded in its
 rows, the fits' errors and the assumptions (rimuru/engine/modeled/calibration.py explains each fit).
@@ -21,6 +21,7 @@ from rimuru.engine.modeled.calibration import (
     fit_chunk_routing,
     fit_decode_floor,
     fit_moe_kernel,
+    load_floor,
     prefetch_waste,
 )
 from rimuru.engine.modeled.cost import CostModel, CostParams
@@ -52,8 +53,9 @@ def data_entry(path: Path, frame: pd.DataFrame | None = None) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reference", default="results/reference")
-    ap.add_argument("--decode-floor", default="engine/decode_floor_detail.csv",
-                    help="decode-step segments (decode_floor_gpu.py), relative to --reference: the step-time fit")
+    ap.add_argument("--decode-floor", nargs="+", default=["engine/decode_floor_detail.csv"],
+                    help="decode-step segments (decode_floor_gpu.py), relative to --reference, newest first: per layer "
+                         "count the first file that has it (the step-time fit)")
     ap.add_argument("--fit-runs", required=True,
                     help="RUN:POLICY:WORKLOAD,... rows of e2e/e2e.csv whose timelines give the predictor's waste")
     ap.add_argument("--routing-fit-runs", default="",
@@ -111,10 +113,9 @@ def main() -> None:
     chunk = {"chunk_scale": base.routing_chunk_scale, "chunk_exponent": base.routing_chunk_exponent}
     runs = [fit_run(k, chunk) for k in args.fit_runs.split(",")]
     base = base.replace(prefetch_waste=prefetch_waste(runs))
-    floor_path = ref / args.decode_floor
-    floor = pd.read_csv(floor_path)
-    floor = floor[(floor["compiles"] == 0) & (floor["stalls"] == 0)]
-    data.append(data_entry(floor_path, floor))
+    floor = load_floor([ref / path for path in args.decode_floor])
+    for path, rows in floor.groupby("source", sort=False):
+        data.append(data_entry(Path(path), rows) | {"layers": sorted(map(int, rows["layers"].unique()))})
     frames = [f.reset_index(drop=True) for _, f in floor.groupby("layers")]
     floor_costs = [CostModel(spec_with_layers(f["model"].iloc[0], int(f["layers"].iloc[0])), gpu, base) for f in frames]
     timelines = []

@@ -28,7 +28,7 @@ import pandas as pd
 from common import save_figure
 
 from rimuru.engine.llm import LLM
-from rimuru.engine.modeled.calibration import floor_features, predict_steps
+from rimuru.engine.modeled.calibration import floor_features, load_floor, predict_steps
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import load_gpu
 from rimuru.engine.modeled.reference import e2e_scaled_budget, parse_run_model, spec_with_layers
@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--graph-cap", nargs="+", default=[], help="COMMIT=N: offloading decode-graph cap of a commit")
     ap.add_argument("--fit", nargs="*", default=[],
                     help="RUN/POLICY of runs whose per-step timelines the calibration fitted on: their rows are `fit`")
-    ap.add_argument("--decode-floor", required=True, help="decode-floor segments (the step-time fit): figure")
+    ap.add_argument("--decode-floor", nargs="+", required=True,
+                    help="decode-floor segments, newest first, as the calibration read them: figure")
     ap.add_argument("--out-csv", required=True)
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
     ap.add_argument("--figure", required=True)
@@ -141,10 +142,9 @@ def main() -> None:
     figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), args.figure)
 
 
-def floor_steps(path: str, cost_params: str, hardware: str) -> pd.DataFrame:
+def floor_steps(paths: list[str], cost_params: str, hardware: str) -> pd.DataFrame:
     """Each decode-floor segment's measured median step time beside the fitted cost model's."""
-    floor = pd.read_csv(path)
-    floor = floor[(floor["compiles"] == 0) & (floor["stalls"] == 0)]
+    floor = load_floor(paths)
     params, gpu = CostParams.load(cost_params), load_gpu(hardware)
     out = []
     for layers, f in floor.groupby("layers"):

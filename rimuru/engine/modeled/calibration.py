@@ -239,6 +239,18 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
                              np.where(decode == 0, "prefill", "mixed"))}
 
 
+def load_floor(paths) -> pd.DataFrame:
+    """Decode-floor segments from ``paths`` (newest measurement first): per layer count, the rows of the first file
+    that has that layer count, without the segments that compiled or stalled."""
+    frames, seen = [], set()
+    for path in paths:
+        f = pd.read_csv(path)
+        f = f[~f["layers"].isin(seen) & (f["compiles"] == 0) & (f["stalls"] == 0)]
+        seen |= set(f["layers"])
+        frames.append(f.assign(source=str(path)))
+    return pd.concat(frames, ignore_index=True)
+
+
 def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: CostParams,
                      timelines: list[tuple[str, pd.DataFrame, CostModel, str]] = ()) -> tuple[CostParams, dict]:
     """Host times, fixed per-layer device time, PCIe efficiencies (bulk copies and in-place reads) and the
