@@ -117,7 +117,7 @@ def run_inproc(engine, requests: Sequence[TraceRequest], *, ignore_eos: bool = T
                     rec.itl.append(now - last_token[out.request_id])
                 last_token[out.request_id] = now
             if out.finished:
-                rec.output_tokens = len(out.output_token_ids)
+                rec.output_tokens = out.num_output_tokens
                 rec.latency = last_token.get(out.request_id, now) - rec.start_time
                 rec.success = out.finish_reason != "abort" and rec.output_tokens > 0
                 if not rec.success:

@@ -46,6 +46,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs: every step runs the eager forward
     offload_graph_max_batch: int | None = None  # offloading policies replay decode graphs up to this batch
     # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice
+    async_scheduling: bool = True  # graphed greedy decode of `static`: step n+1 is scheduled and launched while
+    # step n runs on the device, its tokens fed on the device (docs/engine.md, "Async scheduling")
 
     def __post_init__(self) -> None:
         from rimuru.engine.memory_policy import policy_class

@@ -114,8 +114,13 @@ def decode_rows(out: SchedulerOutput, kv: KVCacheManager) -> tuple[np.ndarray, .
     bt = np.zeros((kv.num_layers, n, width), dtype=np.int32)
     for r, (chunk, table) in enumerate(zip(out.chunks, tables)):
         req, p = chunk.request, chunk.start
-        ids[r] = req.output_token_ids[p - len(req.prompt_token_ids)] if p >= len(req.prompt_token_ids) \
-            else req.prompt_token_ids[p]
+        m = len(req.prompt_token_ids)
+        if p < m:
+            ids[r] = req.prompt_token_ids[p]
+        elif p - m < len(req.output_token_ids):
+            ids[r] = req.output_token_ids[p - m]
+        else:  # async scheduling: the pending token, fed on the device (DecodeGraphs.run's ``feed``)
+            ids[r] = 0
         pos[r] = p
         bt[:, r, : table.shape[1]] = table
     slots = bt[:, np.arange(n), pos // block] * block + pos % block  # [L, n], one gather for every request
@@ -124,7 +129,11 @@ def decode_rows(out: SchedulerOutput, kv: KVCacheManager) -> tuple[np.ndarray, .
 
 class DecodeGraphs:
     def __init__(self, model, kv: KVCacheManager, kv_view, expert_view: torch.Tensor, experts: DeviceTableExperts,
-                 device: torch.device, max_num_seqs: int, max_model_len: int) -> None:
+                 device: torch.device, max_num_seqs: int, max_model_len: int, replay_eagerly: bool = False) -> None:
+        """``replay_eagerly``: :meth:`capture` records no graph and :meth:`run` runs the captured forward eagerly
+        over the same persistent buffers (CPU tests and the host-time profile of the step, where CUDA graphs do
+        not exist)."""
+        self.replay_eagerly = replay_eagerly
         self.model, self.kv, self.kv_view, self.expert_view, self.experts = model, kv, kv_view, expert_view, experts
         self.device = device
         self.buckets = graph_buckets(max_num_seqs)
@@ -154,8 +163,12 @@ class DecodeGraphs:
             return self._dev[o: o + self.kv.num_layers * self.bmax].view(self.kv.num_layers, self.bmax)[:, :n]
         return self._dev[o: o + n]
 
-    def _fill(self, rows: tuple[np.ndarray, ...] | None, bucket: int) -> None:
-        """Write ``rows`` (None: all padding) into the pinned header, upload it, scatter the block tables."""
+    def _fill(self, rows: tuple[np.ndarray, ...] | None, bucket: int,
+              feed: tuple[torch.Tensor, np.ndarray] | None = None) -> None:
+        """Write ``rows`` (None: all padding) into the pinned header, upload it, scatter the block tables.
+
+        ``feed`` (async scheduling): ``(tokens, src)``: the previous step's sampled tokens on the device and,
+        per row, the row of that step whose token this row decodes (-1: its token id is in ``rows``)."""
         if self._header_done is not None:
             self._header_done.synchronize()
         host, o, layers = self._host.numpy(), self._off, self.kv.num_layers
@@ -176,8 +189,17 @@ class DecodeGraphs:
             self._header_done = torch.cuda.Event()
             self._header_done.record()
         if rows is not None:
-            (compact,) = self._tables_up.upload([rows[4]])
+            if feed is None:
+                (compact,) = self._tables_up.upload([rows[4]])
+            else:
+                compact, src = self._tables_up.upload([rows[4], feed[1]])
             self.block_tables[:, :n, : compact.shape[2]].copy_(compact)
+            if feed is not None:  # the pending tokens never visit the host: gathered on the device
+                ids = self._view("ids", n)
+                if (feed[1] >= 0).all():
+                    torch.index_select(feed[0], 0, src, out=ids)
+                else:
+                    ids.copy_(torch.where(src >= 0, feed[0][src.clamp(min=0).long()], ids))
 
     def _forward(self, bucket: int) -> torch.Tensor:
         self.experts.begin_step()
@@ -196,6 +218,9 @@ class DecodeGraphs:
     def capture(self) -> None:
         """Capture every bucket, largest first (later graphs reuse the first one's memory pool)."""
         self.experts.refresh()
+        if self.replay_eagerly:
+            self.graphs = {bucket: (None, None) for bucket in self.buckets}
+            return
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
@@ -215,17 +240,25 @@ class DecodeGraphs:
     def can_run(self, out: SchedulerOutput) -> bool:
         return bool(self.graphs) and replays_graph(out, self.bmax, self.max_model_len)
 
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits [n, V] fp32 of a pure decode step (valid until the next replay)."""
+    def run(self, out: SchedulerOutput, feed: tuple[torch.Tensor, np.ndarray] | None = None,
+            counts_into: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, V] fp32 of a pure decode step (valid until the next replay).
+
+        Async scheduling passes ``feed`` (see :meth:`_fill`) and ``counts_into``: a pinned buffer of its own
+        for the step's expert counters, read by ``experts.settle(counts_into)`` once the step is done (the
+        next replay may already be queued), instead of :meth:`settle`."""
         n = len(out.chunks)
         bucket = bucket_for(n, self.buckets)
-        self._fill(decode_rows(out, self.kv), bucket)
+        self._fill(decode_rows(out, self.kv), bucket, feed)
         self.experts.refresh()
         graph, logits = self.graphs[bucket]
-        graph.replay()
-        self.experts.end_step()
+        if graph is None:  # replay_eagerly
+            logits = self._forward(bucket)
+        else:
+            graph.replay()
+        self.experts.end_step(counts_into)
         self.replays += 1
-        self._pending = True
+        self._pending = counts_into is None
         return logits[:n]
 
     def release(self) -> None:

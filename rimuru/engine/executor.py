@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +26,24 @@ from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.provider import ExpertProvider
 from rimuru.models.attention_layer import AttentionMetadata
 from rimuru.models.qwen_moe import QwenMoeModel
+
+
+@dataclass(frozen=True)
+class LaunchedDecode:
+    """A graphed decode step launched by async scheduling, its tokens not yet read (docs/engine.md)."""
+
+    out: SchedulerOutput
+    tokens: torch.Tensor  # [n] int32 on the device: the greedy tokens, fed to the next step without the host
+    tokens_host: torch.Tensor  # [n] int32 (pinned): their copy, complete when ``done`` is
+    counts: torch.Tensor  # the step's expert counters (pinned), for DeviceTableExperts.settle
+    done: torch.cuda.Event | None  # None on the CPU (eager replay: everything already ran)
+    rows: dict[str, int]  # request id -> row
+
+    def wait(self) -> list[int]:
+        """Block until the step ran; its tokens, row by row."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self.tokens_host.tolist()
 
 
 class TorchExecutor:
@@ -41,6 +60,7 @@ class TorchExecutor:
         self._upload = PinnedUpload(device)
         self.graph_steps = 0
         self.eager_steps = 0
+        self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []  # async scheduling: (tokens, counts) x 2
 
     @contextmanager
     def use_graphs(self, enabled: bool) -> Iterator[None]:
@@ -101,6 +121,41 @@ class TorchExecutor:
             max_seq_len=int(seq_lens.max()),
         )
         return ids_t, meta, sample_t
+
+    @property
+    def launches_decode(self) -> bool:
+        """Whether :meth:`launch_decode` can run now: graphs captured and replay on."""
+        return self._replay and self.graphs is not None and bool(self.graphs.graphs)
+
+    def launch_decode(self, out: SchedulerOutput, previous: LaunchedDecode | None) -> LaunchedDecode:
+        """Async scheduling: replay ``out``'s decode graph and queue its greedy tokens' copy to the host without
+        waiting. A request whose current token is still pending (sampled by ``previous``, not yet on the host)
+        gets it on the device from ``previous.tokens``. Two host buffers alternate: at most one step is in flight
+        while the next is launched."""
+        graphs = self.graphs
+        n = len(out.chunks)
+        if not self._slots:
+            pin = self.device.type == "cuda"
+            self._slots = [(torch.empty(graphs.bmax, dtype=torch.int32, pin_memory=pin),
+                            graphs.experts.new_counts_buffer()) for _ in range(2)]
+        tokens_host, counts = self._slots[0]
+        self._slots.reverse()
+        feed = None
+        if previous is not None and any(c.request.num_pending for c in out.chunks):
+            src = np.fromiter((previous.rows[c.request.request_id] if c.request.num_pending else -1
+                               for c in out.chunks), dtype=np.int32, count=n)
+            feed = (previous.tokens, src)
+        logits = graphs.run(out, feed, counts)
+        tokens = torch.argmax(logits, dim=-1).to(torch.int32)  # the sampler's greedy choice (first maximum)
+        host = tokens_host[:n]
+        host.copy_(tokens, non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        self.graph_steps += 1
+        rows = {c.request.request_id: i for i, c in enumerate(out.chunks)}
+        return LaunchedDecode(out, tokens, host, counts, done, rows)
 
     def will_replay(self, out: SchedulerOutput) -> bool:
         """Whether ``out`` runs as a CUDA-graph replay (a pure decode step within the captured buckets)."""

@@ -37,12 +37,12 @@ from rimuru.distributed.replica import (
 from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.cuda_graphs import DecodeGraphs, decode_graphs_allowed, graph_max_batch
-from rimuru.engine.executor import TorchExecutor
+from rimuru.engine.executor import LaunchedDecode, TorchExecutor
 from rimuru.engine.hybrid_executor import build_hybrid
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.memory_policy import MemoryBudgetError, activation_estimate, make_policy
 from rimuru.engine.outputs import EngineStats, RequestOutput, TokenLogprob
-from rimuru.engine.request import Request
+from rimuru.engine.request import Request, Status
 from rimuru.engine.sampler import sample
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -198,6 +198,8 @@ class LLM:
         self._start = self.clock.now()
         self._generated = 0
         self._failed = 0
+        self._inflight: tuple[LaunchedDecode, int, int] | None = None  # async scheduling: (step, number, adjust)
+        self._async = config.async_scheduling  # use_async_scheduling() switches it for a block of steps
         self._prompt_scores: dict[str, dict[int, TokenLogprob]] = {}  # prompt_logprobs until the first token
         self.memory_report = {**plan.report(), "tensor_parallel_size": tp, **self.comm.selection_report}
         if self.tp_group is not None:  # rank 0 decides; from now on every allocator change is replayed
@@ -224,6 +226,25 @@ class LLM:
             if self._local_executor is not None:
                 self._local_executor.drop_graphs()  # destroys the CUDA graphs themselves
             self.tp_group.close()
+
+    def _install_eager_replay_graphs(self) -> DecodeGraphs:
+        """Give a one-device engine without decode graphs (on the CPU, say) graphs that run their captured forward
+        eagerly over the same persistent buffers (``DecodeGraphs(replay_eagerly=True)``), so that the graphed
+        and async-scheduling paths run where CUDA graphs do not exist: CPU tests and the host-time profile
+        (workflow/scripts/profile_host_step.py)."""
+        if self.tp_group is not None or self.spec.is_hybrid or self.model is None:
+            raise RuntimeError("eager-replay decode graphs need a one-device torch engine of a plain MoE model")
+        resident = self.policy.all_experts_resident
+        experts = DeviceTableExperts(lambda: self.cache.page_table, lambda: self.cache.version,
+                                     None if resident else self.loader.host, self.device)
+        max_batch = graph_max_batch(self.config.max_num_seqs, resident, self.config.offload_graph_max_batch)
+        graphs = DecodeGraphs(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor, experts,
+                              self.device, max_batch, self.max_model_len, replay_eagerly=True)
+        graphs.capture()
+        self.executor = self._local_executor = TorchExecutor(
+            self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor, self.provider, self.device,
+            graphs)
+        return graphs
 
     def _decode_graphs(self, host_weights: torch.Tensor) -> DecodeGraphs | None:
         """CUDA graphs for decode steps, or None: ``enforce_eager``, no CUDA, the ``cpu`` policy (it computes
@@ -274,9 +295,78 @@ class LLM:
         """One engine step: schedule -> execute -> postprocess, with the memory policy's hooks around them.
 
         A forward pass that raises fails only the requests in this step (their pages are freed); a request
-        whose sampling raises fails alone. Either way the engine keeps serving."""
+        whose sampling raises fails alone. Either way the engine keeps serving.
+
+        Async scheduling (``async_scheduling``, `static` with decode graphs): while a greedy decode batch runs
+        graphed, step n+1 is scheduled and launched before step n's tokens are read, its input tokens taken on
+        the device; this call then returns step n's outputs (so a pipelined call returns the previous
+        launch's tokens, and the timeline records step n with this call's wall time). Any other step first
+        finishes the one in flight (docs/engine.md, "Async scheduling")."""
         t0 = self.clock.now()
         compiles_before = compile_count()
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None and not self._pipelinable():
+            inflight, self._inflight = self._inflight, None
+            outputs = self._commit(inflight, t0, compiles_before)
+            t0, compiles_before = self.clock.now(), compile_count()
+        if self._pipelinable():
+            return outputs + self._step_async(t0, compiles_before)
+        return outputs + self._step_sync(t0, compiles_before)
+
+    def _pipelinable(self) -> bool:
+        """Whether the next step is launched without waiting for the one before (async scheduling): the
+        option on, one device, every expert resident (no policy hook frees or loads pages around the
+        forward), decode graphs ready, and the scheduler's next batch a greedy pure decode they cover."""
+        executor = self._local_executor
+        return (self._async and self.tp_group is None and self.policy.all_experts_resident
+                and executor is not None and executor.launches_decode
+                and self.scheduler.pipelinable(executor.graphs.bmax))
+
+    def _step_async(self, t0: float, compiles_before: int) -> list[RequestOutput]:
+        """Schedule and launch a graphed decode step, then read the tokens of the step launched before it."""
+        self.policy.begin_step()
+        out = self.scheduler.schedule()
+        change = self.policy.after_schedule(out, self.allocator.free_l2_pages(EXPERT))
+        previous, self._inflight = self._inflight, None
+        try:
+            if not self.graphs.can_run(out):
+                raise RuntimeError("async scheduling scheduled a step the decode graphs cannot run")
+            launched = self._local_executor.launch_decode(out, None if previous is None else previous[0])
+        except FatalEngineError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fail this step's requests, not the engine
+            log.exception("forward pass failed; failing the %d requests of this step", len(out.chunks))
+            outputs = [] if previous is None else self._commit(previous, t0, compiles_before)
+            return outputs + [self._fail(c.request, exc) for c in out.chunks if not c.request.is_finished]
+        finally:
+            self.policy.after_forward()
+        self.scheduler.advance(out)
+        self._inflight = (launched, self.scheduler.forward_steps, change)
+        return [] if previous is None else self._commit(previous, t0, compiles_before)
+
+    def _commit(self, inflight: tuple[LaunchedDecode, int, int], t0: float,
+                compiles_before: int) -> list[RequestOutput]:
+        """Wait for a launched step, append its tokens (the scheduler finishes requests), build the outputs and
+        record the step (timed from ``t0``, the start of the call that reads it)."""
+        launched, number, change = inflight
+        out = launched.out
+        tokens = launched.wait()
+        before = self._io_counters()
+        self.graphs.experts.settle(launched.counts)
+        got, _ = self.scheduler.commit(out, tokens, self.clock.now(), self.eos_token_ids)
+        self._generated += len(got)
+        outputs = []
+        for req in got:
+            finished = req.status is Status.FINISHED
+            outputs.append(self._output(req, [req.output_token_ids[-1]], finished))
+            if finished:
+                self._generators.pop(req.request_id, None)
+                self._prompt_scores.pop(req.request_id, None)
+        self._record(out, t0, change, before, len(out.chunks), compile_count() - compiles_before, True, number)
+        return outputs
+
+    def _step_sync(self, t0: float, compiles_before: int) -> list[RequestOutput]:
+        """Schedule, execute, postprocess: the step whose tokens are read before it returns."""
         replays_before = self.graphs.replays if self.graphs is not None else 0
         self.policy.begin_step()
         before = self._io_counters()
@@ -398,17 +488,18 @@ class LLM:
                 self.provider.experts_touched + graphed.experts_touched)
 
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
-        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), new, finished,
+        return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, new, finished,
                              req.finish_reason if finished else None, None, req.arrival_time, req.first_token_time,
-                             list(req.token_times))
+                             req.token_times, num_output_tokens=len(req.output_token_ids))
 
     def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int], decode: int,
-                compiles: int = 0, graphed: bool = False) -> None:
+                compiles: int = 0, graphed: bool = False, number: int | None = None) -> None:
         now = self.clock.now()
         loaded = self._io_counters()
         kv_pages = self.kv.num_allocated_pages
         self.timeline.add(StepRecord(
-            step=self.scheduler.forward_steps, time_s=now - self._start, step_ms=(now - t0) * 1e3,
+            step=self.scheduler.forward_steps if number is None else number, time_s=now - self._start,
+            step_ms=(now - t0) * 1e3,
             tokens=out.num_tokens, prefill_tokens=out.num_tokens - decode, decode_tokens=decode,
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting), kv_pages=kv_pages,
             kv_l2_pages=self.kv.l2_pages_for(kv_pages), cached_experts=self.cache.num_cached,
@@ -480,6 +571,16 @@ class LLM:
     def graphs(self) -> DecodeGraphs | None:
         """The decode CUDA graphs (None: every step eager). The executor owns them; this is a read."""
         return None if self._local_executor is None else self._local_executor.graphs
+
+    @contextlib.contextmanager
+    def use_async_scheduling(self, enabled: bool):
+        """``with llm.use_async_scheduling(False):`` the block's steps each wait for their own tokens (the step in
+        flight, if any, finishes first); the previous setting returns after the block. For A/B runs."""
+        previous, self._async = self._async, enabled
+        try:
+            yield
+        finally:
+            self._async = previous
 
     def use_graphs(self, enabled: bool) -> contextlib.AbstractContextManager[None]:
         """``with llm.use_graphs(False):`` runs the block's steps eagerly, on the very path ``enforce_eager``

@@ -1,5 +1,5 @@
-"""A request's lifecycle state. The scheduler owns every mutable field except ``output_token_ids``
-and the timing lists, which the engine appends to after sampling."""
+"""A request's lifecycle state. The scheduler owns every mutable field (``Scheduler.update`` /
+``commit`` append the sampled tokens and their times)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,16 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     num_preemptions: int = 0
+    num_pending: int = 0  # async scheduling: tokens sampled by a launched step, not yet on the host (0 or 1)
 
     @property
     def num_tokens(self) -> int:
+        """Prompt, output and pending tokens: the positions the scheduler may compute."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens on the host (``num_tokens`` less the pending one)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

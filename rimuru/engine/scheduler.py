@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.request import Request, Status
@@ -38,9 +39,11 @@ class ScheduledChunk:
     start: int  # first token position computed in this step
     num_tokens: int
 
-    @property
+    @cached_property
     def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a new token is sampled."""
+        """True when this chunk reaches the end of the request's tokens, so a new token is sampled. Taken once, at
+        the first read (the engine reads it before the step advances the request; cached: read per request
+        several times a step)."""
         return self.start + self.num_tokens == self.request.num_tokens
 
     @property
@@ -122,8 +125,13 @@ class Scheduler:
         def fit(request: Request, n: int) -> bool:
             return self.kv.can_allocate(request.request_id, request.num_computed_tokens + n)
 
-        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        decodes, prefills = [], []
+        for r in self.running:
+            uncomputed = r.num_uncomputed_tokens
+            if uncomputed > 1:
+                prefills.append(r)
+            elif uncomputed == 1 and not (r.num_pending and self._finishes_by_length(r)):
+                decodes.append(r)  # (a request whose pending token ends it by length is not run again)
         batch = decodes[:budget]
         grow = [(r.request_id, r.num_computed_tokens + 1) for r in batch]
         if batch and sum(self.kv.pages_needed(*g) for g in grow) <= self.kv.free_pages():
@@ -205,7 +213,63 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def _finishes_by_length(self, request: Request) -> bool:
+        """Whether the request's tokens, its pending one included, reach ``max_tokens`` or the context limit."""
+        return (len(request.output_token_ids) + request.num_pending >= request.params.max_tokens
+                or request.num_tokens >= self.config.max_model_len)
+
+    def pipelinable(self, max_batch: int) -> bool:
+        """Whether the next :meth:`schedule` gives a pure greedy decode step of at most ``max_batch`` requests
+        that may run before the in-flight step's tokens reach the host (async scheduling,
+        docs/engine.md): nothing waits, every running request decodes one token (or is ending by length),
+        none samples randomly or asks for log-probabilities, and the batch's KV fits without preemption
+        (``schedule`` then takes its one-call path). A pure function of the queues."""
+        if self.waiting or not self.running:
+            return False
+        batch, need = 0, 0
+        for r in self.running:
+            uncomputed = r.num_uncomputed_tokens
+            if uncomputed == 1 and r.num_pending and self._finishes_by_length(r):
+                continue
+            p = r.params
+            if uncomputed != 1 or not p.greedy or p.logprobs is not None or p.prompt_logprobs is not None:
+                return False
+            batch += 1
+            need += self.kv.pages_needed(r.request_id, r.num_computed_tokens + 1)
+        return 0 < batch <= min(max_batch, self.config.max_num_batched_tokens) and need <= self.kv.free_pages()
+
     # ------------------------------------------------------------------ update
+    def advance(self, output: SchedulerOutput) -> None:
+        """Async scheduling: a launched pure decode step moves each request one position on; the token it
+        samples stays pending (on the device) until :meth:`commit`."""
+        for chunk in output.chunks:
+            request = chunk.request
+            request.num_computed_tokens += 1
+            request.num_pending += 1
+
+    def commit(self, output: SchedulerOutput, tokens: list[int], now: float,
+               eos_token_ids: frozenset[int] = frozenset()) -> tuple[list[Request], list[Request]]:
+        """Async scheduling: the tokens of an :meth:`advance`d step reached the host (``tokens[i]`` is chunk
+        ``i``'s). Appends them and finishes requests; a request that already finished (its previous token was
+        a stop token, found one step late) or was aborted drops its token. Returns (requests that got a
+        token, finished ones)."""
+        got, finished = [], []
+        for chunk, token in zip(output.chunks, tokens):
+            request = chunk.request
+            if request.status is not Status.RUNNING:
+                continue
+            request.num_pending -= 1
+            request.output_token_ids.append(token)
+            request.token_times.append(now)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            got.append(request)
+            reason = self._finish_reason(request, token, eos_token_ids)
+            if reason:
+                self._finish(request, reason)
+                finished.append(request)
+        return got, finished
+
     def update(self, output: SchedulerOutput, sampled: dict[str, int], now: float,
                eos_token_ids: frozenset[int] = frozenset()) -> list[Request]:
         """Advance computed counts, append sampled tokens, finish requests; returns the finished ones."""
@@ -230,7 +294,8 @@ class Scheduler:
         params = request.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
             return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if (len(request.output_token_ids) >= params.max_tokens
+                or request.num_known_tokens >= self.config.max_model_len):  # a pending token is not yet counted
             return "length"
         return None
 

@@ -251,13 +251,19 @@ class DeviceTableExperts:
     def layer_done(self, moe_layer: int) -> None:
         pass
 
-    def end_step(self) -> None:
-        """Queue the counters' copy to the host (read by :meth:`settle` once the step has synchronised)."""
-        self._counts_host.copy_(self._counts, non_blocking=True)
+    def new_counts_buffer(self) -> torch.Tensor:
+        """A host buffer for one step's counters (async scheduling keeps one per step in flight)."""
+        return torch.zeros_like(self._counts_host, pin_memory=self._counts_host.is_pinned())
 
-    def settle(self) -> tuple[int, int]:
-        """After the step's sync: (experts touched, experts read in place) this step, added to the totals."""
-        touched, missed = (int(v) for v in self._counts_host.tolist())
+    def end_step(self, into: torch.Tensor | None = None) -> None:
+        """Queue the counters' copy to the host (``into``, default this provider's buffer; read by
+        :meth:`settle` once the step has synchronised)."""
+        (self._counts_host if into is None else into).copy_(self._counts, non_blocking=True)
+
+    def settle(self, counts: torch.Tensor | None = None) -> tuple[int, int]:
+        """After the step's sync: (experts touched, experts read in place) this step, added to the totals
+        (``counts``: the buffer given to :meth:`end_step`)."""
+        touched, missed = (int(v) for v in (self._counts_host if counts is None else counts).tolist())
         self.experts_touched += touched
         self.experts_missed += missed
         return touched, missed

@@ -399,7 +399,7 @@ async def _deltas(stream: RequestStream, text: TextStream) -> AsyncIterator[tupl
         if not outputs:
             return
         new = [t for out in outputs for t in out.new_token_ids]
-        n = len(outputs[-1].output_token_ids)
+        n = outputs[-1].num_output_tokens
         finish = outputs[-1].finish_reason if outputs[-1].finished else None
         delta = text.add(new, final=finish is not None)
         if text.stopped and finish is None:

@@ -233,3 +233,25 @@ def test_padded_decode_buffers_give_the_eager_logits_on_cpu():
     assert torch.allclose(padded, eager, rtol=1e-4, atol=1e-4)
     touched, missed = provider.settle()
     assert touched > 0 and missed > 0  # 6 of 16 experts cached: some picks were read from the host store
+
+
+@pytest.mark.gpu
+def test_gpu_async_scheduling_gives_the_synchronous_tokens():
+    """Greedy decode with step n+1 launched before step n's tokens are read (tokens fed on the device) gives the
+    tokens of the synchronous graphed engine, stop tokens and length limits included."""
+    llm = _gpu_engine("static")
+    llm.warmup()
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 150000, int(n)).tolist() for n in rng.integers(3, 300, 12)]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True) for m in rng.integers(2, 40, 12)]
+    with llm.use_async_scheduling(False):
+        sync = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    graphed_before = llm.executor.graph_steps
+    pipelined = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert pipelined == sync
+    assert llm.executor.graph_steps - graphed_before >= 20
+    stops = [SamplingParams(max_tokens=40, stop_token_ids=(s[len(s) // 2],)) for s in sync]
+    with llm.use_async_scheduling(False):
+        sync_stop = [o.output_token_ids for o in llm.generate(prompts, stops, use_tqdm=False)]
+    assert [o.output_token_ids for o in llm.generate(prompts, stops, use_tqdm=False)] == sync_stop
+    assert llm.timeline.frame()["compiles"].sum() == 0

@@ -4,7 +4,9 @@ For each policy an engine is built once (``--layers`` of the real shapes), warme
 graphs captured), then for each batch size ``b``: ``b`` requests of ``--prompt-len`` random tokens are
 prefilled and decoded. Eager and graphed decode segments (``--steps`` steps each, after ``--discard``
 discarded steps) alternate in ABBA order (``--repeats`` of each) on the same running batch; the eager
-segments use the very path ``enforce_eager=True`` takes. Per segment: median step time, the floor of
+segments use the very path ``enforce_eager=True`` takes. Where the engine schedules asynchronously (``static``),
+the graphed segments come twice: ``graph`` (async scheduling: step n+1 launched before step n's tokens are read)
+and ``graph-sync`` (every step waits for its tokens), in A B C C B A order. Per segment: median step time, the floor of
 each step (rimuru.engine.step_floor: HBM bytes / 4.26 TB/s, PCIe bytes / 55.4 GB/s, overlapped), stalls
 (steps over 3x the segment's median) and Triton compiles.
 
@@ -55,7 +57,10 @@ def segment(llm: LLM, steps: int, discard: int) -> pd.DataFrame:
 
 def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: int, discard: int, repeats: int,
             rng: np.random.Generator) -> list[dict]:
-    modes = ["eager", "graph"] if llm.graphs is not None else ["eager"]
+    modes = ["eager"]
+    if llm.graphs is not None:  # graph: replays with async scheduling where the engine uses it; graph-sync: without
+        modes += ["graph", "graph-sync"] if llm.policy.all_experts_resident and llm.config.async_scheduling \
+            else ["graph"]
     rows = []
     for b in batches:
         need = discard + steps
@@ -67,11 +72,12 @@ def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: i
                                            for r in llm.scheduler.running):
             llm.step()
         order = []
-        for r in range(repeats):  # ABBA: A B B A A B ...
+        for r in range(repeats):  # ABBA: A B B A A B ... (A B C C B A with three modes)
             order += modes if r % 2 == 0 else modes[::-1]
         for k, mode in enumerate(order):
             before = compile_count()
-            with llm.use_graphs(mode == "graph"):  # the eager segments take enforce_eager's path
+            # the eager segments take enforce_eager's path
+            with llm.use_graphs(mode != "eager"), llm.use_async_scheduling(mode == "graph"):
                 frame = segment(llm, steps, discard)
             floors = decode_floor(frame, llm.spec)
             med = float(frame["step_ms"].median())
@@ -111,8 +117,10 @@ def main() -> None:
     ap.add_argument("--fast-synth", action="store_true")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run (fp32; decode graphs replay eagerly)")
     args = ap.parse_args()
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -125,11 +133,13 @@ def main() -> None:
     for policy in args.policies.split(","):
         budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
         budget = e2e_scaled_budget(full, ckpt.spec, budget_full, policy, dtype)
-        llm = LLM(ckpt, gpu_memory_budget=budget, policy=policy, device="cuda", dtype=dtype, seed=args.seed,
+        llm = LLM(ckpt, gpu_memory_budget=budget, policy=policy, device=args.device, dtype=dtype, seed=args.seed,
                   max_num_seqs=max(int(b) for b in args.batches.split(",")), kv_reserve=0.1,
                   **({"hotset": args.hotset} if args.hotset else {}))
         t1 = time.perf_counter()
         info = llm.warmup_or_eager()  # a failed capture must not cost the whole device call: measure eager, say so
+        if device.type != "cuda":
+            llm._install_eager_replay_graphs()
         print(f"{policy}: warm-up {time.perf_counter() - t1:.1f} s, {info}", flush=True)
         label = {"model": args.model, "layers": args.layers, "policy": policy}
         rows += measure(llm, label, [int(b) for b in args.batches.split(",")], args.prompt_len, args.steps,
@@ -138,17 +148,20 @@ def main() -> None:
         detail.assign(**provenance()).to_csv(out / "decode_floor_detail.csv", index=False)
         del llm
         gc.collect()
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     detail = pd.DataFrame(rows)
     summary = (detail.groupby(["model", "layers", "policy", "batch", "mode"], as_index=False)
                .agg(step_ms=("step_ms", "median"), floor_ms=("floor_ms", "median")))
     summary["ratio"] = summary["step_ms"] / summary["floor_ms"]
-    summary["cuda_graphs"] = summary.pop("mode").eq("graph")
+    summary["cuda_graphs"] = summary["mode"].ne("eager")
+    pipelined = set(detail.loc[detail["mode"] == "graph-sync", "policy"])  # policies whose "graph" rows ran async
+    summary["async_scheduling"] = summary.pop("mode").eq("graph") & summary["policy"].isin(pipelined)
     prov = provenance()
     for key in ("device", "commit", "date"):
         summary[key] = prov[key]
-    cols = ["model", "layers", "policy", "batch", "step_ms", "floor_ms", "ratio", "cuda_graphs", "device", "commit",
-            "date"]
+    cols = ["model", "layers", "policy", "batch", "step_ms", "floor_ms", "ratio", "cuda_graphs", "async_scheduling",
+            "device", "commit", "date"]
     summary[cols].to_csv(out / "decode_floor.csv", index=False)
     print(summary[cols[:8]].to_string(index=False), flush=True)
 

@@ -1,0 +1,125 @@
+"""Async scheduling (issue 11): step n+1 launched before step n's tokens are read, its input tokens fed on the
+device. On the CPU the decode graphs replay eagerly over the same persistent buffers
+(``LLM._install_eager_replay_graphs``), so the whole path runs here: greedy outputs equal transformers' and the
+synchronous engine's, a stop token found one step late drops the extra token, aborts and arrivals mid-flight,
+the context limit, and one timeline record per step."""
+
+import numpy as np
+import pytest
+import torch
+
+from rimuru.engine.llm import LLM
+from rimuru.engine.sampling_params import SamplingParams
+from tests.engine.tiny import MAX_TOKENS, PROMPTS, assert_all_state_pages_returned, transformers_greedy, write_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(checkpoint loaded once, transformers' greedy outputs)"""
+    from rimuru.models.loader import load_checkpoint
+
+    model_dir = write_tiny(tmp_path_factory, "tiny-qwen3-moe")
+    return load_checkpoint(model_dir, dtype=torch.float32), transformers_greedy(model_dir)
+
+
+def graphed(ckpt, async_scheduling: bool = True, **options) -> LLM:
+    llm = LLM(ckpt, device="cpu", dtype=torch.float32, activation_reserve="1MiB", gpu_memory_budget="400MiB",
+              policy="static", async_scheduling=async_scheduling, **options)
+    llm._install_eager_replay_graphs()
+    return llm
+
+
+def finish(llm: LLM) -> dict[str, list[int]]:
+    done = {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                done[o.request_id] = o.output_token_ids
+    llm.check_integrity()
+    assert_all_state_pages_returned(llm)
+    return done
+
+
+def test_async_greedy_matches_transformers_and_launches_ahead(tiny):
+    ckpt, reference = tiny
+    llm = graphed(ckpt)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.output_token_ids for o in outs] == reference
+    frame = llm.timeline.frame()
+    assert frame["cuda_graph"].sum() >= MAX_TOKENS - 2  # the decode steps ran through launch_decode
+    assert frame["step"].is_unique and len(frame) == llm.scheduler.forward_steps  # one record per step
+    assert llm._inflight is None and not llm.has_unfinished_requests()
+    assert_all_state_pages_returned(llm)
+
+
+def test_async_streams_one_token_per_output_with_the_token_times_of_sync(tiny):
+    ckpt, _ = tiny
+    runs = []
+    for flag in (False, True):
+        llm = graphed(ckpt, async_scheduling=flag)
+        for i, p in enumerate(PROMPTS[:4]):
+            llm.add_request(f"r{i}", p, SamplingParams(max_tokens=5 + i, ignore_eos=True))
+        stream: dict[str, list[int]] = {}
+        while llm.has_unfinished_requests():
+            for o in llm.step():
+                assert len(o.new_token_ids) == 1 and o.output_token_ids[-1] == o.new_token_ids[0]
+                assert len(o.token_times) == len(o.output_token_ids)
+                stream.setdefault(o.request_id, []).extend(o.new_token_ids)
+        runs.append(stream)
+    assert runs[0] == runs[1]
+
+
+def test_a_stop_token_found_one_step_late_drops_the_extra_token(tiny):
+    ckpt, reference = tiny
+    runs = []
+    for flag in (False, True):
+        llm = graphed(ckpt, async_scheduling=flag)
+        for i, (p, ref) in enumerate(zip(PROMPTS, reference)):  # stop at each prompt's 4th greedy token
+            llm.add_request(f"r{i}", p, SamplingParams(max_tokens=MAX_TOKENS, stop_token_ids=(ref[3],)))
+        runs.append(finish(llm))
+    assert runs[0] == runs[1]
+    for i, ref in enumerate(reference):
+        assert runs[1][f"r{i}"] == ref[: ref.index(ref[3]) + 1]
+
+
+def test_abort_and_arrivals_while_a_step_is_in_flight(tiny):
+    ckpt, reference = tiny
+    llm = graphed(ckpt)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    for i in range(4):
+        llm.add_request(f"r{i}", PROMPTS[i], params)
+    while llm._inflight is None:
+        llm.step()
+    llm.abort_request("r1")  # its in-flight token is dropped, its pages are back
+    llm.add_request("r4", PROMPTS[4], params)  # the next step prefills it: the one in flight finishes first
+    done = finish(llm)
+    assert "r1" not in done
+    assert {k: v for k, v in done.items()} == {f"r{i}": reference[i] for i in (0, 2, 3, 4)}
+
+
+def test_the_context_limit_ends_requests_as_in_sync(tiny):
+    ckpt, _ = tiny
+    runs = []
+    for flag in (False, True):
+        llm = graphed(ckpt, async_scheduling=flag, max_model_len=12)
+        for i, p in enumerate(PROMPTS[:4]):
+            llm.add_request(f"r{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
+        runs.append(finish(llm))
+    assert runs[0] == runs[1]
+    assert all(len(PROMPTS[i]) + len(t) == 12 for i, t in enumerate(runs[1][f"r{i}"] for i in range(4)))
+
+
+def test_sampling_and_logprobs_requests_run_synchronously(tiny):
+    ckpt, _ = tiny
+    llm = graphed(ckpt)
+    llm.add_request("g", PROMPTS[0], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.add_request("t", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, seed=1))
+    launched = []
+    while llm.has_unfinished_requests():
+        llm.step()
+        launched.append(llm._inflight is not None)
+    assert not any(launched)  # a random sampler in the batch: every step waits for its tokens
+    rng = np.random.default_rng(0)
+    llm.add_request("l", rng.integers(0, 1000, 5).tolist(), SamplingParams(max_tokens=4, logprobs=2))
+    outs = finish(llm)
+    assert len(outs["l"]) == 4 and llm._inflight is None
