@@ -8,11 +8,20 @@
 #   POISSON_RUNS="..."   a second e2e_gpu.py call for the Poisson runs (POISSON_NREQ requests at RATE/s)
 # Every output lands in /tmp/res and comes back as one results.tar.gz plus the logs under $OUT (at most 8 files
 # come back); the e2e calls also write timelines.csv: every run's per-step timeline with policy/workload/repeat.
+# MODEL (qwen3-30b-a3b), DEVICE (cuda) and FLOOR_ARGS/E2E_ARGS let the same script dry-run on the CPU first:
+#   MODEL=tiny-qwen3-moe DEVICE=cpu TESTS=0 FLOOR_LAYERS=2 FLOOR_BATCHES=1,4 FLOOR_ARGS="--static-budget 1GiB" ...
+# Wheels the image lacks (.whl/, carried) are installed into /tmp/pylib when present.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD RIMURU_COMMIT=${RIMURU_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
-RES=/tmp/res
+RES=${RES:-/tmp/res}
 mkdir -p "$OUT" "$RES"
+if compgen -G ".whl/*.whl" > /dev/null && [ "${WHEELS:-1}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/pylib .whl/*.whl 2>&1 | tail -2
+  EXTRA_PATH=:/tmp/pylib
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${EXTRA_PATH:-} RIMURU_COMMIT=${RIMURU_COMMIT:-unknown}
+MODEL=${MODEL:-qwen3-30b-a3b}
+DEVICE=${DEVICE:-cuda}
 {
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -25,9 +34,10 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 for n in ${FLOOR_LAYERS:-}; do
   pol_var="FLOOR_POLICIES_$n"
-  timeout "${FLOOR_TIMEOUT:-300}" python3 workflow/scripts/decode_floor_gpu.py --layers "$n" --fast-synth \
-    --policies "${!pol_var:-static}" --batches "${FLOOR_BATCHES:-1,4,16,64,256}" --steps "${FLOOR_STEPS:-10}" \
-    --discard "${FLOOR_DISCARD:-3}" --out "$RES/floor_$n" 2>&1 | grep -v Warning > "$RES/floor_$n.log"
+  timeout "${FLOOR_TIMEOUT:-300}" python3 workflow/scripts/decode_floor_gpu.py --model "$MODEL" --layers "$n" \
+    --fast-synth --policies "${!pol_var:-static}" --batches "${FLOOR_BATCHES:-1,4,16,64,256}" \
+    --steps "${FLOOR_STEPS:-10}" --discard "${FLOOR_DISCARD:-3}" --device "$DEVICE" ${FLOOR_ARGS:-} \
+    --out "$RES/floor_$n" 2>&1 | grep -v Warning > "$RES/floor_$n.log"
   tail -12 "$RES/floor_$n.log"
 done
 if [ "${PROFILE:-0}" = 1 ]; then
@@ -36,7 +46,7 @@ if [ "${PROFILE:-0}" = 1 ]; then
   grep -E "^batch" "$RES/profile.log"
 fi
 e2e() {  # name runs nreq timeout
-  timeout "$4" python3 workflow/scripts/e2e_gpu.py --model qwen3-30b-a3b --layers "${LAYERS:-4}" --fast-synth \
+  timeout "$4" python3 workflow/scripts/e2e_gpu.py --model "$MODEL" --device "$DEVICE" --layers "${LAYERS:-4}" --fast-synth \
     --trace .device/trace_sharegpt_400.jsonl --num-requests "$3" --rate "${RATE:-4}" --runs "$2" \
     --repeats "${REPEATS:-2}" --warmup-requests "${WARMUP:-16}" --calibration-prompts "${CAL:-64}" ${E2E_ARGS:-} \
     --out "$RES/$1" 2>&1 | grep -v Warning > "$RES/$1.log"
