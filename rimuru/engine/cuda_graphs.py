@@ -103,25 +103,25 @@ class PinnedUpload:
 
 
 def decode_rows(out: SchedulerOutput, kv: KVCacheManager) -> tuple[np.ndarray, ...]:
-    """Per-request arrays of a pure decode step: token ids, positions, seq lens [n], slots [L, n],
-    block tables [L, n, w] (w = the widest request's blocks)."""
+    """Per-request arrays of a step of one-token chunks: token ids, positions, seq lens [n], slots [L, n],
+    block tables [L, n, w] (w = the widest request's blocks). A pending token (async scheduling) gets id 0: it is
+    fed on the device."""
     block = kv.block_tokens
     n = len(out.chunks)
     tables = [kv.pages(c.request.request_id) for c in out.chunks]
     width = max(t.shape[1] for t in tables)
     ids = np.empty(n, dtype=np.int32)
-    pos = np.empty(n, dtype=np.int32)
+    pos = np.fromiter((c.start for c in out.chunks), dtype=np.int32, count=n)
     bt = np.zeros((kv.num_layers, n, width), dtype=np.int32)
     for r, (chunk, table) in enumerate(zip(out.chunks, tables)):
         req, p = chunk.request, chunk.start
-        m = len(req.prompt_token_ids)
+        prompt = req.prompt_token_ids
+        m = len(prompt)
         if p < m:
-            ids[r] = req.prompt_token_ids[p]
-        elif p - m < len(req.output_token_ids):
-            ids[r] = req.output_token_ids[p - m]
-        else:  # async scheduling: the pending token, fed on the device (DecodeGraphs.run's ``feed``)
-            ids[r] = 0
-        pos[r] = p
+            ids[r] = prompt[p]
+        else:
+            outs = req.output_token_ids
+            ids[r] = outs[p - m] if p - m < len(outs) else 0
         bt[:, r, : table.shape[1]] = table
     slots = bt[:, np.arange(n), pos // block] * block + pos % block  # [L, n], one gather for every request
     return ids, pos, pos + 1, slots.astype(np.int32, copy=False), bt

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rimuru.engine.cuda_graphs import DecodeGraphs, PinnedUpload
+from rimuru.engine.cuda_graphs import DecodeGraphs, PinnedUpload, decode_rows
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.provider import ExpertProvider
@@ -80,6 +80,8 @@ class TorchExecutor:
 
     # ------------------------------------------------------------------ eager inputs
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        if all(c.num_tokens == 1 and not c.prompt_scored for c in out.chunks):
+            return self._prepare_decode(out)
         block = self.kv.block_tokens
         layers = self.kv.num_layers
         n_req = len(out.chunks)
@@ -120,6 +122,18 @@ class TorchExecutor:
             max_query_len=int(q_lens.max()), is_pure_decode=bool(q_lens.max() == 1),
             max_seq_len=int(seq_lens.max()),
         )
+        return ids_t, meta, sample_t
+
+    def _prepare_decode(self, out: SchedulerOutput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """``prepare`` of a step whose chunks are one token each: the graphs' per-request rows (one slot gather
+        for the whole batch, no per-request position ranges)."""
+        n = len(out.chunks)
+        ids, pos, seq, slots, bt = decode_rows(out, self.kv)
+        sample_at = np.flatnonzero(np.fromiter((c.samples for c in out.chunks), dtype=bool, count=n))
+        ids_t, pos_t, slots_t, cu_t, seq_t, bt_t, sample_t = self._upload.upload(
+            [ids, pos, slots, np.arange(n + 1), seq, bt, sample_at])
+        meta = AttentionMetadata(positions=pos_t, slot_mapping=slots_t, cu_query_lens=cu_t, seq_lens=seq_t,
+                                 block_tables=bt_t, max_query_len=1, is_pure_decode=True, max_seq_len=int(seq.max()))
         return ids_t, meta, sample_t
 
     @property

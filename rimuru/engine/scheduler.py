@@ -133,10 +133,15 @@ class Scheduler:
             elif uncomputed == 1 and not (r.num_pending and self._finishes_by_length(r)):
                 decodes.append(r)  # (a request whose pending token ends it by length is not run again)
         batch = decodes[:budget]
+        pages_needed = self.kv.pages_needed
         grow = [(r.request_id, r.num_computed_tokens + 1) for r in batch]
-        if batch and sum(self.kv.pages_needed(*g) for g in grow) <= self.kv.free_pages():
+        needs = [pages_needed(rid, tokens) for rid, tokens in grow]
+        if batch and sum(needs) <= self.kv.free_pages():
             # every decode that the budget admits fits: one allocator call, the outcome the loop below would reach
-            self.kv.allocate_many(grow)
+            # (only the requests that start a new block are passed: most decode steps need no page)
+            grow = [g for g, need in zip(grow, needs) if need]
+            if grow:
+                self.kv.allocate_many(grow)
             for request in batch:
                 chunk = ScheduledChunk(request, request.num_computed_tokens, 1)
                 chunks.append(chunk)

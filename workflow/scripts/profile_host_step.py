@@ -41,14 +41,15 @@ def stub_forward(input_ids, meta, kv_view, expert_view, experts, sample_index, r
     return torch.zeros(rows, STUB_VOCAB)
 
 
-def build(layers: int, max_batch: int, async_scheduling: bool) -> LLM:
+def build(layers: int, max_batch: int, async_scheduling: bool, graphs: bool = True) -> LLM:
     ckpt = synthetic_checkpoint_in_memory("tiny-qwen3-moe", seed=0, dtype=torch.float32, progress=False,
                                           num_layers=layers)
     llm = LLM(ckpt, device="cpu", dtype=torch.float32, gpu_memory_budget="2GiB", policy="static",
               activation_reserve="1MiB", max_num_seqs=max_batch, max_num_batched_tokens=8192,
               async_scheduling=async_scheduling)
     llm.model.forward = stub_forward
-    llm._install_eager_replay_graphs()
+    if graphs:
+        llm._install_eager_replay_graphs()
     return llm
 
 
@@ -58,12 +59,12 @@ def main() -> None:
     ap.add_argument("--batches", default="16,64,256")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--modes", default="sync,async")
+    ap.add_argument("--modes", default="sync,async", help="sync, async (graphed decode) and eager (no graphs)")
     ap.add_argument("--profile", action="store_true", help="print the top functions of a cProfile per batch")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     for mode in args.modes.split(","):
-        llm = build(args.layers, max(batches), mode == "async")
+        llm = build(args.layers, max(batches), mode == "async", graphs=mode != "eager")
         for b in batches:
             for i in range(b):
                 llm.add_request(f"{b}-{i}", [(7 * i + j) % 1000 for j in range(args.prompt_len)],
