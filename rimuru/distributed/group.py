@@ -37,6 +37,7 @@ _ENV_DEFAULTS = {  # NVLink multicast off: see the device notes of the machines 
 }
 
 
+ABORT_WAIT_S = 30.0  # the longest the engine thread waits for the monitor's NCCL abort before reporting the error
 START_TIMEOUT_S = 600.0  # spawning a rank, importing torch and loading its shard: not a collective
 
 
@@ -80,6 +81,8 @@ class TensorParallelGroup:
         self.dead: dict[int, int | None] = {}  # rank -> exit code, written by the monitor
         self.step = 0
         self._closed = False
+        self._abort_lock = threading.Lock()
+        self._aborted = False
         ctx = mp.get_context("spawn")
         self.progress = ctx.Array("q", world, lock=False)  # last step each rank finished (rank 0: unused)
         # per rank, the monotonic time (time.perf_counter: CLOCK_MONOTONIC, one clock for every process on the
@@ -128,14 +131,27 @@ class TensorParallelGroup:
                             pass
 
     def _abort(self) -> None:
+        """Abort the NCCL group, once: the monitor thread (a rank died) and the engine thread (``fail`` →
+        ``close``) can both get here, and with the engine thread no longer blocked in a device synchronise while the
+        monitor aborts (``wait_for_step`` polls), two concurrent aborts of one communicator could hang each other.
+        The second caller waits for the first abort to finish (at most ``ABORT_WAIT_S``: the error is reported
+        even if NCCL's abort itself stalls), then returns."""
         from torch.distributed import distributed_c10d
 
-        abort = getattr(distributed_c10d, "_abort_process_group", None)
-        if abort is not None:
-            try:
-                abort()
-            except Exception:  # noqa: BLE001 - best effort: the error below still ends the engine
-                pass
+        if not self._abort_lock.acquire(timeout=ABORT_WAIT_S):
+            return
+        try:
+            if self._aborted:
+                return
+            self._aborted = True
+            abort = getattr(distributed_c10d, "_abort_process_group", None)
+            if abort is not None:
+                try:
+                    abort()
+                except Exception:  # noqa: BLE001 - best effort: the error below still ends the engine
+                    pass
+        finally:
+            self._abort_lock.release()
 
     def _worker_messages(self) -> list[str]:
         notes = []

@@ -213,3 +213,33 @@ def test_engine_reports_its_all_reduce_on_gloo(tmp_path):
     finally:
         llm.close()
     assert not any(p.is_alive() for p in llm.tp_group.procs)
+
+
+def test_nccl_abort_runs_once_when_two_threads_end_the_engine(monkeypatch):
+    """The monitor thread (a rank died) and the engine thread (its error → close) both abort the NCCL group: the
+    second waits for the first, and the communicator is aborted once (two concurrent aborts can hang)."""
+    import threading
+    import time
+
+    from torch.distributed import distributed_c10d
+
+    from rimuru.distributed.group import TensorParallelGroup
+
+    calls, inside = [], threading.Event()
+
+    def slow_abort():
+        calls.append(threading.current_thread().name)
+        inside.set()
+        time.sleep(0.3)
+
+    monkeypatch.setattr(distributed_c10d, "_abort_process_group", slow_abort)
+    group = TensorParallelGroup.__new__(TensorParallelGroup)  # only the abort's state
+    group._abort_lock, group._aborted = threading.Lock(), False
+    monitor = threading.Thread(target=group._abort, name="monitor")
+    monitor.start()
+    inside.wait(5)
+    t = time.perf_counter()
+    group._abort()  # the engine thread: returns once the monitor's abort is done, without a second one
+    assert time.perf_counter() - t > 0.1
+    monitor.join(5)
+    assert calls == ["monitor"]
