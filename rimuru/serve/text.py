@@ -2,6 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+
+def decoder(tokenizer) -> Callable[[list[int]], str]:
+    """``ids -> text`` with special tokens skipped, as ``tokenizer.decode(ids, skip_special_tokens=True)``.
+
+    For a transformers fast tokenizer that cleans up no tokenization spaces (Qwen's), that is exactly its Rust
+    tokenizer's decode, called straight: about 13 us a call instead of 57 us through transformers' wrapper
+    (measured on the real experiment's Qwen tokenizer), and a streaming server decodes twice per token.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if isinstance(tokenizer, PreTrainedTokenizerFast) and not tokenizer.clean_up_tokenization_spaces:
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
 
 class TextStream:
     """Turns a request's token ids into text deltas.
@@ -14,6 +31,7 @@ class TextStream:
 
     def __init__(self, tokenizer, stop: list[str] | None = None) -> None:
         self.tokenizer = tokenizer
+        self._decode = decoder(tokenizer) if tokenizer is not None else None
         self.stop = [s for s in (stop or []) if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
@@ -29,7 +47,7 @@ class TextStream:
             return ""
         self.ids.extend(new_ids)
         if self.tokenizer is not None and (new_ids or final):
-            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+            decode = self._decode
             prefix = decode(self.ids[self._prefix_offset:self._read_offset])
             full = decode(self.ids[self._prefix_offset:])
             if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
