@@ -253,7 +253,8 @@ class DeviceTableExperts:
 
     def new_counts_buffer(self) -> torch.Tensor:
         """A host buffer for one step's counters (async scheduling keeps one per step in flight)."""
-        return torch.zeros_like(self._counts_host, pin_memory=self._counts_host.is_pinned())
+        host = self._counts_host
+        return torch.zeros(host.shape, dtype=host.dtype, pin_memory=host.is_pinned())
 
     def end_step(self, into: torch.Tensor | None = None) -> None:
         """Queue the counters' copy to the host (``into``, default this provider's buffer; read by

@@ -9,8 +9,10 @@ a small vocabulary (so neither the forward nor a CPU argmax over 151,936 logits 
 CPU decode "graphs" that run the stub where a CUDA graph would replay (``DecodeGraphs(replay_eagerly=True)``),
 and times ``LLM.step()`` at ``--batches`` running requests (prompts of ``--prompt-len`` tokens, decoding).
 
-Per batch: median host µs per step and per request, with and without async scheduling, and a cProfile of
-the top functions. No device needed: ``python workflow/scripts/profile_host_step.py``.
+Per batch: median host µs per step and per request (wall time: on a shared machine it moves with the load),
+Python function calls per step and per request (cProfile's count: independent of the load), with and without
+async scheduling (``--modes eager``: no graphs, the eager path), and with ``--profile`` the top functions.
+No device needed: ``python workflow/scripts/profile_host_step.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def build(layers: int, max_batch: int, async_scheduling: bool, graphs: bool = Tr
                                           num_layers=layers)
     llm = LLM(ckpt, device="cpu", dtype=torch.float32, gpu_memory_budget="2GiB", policy="static",
               activation_reserve="1MiB", max_num_seqs=max_batch, max_num_batched_tokens=8192,
-              async_scheduling=async_scheduling)
+              **({"async_scheduling": False} if not async_scheduling else {}))
     llm.model.forward = stub_forward
     if graphs:
         llm._install_eager_replay_graphs()
@@ -80,8 +82,15 @@ def main() -> None:
                 llm.step()
                 times.append(time.perf_counter() - t)
             med = statistics.median(times) * 1e6
+            prof = cProfile.Profile()  # Python function calls per step: a load-independent count of host work
+            prof.enable()
+            for _ in range(10):
+                llm.step()
+            prof.disable()
+            calls = pstats.Stats(prof).total_calls / 10
             print(json.dumps({"mode": mode, "layers": args.layers, "batch": b, "host_us_per_step": round(med, 1),
-                              "host_us_per_request": round(med / b, 2)}), flush=True)
+                              "host_us_per_request": round(med / b, 2), "python_calls_per_step": round(calls),
+                              "python_calls_per_request": round(calls / b, 1)}), flush=True)
             if args.profile:
                 prof = cProfile.Profile()
                 prof.enable()
