@@ -27,11 +27,13 @@ DEVICE=${DEVICE:-cuda}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   date -u +%Y-%m-%dT%H:%M:%SZ
 } 2>&1 | tee "$RES/env.log"
-if [ "${TESTS:-1}" = 1 ]; then
+gpu_tests() {
   timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
     ${TEST_PATHS:-tests} 2>&1 | grep -v Warning > "$RES/pytest_gpu.log"
   tail -6 "$RES/pytest_gpu.log"
-fi
+}
+# TESTS_LAST=1: the measurements first, so that a slow test cannot cost them
+[ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && gpu_tests
 for n in ${FLOOR_LAYERS:-}; do
   pol_var="FLOOR_POLICIES_$n"
   timeout "${FLOOR_TIMEOUT:-300}" python3 workflow/scripts/decode_floor_gpu.py --model "$MODEL" --layers "$n" \
@@ -56,6 +58,7 @@ e2e() {  # name runs nreq timeout
 [ -n "${E2E_RUNS:-}" ] && e2e "burst_${NREQ:-400}" "$E2E_RUNS" "${NREQ:-400}" "${E2E_TIMEOUT:-400}"
 [ -n "${POISSON_RUNS:-}" ] && e2e "poisson_${POISSON_NREQ:-100}" "$POISSON_RUNS" "${POISSON_NREQ:-100}" \
   "${POISSON_TIMEOUT:-300}"
+[ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && gpu_tests
 tar -C "$RES" -czf "$OUT/results.tar.gz" .
 cp "$RES"/*.log "$OUT/" 2>/dev/null
 ls -la "$OUT"
