@@ -170,7 +170,7 @@ class SymmMemAllReduce:
         buf.copy_(t)
         return self._two_shot(buf, "sum", self.group_name, t)
 
-    def release_peers(self, dead: list[int], timeout_s: float = 10.0) -> None:
+    def release_peers(self, dead: list[int], timeout_s: float = 30.0) -> None:
         """Called on rank 0's monitor thread when a rank died: a kernel of this rank spinning at a barrier for the
         dead rank never ends by itself (PyTorch's barriers have no timeout), and a device that never drains hangs
         every later synchronising call (a free, ``empty_cache``, the server's exit path). Until this device's

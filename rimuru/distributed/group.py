@@ -122,13 +122,19 @@ class TensorParallelGroup:
                 proc = self.procs[rank - 1]
                 proc.join(1.0)  # reap it: the exit code is known only then
                 self.dead[rank] = proc.exitcode
-                if self.backend == "nccl":  # unblock rank 0's collectives waiting for the dead rank
-                    self._abort()
-                    if self.comm is not None:  # and its peer-memory kernels spinning at a barrier for it
-                        try:
-                            self.comm.release_peers([rank])
-                        except Exception:  # noqa: BLE001 - best effort: the engine ends with the error anyway
-                            pass
+                if self.backend == "nccl":  # unblock rank 0's kernels waiting for the dead rank:
+                    if self.comm is not None:  # peer-memory kernels spinning at a barrier for it, released
+                        # concurrently with the abort (an abort that frees memory waits for the device to drain,
+                        # which a spinning kernel never does; an NCCL kernel ahead of it drains only with the abort)
+                        threading.Thread(target=self._release, args=(rank,), name="rimuru-tp-release",
+                                         daemon=True).start()
+                    self._abort()  # NCCL's collectives
+
+    def _release(self, rank: int) -> None:
+        try:
+            self.comm.release_peers([rank])
+        except Exception:  # noqa: BLE001 - best effort: the engine ends with the error anyway
+            pass
 
     def _abort(self) -> None:
         """Abort the NCCL group, once: the monitor thread (a rank died) and the engine thread (``fail`` →
