@@ -117,24 +117,52 @@ class BatchSender:
     """Rank 0: turns a SchedulerOutput plus the pending op log into one picklable step message.
 
     Request tokens travel incrementally: the first time a request is scheduled its tokens so far, later
-    only the tokens sampled since (each rank keeps a token mirror per live request)."""
+    only the tokens sampled since (each rank keeps a token mirror per live request). A decode step of the very
+    requests of the step before, in the same order, each one token further, travels compact: its new tokens as one
+    list of ints and ``chunks=None`` (the receiver knows the rest) — no per-request tuples to build, pickle and
+    rebuild on every step of a steady decode batch."""
 
     def __init__(self, oplog: list[Op], is_live: Callable[[str], bool]) -> None:
         self.oplog = oplog
         self.is_live = is_live
         self._sent: dict[str, tuple[Request, int]] = {}
+        self._last: list[Request] = []  # the requests of the last message's chunks, in order
 
     def drain_ops(self) -> list[Op]:
         ops = list(self.oplog)
         self.oplog.clear()
         return ops
 
+    def _steady_decode(self, out: SchedulerOutput) -> list[int] | None:
+        """The one new token of each chunk, when ``out`` is the last step's requests one token further; else None."""
+        chunks, last, sent = out.chunks, self._last, self._sent
+        if len(chunks) != len(last) or not chunks:
+            return None
+        new = []
+        for c, prev in zip(chunks, last):
+            req = c.request
+            if req is not prev or c.num_tokens != 1:
+                return None
+            seen = sent.get(req.request_id)
+            n = req.num_tokens
+            if seen is None or seen[0] is not req or c.start != seen[1] or n != seen[1] + 1 or not req.output_token_ids:
+                return None
+            new.append(req.output_token_ids[-1])
+        for c in chunks:
+            req = c.request
+            sent[req.request_id] = (req, req.num_tokens)
+        return new
+
     def message(self, out: SchedulerOutput) -> tuple:
-        tokens: list[tuple[str, bool, list[int]]] = []  # (rid, reset, new tokens)
         dropped = [rid for rid in self._sent if not self.is_live(rid)]
         for rid in dropped:
             del self._sent[rid]
+        steady = self._steady_decode(out)
+        if steady is not None:
+            return ("step", self.drain_ops(), dropped, steady, None)
+        tokens: list[tuple[str, bool, list[int]]] = []  # (rid, reset, new tokens)
         chunks = []
+        self._last = [c.request for c in out.chunks]
         for c in out.chunks:
             req = c.request
             rid = req.request_id
@@ -151,22 +179,33 @@ class BatchSender:
 
 
 class BatchReceiver:
-    """Rank > 0: the token mirrors, and a SchedulerOutput rebuilt from a step message."""
+    """Rank > 0: the token mirrors, and a SchedulerOutput rebuilt from a step message (``chunks=None``: the last
+    step's requests, each one new token from ``tokens``, a list of ints — BatchSender's compact decode step)."""
 
     def __init__(self) -> None:
         self._mirror: dict[str, Request] = {}
         self._params = SamplingParams()
+        self._last: list[Request] = []
 
-    def output(self, dropped: list[str], tokens: list[tuple[str, bool, list[int]]],
-               chunks: list[tuple[str, int, int]]) -> SchedulerOutput:
+    def output(self, dropped: list[str], tokens: list[tuple[str, bool, list[int]]] | list[int],
+               chunks: list[tuple[str, int, int]] | None) -> SchedulerOutput:
         for rid in dropped:
             self._mirror.pop(rid, None)
+        if chunks is None:  # a steady decode step: one token each, the position after the tokens so far
+            steps = []
+            for mirror, token in zip(self._last, tokens, strict=True):
+                ids = mirror.prompt_token_ids
+                steps.append(ScheduledChunk(mirror, len(ids), 1))
+                ids.append(token)
+            return SchedulerOutput(tuple(steps), 0, ())
         for rid, reset, new in tokens:
             if reset:
                 self._mirror[rid] = Request(rid, list(new), self._params, 0.0)
             else:
                 self._mirror[rid].prompt_token_ids.extend(new)
-        return SchedulerOutput(tuple(ScheduledChunk(self._mirror[rid], start, n) for rid, start, n in chunks), 0, ())
+        self._last = [self._mirror[rid] for rid, _, _ in chunks]
+        return SchedulerOutput(tuple(ScheduledChunk(self._last[i], start, n)
+                                     for i, (_, start, n) in enumerate(chunks)), 0, ())
 
 
 def synchronize(device: torch.device) -> None:
