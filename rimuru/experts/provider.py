@@ -99,13 +99,22 @@ class ResidentExperts:
         self.tables = torch.from_numpy(page_table).to(device)
         self.num_experts = num_experts
         self._touched = torch.zeros((), dtype=torch.int64, device=device)  # counted on device: no sync per layer
+        self._touched_read = 0
+        self._counted = False  # an eager layer added to the device count since it was last read
 
     @property
     def experts_touched(self) -> int:
-        return int(self._touched)
+        """Read from the device only when an eager step counted since the last read: reading is a device sync,
+        which, with async scheduling, would wait for the decode step just launched (graphed steps count in
+        DeviceTableExperts, never here)."""
+        if self._counted:
+            self._touched_read = int(self._touched)
+            self._counted = False
+        return self._touched_read
 
     def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         self._touched += touched_mask(topk_ids, self.num_experts).sum()
+        self._counted = True
         return self.tables[moe_layer]
 
     def split(self, moe_layer, hidden, topk_weights, topk_ids):

@@ -123,3 +123,19 @@ def test_sampling_and_logprobs_requests_run_synchronously(tiny):
     llm.add_request("l", rng.integers(0, 1000, 5).tolist(), SamplingParams(max_tokens=4, logprobs=2))
     outs = finish(llm)
     assert len(outs["l"]) == 4 and llm._inflight is None
+
+
+def test_resident_experts_count_is_read_from_the_device_only_after_an_eager_step(tiny):
+    """The engine reads ``experts_touched`` every step; with async scheduling a device read there would wait for
+    the step just launched (the H200 probe at c56c229: each pipelined call blocked ~one step in its commit)."""
+    ckpt, _ = tiny
+    llm = graphed(ckpt)
+    llm.add_request("r", PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.step()  # eager prefill: counted on the device
+    provider = llm.provider
+    assert provider.experts_touched > 0
+    read = provider.experts_touched
+    provider._touched = None  # no eager step since: a read would fail
+    while llm.has_unfinished_requests():
+        llm.step()  # graphed decode steps (async): counted by the graphs' provider, not read from this one
+    assert provider.experts_touched == read
