@@ -2,11 +2,12 @@
 # against every committed H200 e2e run, and the paper's configurations at full scale, modeled.
 # Re-calibration is one target: `snakemake modeled_calibrate` (or results/modeled/calibration.json);
 # it re-runs whenever a file under results/reference/ that it reads changes (a re-measured e2e run).
-# Every job writes a benchmark (results/logs/modeled/bench/: wall and CPU seconds); modeled_pipeline_time.py
-# sums them per rule and estimates the pipeline's wall time on an idle 2-core machine from them.
+# Every job runs under rusage.py, which writes its exact wall and CPU seconds to results/logs/modeled/cpu/;
+# modeled_pipeline_time.py sums them per rule and estimates the pipeline's wall time on an idle 2-core machine.
 
 MODELED = config["modeled"]
 REF = "results/reference"
+CPU = "{PY} {SCRIPTS}/rusage.py "  # + the job's results/logs/modeled/cpu/*.json + " -- " + its command
 
 
 def calibration_inputs(w):
@@ -29,8 +30,8 @@ rule modeled_lengths:
     output: "results/modeled/lengths_{workload}_{n}.csv"
     params: path=lambda w: workload_path(w.workload)
     log: "results/logs/modeled/lengths_{workload}_{n}.log"
-    benchmark: "results/logs/modeled/bench/lengths_{workload}_{n}.tsv"
     shell:
+        CPU + "results/logs/modeled/cpu/lengths_{wildcards.workload}_{wildcards.n}.json -- "
         "{PY} {SCRIPTS}/modeled_trace.py --workload {params.path} --num-requests {wildcards.n} "
         "--out {output} > {log} 2>&1"
 
@@ -44,8 +45,8 @@ rule modeled_calibrate:
         routing=",".join(MODELED["routing_fit_runs"]),
         timelines=",".join(MODELED["fit_timelines"]),
     log: "results/logs/modeled/calibrate.log"
-    benchmark: "results/logs/modeled/bench/calibrate.tsv"
     shell:
+        CPU + "results/logs/modeled/cpu/calibrate.json -- "
         "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {params.floor} --fit-runs {params.fit} "
         "--routing-fit-runs {params.routing} --fit-timelines {params.timelines} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
@@ -66,8 +67,8 @@ rule modeled_fidelity:
         caps=" ".join(f"{c}={n}" for c, n in FIDELITY["graph_caps"].items()),
         fit=" ".join(k.rsplit(":", 1)[0].rsplit("/", 1)[1] + "/" + k.rsplit(":", 1)[1] for k in MODELED["fit_timelines"]),
     log: "results/logs/modeled/fidelity.log"
-    benchmark: "results/logs/modeled/bench/fidelity.tsv"
     shell:
+        CPU + "results/logs/modeled/cpu/fidelity.json -- "
         "{PY} {SCRIPTS}/modeled_fidelity.py --reference {FIDELITY[reference]} --hotset {input.hotset} "
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
         "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --fit {params.fit} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
@@ -96,8 +97,8 @@ rule modeled_paper_run:
                                                           if k != "loads"}}),
         loads=lambda w: json.dumps(PAPER["systems"][w.system].get("loads", PAPER["loads"])),
     log: "results/logs/modeled/paper/{setup}/{system}.log"
-    benchmark: "results/logs/modeled/bench/paper/{setup}/{system}.tsv"
     shell:
+        CPU + "results/logs/modeled/cpu/paper/{wildcards.setup}/{wildcards.system}.json -- "
         "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' --loads '{params.loads}' "
         "--lengths {input.lengths} --num-requests {PAPER[num_requests]} --hotset {input.hotset} "
         "--cost-params {input.calibration} --out {output} > {log} 2>&1"
@@ -131,8 +132,8 @@ rule modeled_split_run:
                                         if w.split.startswith("split") else {})}),
         loads=json.dumps(SPLITS["loads"]),
     log: "results/logs/modeled/splits/{setup}/{split}.log"
-    benchmark: "results/logs/modeled/bench/splits/{setup}/{split}.tsv"
     shell:
+        CPU + "results/logs/modeled/cpu/splits/{wildcards.setup}/{wildcards.split}.json -- "
         "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' --loads '{params.loads}' "
         "--lengths {input.lengths} --num-requests {PAPER[num_requests]} --hotset {input.hotset} "
         "--cost-params {input.calibration} --out {output} > {log} 2>&1"
@@ -151,9 +152,9 @@ rule modeled_paper_tables:
         splits_md="results/modeled/splits.md",
         paper_fig="figures/modeled_paper.png",
         splits_fig="figures/modeled_splits.png",
-    benchmark: "results/logs/modeled/bench/paper_tables.tsv"
     params: loads=json.dumps(SPLITS["loads"])
     shell:
+        CPU + "results/logs/modeled/cpu/paper_tables.json -- "
         "{PY} {SCRIPTS}/modeled_tables.py --paper {input.paper} --splits {input.splits} "
         "--splits-elastic {input.elastic} --splits-loads '{params.loads}' "
         "--paper-csv {output.paper_csv} --paper-md {output.paper_md} --splits-csv {output.splits_csv} "
@@ -174,8 +175,8 @@ rule modeled_case_run:
         setup=json.dumps(MCASE["setup"]),
         system=lambda w: json.dumps({"name": w.system, **MCASE["systems"][w.system]}),
     log: "results/logs/modeled/case/{system}.log"
-    benchmark: "results/logs/modeled/bench/case/{system}.tsv"
     shell:
+        CPU + "results/logs/modeled/cpu/case/{wildcards.system}.json -- "
         "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' "
         "--loads '{{\"burst\": \"trace\"}}' --lengths {input.lengths} --num-requests {MCASE[num_requests]} "
         "--hotset {input.hotset} --cost-params {input.calibration} --out {output} > {log} 2>&1"
@@ -193,8 +194,8 @@ rule modeled_eol_run:
                                      "engine_options": MEOL["engine_options"],
                                      **({"eol_extra": int(w.extra)} if w.extra != "none" else {})}),
     log: "results/logs/modeled/eol/{extra}.log"
-    benchmark: "results/logs/modeled/bench/eol/{extra}.tsv"
     shell:
+        CPU + "results/logs/modeled/cpu/eol/{wildcards.extra}.json -- "
         "{PY} {SCRIPTS}/modeled_paper.py --setup '{params.setup}' --system '{params.system}' "
         "--loads '{{\"all-at-once\": \"inf\"}}' --lengths {input.lengths} --num-requests {MEOL[num_requests]} "
         "--hotset {input.hotset} --cost-params {input.calibration} --out {output} > {log} 2>&1"
@@ -210,8 +211,8 @@ rule modeled_case_eol_tables:
         eol_md="results/modeled/eol.md",
         eol_csv="results/modeled/eol.csv",
         figure="figures/modeled_case_eol.png",
-    benchmark: "results/logs/modeled/bench/case_eol_tables.tsv"
     shell:
+        CPU + "results/logs/modeled/cpu/case_eol_tables.json -- "
         "{PY} {SCRIPTS}/modeled_case_eol.py --case {input.case} --eol {input.eol} --case-md {output.case_md} "
         "--case-csv {output.case_csv} --eol-md {output.eol_md} --eol-csv {output.eol_csv} --figure {output.figure}"
 

@@ -1,8 +1,9 @@
 """CPU seconds of the modeled part of the pipeline, per rule and job, and its wall time on an idle machine.
 
-Reads the benchmark files the modeled rules write (results/logs/modeled/bench/**.tsv: snakemake's ``s`` wall
-seconds and ``cpu_time`` user + system seconds of the job's processes). On a shared machine the wall seconds
-measure the other jobs too; the CPU seconds do not (much), so the idle-machine estimate is built from them:
+Reads the files ``rusage.py`` writes for every modeled job (results/logs/modeled/cpu/**.json: wall seconds and
+user + system seconds of the job's processes from getrusage; a snakemake ``benchmark:`` samples CPU time every
+30 s and misses up to the last 30 s of a job). On a shared machine the wall seconds measure the other jobs too;
+the CPU seconds do not (much), so the idle-machine estimate is built from them:
 every modeled job is one single-threaded Python process, so on an idle core its wall time is its CPU time.
 The jobs run in stages (request lengths -> calibration -> the runs: fidelity, paper, splits, case, EOL ->
 tables); each stage's jobs are placed longest first on ``--cores`` cores (LPT list scheduling, within 4/3 of
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -33,21 +35,21 @@ def lpt_makespan(times: list[float], cores: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--bench", default="results/logs/modeled/bench")
+    ap.add_argument("--cpu", default="results/logs/modeled/cpu")
     ap.add_argument("--cores", type=int, default=2)
     ap.add_argument("--out-csv", required=True)
     ap.add_argument("--out-md", required=True)
     args = ap.parse_args()
     rows = []
-    for path in sorted(Path(args.bench).rglob("*.tsv")):
-        job = str(path.relative_to(args.bench).with_suffix(""))
+    for path in sorted(Path(args.cpu).rglob("*.json")):
+        job = str(path.relative_to(args.cpu).with_suffix(""))
         rule = job.split("/")[0]
         rule = "lengths" if rule.startswith("lengths_") else rule
-        b = pd.read_csv(path, sep="\t").iloc[-1]
-        rows.append({"rule": rule, "job": job, "stage": STAGES[rule], "wall_s": float(b["s"]),
-                     "cpu_s": float(b["cpu_time"]), "mean_load": float(b["mean_load"])})
+        b = json.loads(path.read_text())
+        rows.append({"rule": rule, "job": job, "stage": STAGES[rule], "wall_s": b["wall_s"], "cpu_s": b["cpu_s"],
+                     "user_s": b["user_s"], "sys_s": b["sys_s"]})
     if not rows:
-        raise SystemExit(f"no benchmark files under {args.bench}: run the modeled rules first")
+        raise SystemExit(f"no rusage files under {args.cpu}: run the modeled rules first")
     jobs = pd.DataFrame(rows).sort_values(["stage", "rule", "job"])
     jobs.to_csv(args.out_csv, index=False)
     per_rule = jobs.groupby(["stage", "rule"]).agg(jobs=("job", "size"), cpu_s=("cpu_s", "sum"),
