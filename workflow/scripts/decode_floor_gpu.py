@@ -163,7 +163,7 @@ def main() -> None:
     cols = ["model", "layers", "policy", "batch", "step_ms", "floor_ms", "ratio", "cuda_graphs", "async_scheduling",
             "device", "commit", "date"]
     summary[cols].to_csv(out / "decode_floor.csv", index=False)
-    print(summary[cols[:8]].to_string(index=False), flush=True)
+    print(summary[cols[:9]].to_string(index=False), flush=True)
 
 
 if __name__ == "__main__":
