@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rimuru.kernels.attention_cpu import paged_attention_cpu
+from rimuru.kernels.attention_cpu import length_buckets, paged_attention_cpu
 from rimuru.kernels.attention_reference import prefill_attention_reference
 from rimuru.kernels.paged_attention import paged_attention
 from tests.kernels.test_paged_attention import PagedBatch, rel_err
@@ -13,6 +13,9 @@ CASES = {
     "chunked_prefill": dict(q_lens=[4, 7], seq_lens=[21, 7]),  # a chunk over a cached prefix
     "decode": dict(q_lens=[1, 1, 1, 1, 1], seq_lens=[1, 9, 40, 17, 4]),
     "mixed": dict(q_lens=[5, 1, 17, 3, 8, 1], seq_lens=[5, 9, 40, 20, 8, 33]),
+    # fresh prompts over several length buckets, a chunk over a cached prefix, decodes and an empty request
+    "buckets": dict(q_lens=[37, 2, 1, 29, 11, 0, 64, 6, 3, 1, 20, 45],
+                    seq_lens=[37, 2, 50, 29, 11, 7, 64, 6, 3, 12, 26, 45]),
 }
 
 
@@ -64,3 +67,15 @@ def test_dispatcher_picks_the_cpu_backend_on_cpu_and_keeps_the_reference_selecta
     assert torch.equal(paged_attention(*args, impl="reference"), prefill_attention_reference(*args))
     with pytest.raises(ValueError, match="choose one of"):
         paged_attention(*args, impl="flash")
+
+
+def test_length_buckets_group_longest_first_and_bound_the_padding():
+    lengths = [37, 2, 29, 11, 64, 6, 3, 20, 45, 64]
+    buckets = length_buckets(lengths, ratio=0.7)
+    assert sorted(i for b in buckets for i in b) == list(range(len(lengths)))  # every index once
+    firsts = [lengths[b[0]] for b in buckets]
+    assert firsts == sorted(firsts, reverse=True)
+    for b in buckets:
+        assert all(0.7 * lengths[b[0]] <= lengths[i] <= lengths[b[0]] for i in b)
+    assert [[lengths[i] for i in b] for b in buckets] == [[64, 64, 45], [37, 29], [20], [11], [6], [3], [2]]
+    assert length_buckets([]) == []
