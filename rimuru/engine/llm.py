@@ -146,8 +146,8 @@ class LLM:
             if shard.world > 1:  # one memory decision: every rank plans with the largest shard, so the pools match
                 dense_bytes = -self._collective(lambda: self.comm.min_int(-dense_bytes))
                 policy.cache_cls = RecordingExpertCache
-        else:  # modeled: per rank; the activation reserve is sized as on the GPU it models
-            dense_bytes = spec.dense_bytes(dtype) // tp
+        else:  # modeled: one rank's shard (replicated embeddings, LM head, norms, router); activations as on its GPU
+            dense_bytes = spec.dense_bytes(dtype, tp)
         plan_device = torch.device("cuda") if config.modeled else device
         self.plan = plan = policy.plan(spec, layout, dense_bytes, plan_device)
         self.pool = PagePool(layout, plan.pool, device)

@@ -206,29 +206,33 @@ class ModelSpec:
     def total_expert_bytes(self, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
         return self.num_moe_layers * self.num_experts * self.expert_bytes(dtype, tp)
 
-    def dense_params(self) -> int:
-        """Every parameter that is not a routed expert (embeddings, attention, GDN, router, shared expert, norms)."""
+    def dense_params(self, tp: int = 1) -> int:
+        """Every parameter that is not a routed expert (embeddings, attention, GDN, router, shared expert, norms);
+        with ``tp`` > 1 those one tensor-parallel rank holds (rimuru.distributed.sharding): q/o projections, MLPs
+        (shared expert included) and GDN projections split ``tp`` ways, KV heads split while there are as many as
+        ranks (else one replicated head per rank); embeddings, LM head, norms, router and gates replicated."""
         d, hd = self.hidden_size, self.head_dim
         n = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d  # embed, lm_head, final norm
-        q_out = self.num_heads * hd * (2 if self.attn_output_gate else 1)
-        kv_out = self.num_kv_heads * hd
-        attn = d * q_out + 2 * d * kv_out + self.num_heads * hd * d
+        heads = self.num_heads // tp
+        q_out = heads * hd * (2 if self.attn_output_gate else 1)
+        kv_out = max(1, self.num_kv_heads // tp) * hd
+        attn = d * q_out + 2 * d * kv_out + heads * hd * d
         if self.qkv_bias:
-            attn += self.num_heads * hd + 2 * kv_out
+            attn += heads * hd + 2 * kv_out
         if self.qk_norm:
             attn += 2 * hd
-        vh, vd = self.linear_num_value_heads, self.linear_value_head_dim
-        gdn = (d * (self.linear_conv_dim + vh * vd + 2 * vh) + self.linear_conv_dim * self.linear_conv_kernel_dim
-               + 2 * vh + vd + vh * vd * d)
+        vh, vd = self.linear_num_value_heads // tp, self.linear_value_head_dim
+        gdn = (d * (self.linear_conv_dim // tp + vh * vd + 2 * vh)
+               + self.linear_conv_dim // tp * self.linear_conv_kernel_dim + 2 * vh + vd + vh * vd * d)
         fs = self.shared_expert_intermediate_size
-        moe_dense = self.num_experts * d + (3 * d * fs + d if fs else 0)
+        moe_dense = self.num_experts * d + (3 * d * fs // tp + d if fs else 0)
         for i, kind in enumerate(self.layer_types):
             n += 2 * d + (gdn if kind == LINEAR_ATTENTION else attn)
-            n += moe_dense if i in self.moe_layers else 3 * d * self.intermediate_size
+            n += moe_dense if i in self.moe_layers else 3 * d * self.intermediate_size // tp
         return n
 
-    def dense_bytes(self, dtype: torch.dtype = torch.bfloat16) -> int:
-        return self.dense_params() * _dtype_bytes(dtype)
+    def dense_bytes(self, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
+        return self.dense_params(tp) * _dtype_bytes(dtype)
 
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
         """K and V of every full-attention layer (KV heads replicate when tp > kv heads)."""

@@ -235,6 +235,21 @@ def test_load_floor_takes_each_layer_count_from_the_newest_file(tmp_path):
     assert sorted(zip(floor["layers"], floor["commit"])) == [(4, "new"), (4, "new"), (48, "old"), (48, "old")]
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-qwen3.5-moe"])
+def test_modeled_rank_holds_the_dense_bytes_of_a_real_shard(name, tmp_path):
+    """The modeled TP pool plans with one rank's real shard: embeddings, LM head, norms and router replicated
+    (it used to divide every dense byte by tp: at TP=2 the 4-layer Qwen3-30B-A3B pool held 454 initial experts
+    where the measured H200 engine held 335)."""
+    from rimuru.distributed import Shard
+    from rimuru.models.checkpoint import write_synthetic_checkpoint
+    from rimuru.models.loader import load_checkpoint
+
+    write_synthetic_checkpoint(name, tmp_path, seed=0, dtype=torch.float32, tokenizer=False)
+    for tp in (1, 2):
+        shards = [load_checkpoint(tmp_path, dtype=torch.float32, shard=Shard(r, tp), pin=False) for r in range(tp)]
+        assert {c.dense_bytes() for c in shards} == {shards[0].spec.dense_bytes(torch.float32, tp)}
+
+
 def test_token_term_of_an_eager_step_by_hand(spec):
     """token_us adds per computed token to an eager step, not to a graph replay."""
     base = CostModel(spec, GPU, UNIT)

@@ -138,10 +138,11 @@ class CostModel:
         layers = spec.num_layers
         self.num_moe_layers = spec.num_moe_layers
         tables = spec.vocab_size * d * e * (1 if spec.tie_word_embeddings else 2)
-        self.lm_head_bytes = spec.vocab_size * d * e / tp
-        self.lm_head_flops_per_row = 2 * spec.vocab_size * d / tp
-        # dense weights of the decoder layers (attention or GDN, router, shared expert, norms), per rank
-        self.layer_dense_bytes = (spec.dense_params() * e - tables - d * e) / layers / tp
+        # every rank holds and computes the whole LM head (rimuru.distributed.sharding replicates it)
+        self.lm_head_bytes = spec.vocab_size * d * e
+        self.lm_head_flops_per_row = 2 * spec.vocab_size * d
+        # dense weights of the decoder layers (attention or GDN, router, shared expert, norms) of one rank's shard
+        self.layer_dense_bytes = (spec.dense_params(tp) * e - tables - d * e) / layers
         self.layer_dense_flops_per_token = 2 * self.layer_dense_bytes / e
         self.full_layers = len(spec.full_attention_layers)
         self.linear_layers = len(spec.linear_attention_layers)
