@@ -56,8 +56,8 @@ rule modeled_fidelity:
     input:
         calibration="results/modeled/calibration.json",
         lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
-        runs=f"{FIDELITY['reference']}/e2e.csv",
-        hotset=FIDELITY["hotset"],
+        runs=[f"{r}/e2e.csv" for r in FIDELITY["reference"]],
+        hotsets=[f"{r}/hotset.json" for r in FIDELITY["reference"]],
         floor=[f"{REF}/{f}" for f in MODELED["decode_floor"]],
     output:
         csv="results/modeled/fidelity.csv",
@@ -65,11 +65,12 @@ rule modeled_fidelity:
         timelines=directory("results/modeled/fidelity_timelines"),
     params:
         caps=" ".join(f"{c}={n}" for c, n in FIDELITY["graph_caps"].items()),
+        refs=" ".join(FIDELITY["reference"]),
         fit=" ".join(k.rsplit(":", 1)[0].rsplit("/", 1)[1] + "/" + k.rsplit(":", 1)[1] for k in MODELED["fit_timelines"]),
     log: "results/logs/modeled/fidelity.log"
     shell:
         CPU + "results/logs/modeled/cpu/fidelity.json -- "
-        "{PY} {SCRIPTS}/modeled_fidelity.py --reference {FIDELITY[reference]} --hotset {input.hotset} "
+        "{PY} {SCRIPTS}/modeled_fidelity.py --reference {params.refs} "
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
         "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --fit {params.fit} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"

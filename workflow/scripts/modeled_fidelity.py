@@ -1,19 +1,18 @@
 """Fidelity of the modeled executor: replay the committed H200 e2e runs of the CUDA-graphed engine in
 modeled mode and compare.
 
-Each (run, policy, workload) of ``--reference``/e2e.csv (results/reference/e2e/graphs: ABBA repeats) is
-re-run once — a modeled run is deterministic — with the same model shape (layers as run), scaled budget
-(checked: the same initial cache), policy, KV reserve, hotset (``--hotset``), request lengths (checked:
-the same output tokens), arrivals (``--arrivals``: ``inproc``, rimuru.workloads.arrivals as e2e_gpu.py draws
-them for rimuru.bench.inproc's loop, or ``legacy``, the numpy draws of its earlier loop), decode-graph
-batch cap (``--graph-cap COMMIT=N``: the cap the measured commit had) and the discarded warm-up pass of
-the trace's first ``--warmup-requests`` requests, with the cost parameters of ``--cost-params``.
-Measured values are the median over the repeats, with their min and max.
-Writes fidelity.csv (run, split, metric, measured, min, max, repeats, modeled,
-rel_error; ``split`` is ``fit`` for the runs of ``--fit``, whose per-step timelines the calibration fitted
-the step times on beside the decode-floor segments, ``validate`` for the others), the modeled per-step
-timelines and a figure: per-step time of the decode-floor segments (measured vs modeled: fit data) and
-every run's metrics.
+Each (run, policy, workload) of the ``--reference`` folders' e2e.csv (results/reference/e2e/graphs and later
+runs: ABBA repeats) is re-run once — a modeled run is deterministic — with the same model shape (layers as
+run), scaled budget (checked: the same initial cache), policy, KV reserve, hotset (the folder's hotset.json),
+request lengths (checked: the same output tokens), arrivals (``--arrivals``: ``inproc``,
+rimuru.workloads.arrivals as e2e_gpu.py draws them for rimuru.bench.inproc's loop, or ``legacy``, the numpy
+draws of its earlier loop), decode-graph batch cap (``--graph-cap COMMIT=N``: the cap the measured commit
+had) and the discarded warm-up pass of the trace's first ``--warmup-requests`` requests, with the cost
+parameters of ``--cost-params``. Measured values are the median over the repeats, with their min and max.
+Writes fidelity.csv (run, split, metric, measured, min, max, repeats, modeled, rel_error; ``split`` is
+``fit`` for the runs of ``--fit``, whose per-step timelines the calibration fitted the step times on beside
+the decode-floor segments, ``validate`` for the others), the modeled per-step timelines and a figure:
+per-step time of the decode-floor segments (measured vs modeled: fit data) and every run's metrics.
 """
 
 from __future__ import annotations
@@ -66,8 +65,8 @@ def graph_caps(items: list[str]) -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--reference", default="results/reference/e2e/graphs", help="folder with e2e.csv")
-    ap.add_argument("--hotset", required=True, help="the routing profile the measured runs were served with")
+    ap.add_argument("--reference", nargs="+", default=["results/reference/e2e/graphs"],
+                    help="folders with an e2e.csv and the hotset.json their runs were served with")
     ap.add_argument("--lengths", required=True, help="CSV prompt_len,output_len (modeled_trace.py)")
     ap.add_argument("--cost-params", required=True)
     ap.add_argument("--hardware", default="h200")
@@ -82,8 +81,13 @@ def main() -> None:
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
     ap.add_argument("--figure", required=True)
     args = ap.parse_args()
-    ref = Path(args.reference)
-    e2e = pd.read_csv(ref / "e2e.csv")
+    frames = []
+    for ref in map(Path, args.reference):
+        frame = pd.read_csv(ref / "e2e.csv")
+        if "run" not in frame:  # one run per folder (e.g. e2e/static_c56c229): the folder names it
+            frame.insert(0, "run", ref.name)
+        frames.append(frame.assign(hotset=str(ref / "hotset.json")))
+    e2e = pd.concat(frames, ignore_index=True)
     lengths = pd.read_csv(args.lengths)
     caps = graph_caps(args.graph_cap)
     rows = []
@@ -104,7 +108,7 @@ def main() -> None:
         kv_reserve = float(command_arg(command, "--kv-reserve", 0.1))
         seed = int(command_arg(command, "--seed", 0))
         llm = LLM(small, executor="modeled", gpu_memory_budget=budget, policy=policy, kv_reserve=kv_reserve,
-                  hotset=args.hotset, hardware=args.hardware, cost_params=args.cost_params, seed=seed,
+                  hotset=row["hotset"], hardware=args.hardware, cost_params=args.cost_params, seed=seed,
                   offload_graph_max_batch=caps[commit])
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
