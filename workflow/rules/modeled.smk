@@ -61,6 +61,7 @@ rule modeled_fidelity:
         floor=[f"{REF}/{f}" for f in MODELED["decode_floor"]],
     output:
         csv="results/modeled/fidelity.csv",
+        steps="results/modeled/fidelity_steps.csv",  # written beside csv: the step-time model per run, kind, batch
         figure="figures/modeled_fidelity.png",
         timelines=directory("results/modeled/fidelity_timelines"),
     params:

@@ -27,7 +27,7 @@ import pandas as pd
 from common import save_figure
 
 from rimuru.engine.llm import LLM
-from rimuru.engine.modeled.calibration import floor_features, load_floor, predict_steps
+from rimuru.engine.modeled.calibration import floor_features, load_floor, predict_steps, timeline_features
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import load_gpu
 from rimuru.engine.modeled.reference import e2e_scaled_budget, parse_run_model, spec_with_layers
@@ -143,7 +143,42 @@ def main() -> None:
     frame = pd.DataFrame(rows)
     Path(args.out_csv).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_csv, index=False)
-    figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), args.figure)
+    serving = serving_steps(args.reference, args.fit, args.cost_params, args.hardware)
+    serving.to_csv(Path(args.out_csv).with_name("fidelity_steps.csv"), index=False)
+    figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), serving, args.figure)
+
+
+def serving_steps(references: list[str], fit: list[str], cost_params: str, hardware: str) -> pd.DataFrame:
+    """The cost model fed each measured serving step's recorded work (calibration.timeline_features) against the
+    step's measured time, as medians per (run, step kind, running-request bucket): the step-time model alone,
+    without the routing model or the replay. ``split`` as in fidelity.csv (``fit``: the fitted timeline)."""
+    params, gpu = CostParams.load(cost_params), load_gpu(hardware)
+    out = []
+    buckets = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
+    for ref in map(Path, references):
+        runs = pd.read_csv(ref / "e2e.csv")
+        for path in sorted(ref.glob("timelines_*.csv.gz")):
+            trace_run = path.name.removeprefix("timelines_").removesuffix(".csv.gz")
+            run = trace_run if "run" in runs else ref.name  # as fidelity.csv names it
+            for policy, t in pd.read_csv(path).groupby("policy"):
+                rows = runs[runs["policy"] == policy]
+                if "run" in runs:
+                    rows = rows[rows["run"] == trace_run]
+                if rows.empty:
+                    continue
+                name, layers = parse_run_model(rows["model"].iloc[0])
+                cost = CostModel(spec_with_layers(name, layers), gpu, params)
+                t = t.reset_index(drop=True)
+                x = timeline_features(t, cost, policy)
+                key = f"{run}/{policy}"
+                frame = pd.DataFrame({"run": key, "split": "fit" if key in fit else "validate", "kind": x["kind"],
+                                      "running": pd.cut(t["running"], buckets).astype(str),
+                                      "measured_ms": x["measured"],
+                                      "modeled_ms": predict_steps(x, cost, params, sync=x["sync"])})
+                out.append(frame.groupby(["run", "split", "kind", "running"], as_index=False).agg(
+                    steps=("measured_ms", "size"), measured_ms=("measured_ms", "median"),
+                    modeled_ms=("modeled_ms", "median")))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame()
 
 
 def floor_steps(paths: list[str], cost_params: str, hardware: str) -> pd.DataFrame:
@@ -159,7 +194,7 @@ def floor_steps(paths: list[str], cost_params: str, hardware: str) -> pd.DataFra
     return pd.concat(out)
 
 
-def figure(frame: pd.DataFrame, steps: pd.DataFrame, path: str) -> None:
+def figure(frame: pd.DataFrame, steps: pd.DataFrame, serving: pd.DataFrame, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -172,14 +207,21 @@ def figure(frame: pd.DataFrame, steps: pd.DataFrame, path: str) -> None:
     fig, (left, ax) = plt.subplots(1, 2, figsize=(17, 5.5), gridspec_kw={"width_ratios": [1, 1.6]})
     for (layers, mode), d in steps.groupby(["layers", "mode"]):
         left.scatter(d["step_ms"], d["modeled_ms"], s=14, marker="o" if mode == "graph" else "x",
-                     label=f"{layers} layers, {mode}")
-    lim = [steps[["step_ms", "modeled_ms"]].min().min() * 0.8, steps[["step_ms", "modeled_ms"]].max().max() * 1.2]
+                     label=f"decode floor {layers} layers, {mode}")
+    for split, d in serving.groupby("split") if len(serving) else []:
+        d = d[d["steps"] >= 5]
+        left.scatter(d["measured_ms"], d["modeled_ms"], s=18, marker="s" if split == "fit" else "^",
+                     facecolors="none", edgecolors="k" if split == "fit" else "m",
+                     label=f"serving steps ({split}): median per run, kind, running bucket")
+    lo = min(steps[["step_ms", "modeled_ms"]].min().min(), serving[["measured_ms", "modeled_ms"]].min().min())
+    hi = max(steps[["step_ms", "modeled_ms"]].max().max(), serving[["measured_ms", "modeled_ms"]].max().max())
+    lim = [lo * 0.8, hi * 1.2]
     left.plot(lim, lim, "k-", lw=0.8)
     left.set_xscale("log")
     left.set_yscale("log")
     left.set_xlabel("measured median step (ms)")
     left.set_ylabel("modeled step (ms)")
-    left.set_title("decode steps, every policy and batch 1-256 (fit data)")
+    left.set_title("step time: the cost model fed each step's recorded work")
     left.legend(fontsize=7)
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
