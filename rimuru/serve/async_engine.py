@@ -4,13 +4,6 @@ request's outputs to that request's asyncio queue.
 Ownership: the engine object is touched only by the engine thread (it is not thread-safe). The event
 loop thread talks to it through a command deque (add, abort) and receives outputs through
 ``loop.call_soon_threadsafe``; ``_streams`` is touched only on the event loop thread.
-
-Both threads share the GIL. Every torch op releases it and takes it back, so while the event loop thread runs
-Python (detokenizing and streaming a step's tokens to every client) the engine thread waits for the GIL after
-each op, up to the interpreter's switch interval (5 ms by default): the convoy effect. With a hundred-odd ops
-per step that stretched a 50-request decode step 2-3x on the CPU (results/real/PROVENANCE.md). While the
-engine runs, :class:`AsyncEngine` sets the switch interval to ``switch_interval_s`` (0.5 ms), so the engine
-thread gets the GIL back within that time; the previous interval returns at ``stop()``.
 """
 
 from __future__ import annotations
@@ -18,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -28,7 +20,6 @@ from rimuru.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("rimuru.serve")
 _CLOSED = object()  # queue marker: the stream was closed by its consumer
-SWITCH_INTERVAL_S = 0.0005  # GIL switch interval while the engine thread runs (the interpreter's default: 5 ms)
 
 
 class EngineDeadError(RuntimeError):
@@ -88,14 +79,8 @@ class RequestStream:
 class AsyncEngine:
     """Runs ``engine.step()`` in a background thread; ``await add_request(...)`` returns a RequestStream."""
 
-    def __init__(self, engine, *, stats_interval_s: float = 0.05, rate_window_s: float = 10.0,
-                 switch_interval_s: float | None = SWITCH_INTERVAL_S) -> None:
-        """``switch_interval_s``: the GIL switch interval while the engine thread runs (None: leave it)."""
-        if switch_interval_s is not None and not switch_interval_s > 0:
-            raise ValueError(f"switch_interval_s must be positive or None, got {switch_interval_s}")
+    def __init__(self, engine, *, stats_interval_s: float = 0.05, rate_window_s: float = 10.0) -> None:
         self.engine = engine
-        self._switch_interval_s = switch_interval_s
-        self._previous_switch_interval: float | None = None
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.max_model_len: int = int(engine.max_model_len)
         self.model_name: str = str(getattr(engine, "model_name", "rimuru"))
@@ -120,9 +105,6 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        if self._switch_interval_s is not None:
-            self._previous_switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(self._switch_interval_s)
         self._thread = threading.Thread(target=self._run, name="rimuru-engine", daemon=True)
         self._thread.start()
 
@@ -132,9 +114,6 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30)
             self._thread = None
-        if self._previous_switch_interval is not None:
-            sys.setswitchinterval(self._previous_switch_interval)
-            self._previous_switch_interval = None
 
     @property
     def healthy(self) -> bool:

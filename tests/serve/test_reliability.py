@@ -170,18 +170,3 @@ def test_fuzzed_bad_input_gets_no_5xx_and_fails_no_other_client(server):
     assert summary["good_requests"] > 0 and summary["good_failed"] == 0, report.good_failed[:3]
     assert sum(v for k, v in summary["status_counts"].items() if 400 <= k < 500) > 100, summary
     assert httpx.get(f"{server}/health").status_code == 200
-
-
-def test_the_engine_thread_runs_with_a_short_gil_switch_interval_and_the_old_one_returns_after():
-    import sys
-
-    from rimuru.serve.async_engine import SWITCH_INTERVAL_S, AsyncEngine
-
-    before = sys.getswitchinterval()
-    assert before != SWITCH_INTERVAL_S
-    with running_server(build_app(FakeLLM())) as url:
-        assert httpx.post(f"{url}/v1/completions", json=GOOD, timeout=30).status_code == 200
-        assert sys.getswitchinterval() == SWITCH_INTERVAL_S  # set while the engine thread runs
-    assert sys.getswitchinterval() == before
-    with pytest.raises(ValueError, match="switch_interval_s"):
-        AsyncEngine(FakeLLM(), switch_interval_s=0)
