@@ -285,6 +285,11 @@ class LLM:
 
     def abort_request(self, request_id: str) -> None:
         self.scheduler.abort(request_id)
+        self._forget(request_id)
+
+    def _forget(self, request_id: str) -> None:
+        """Drop the engine's own per-request state (sampling generator, pending prompt scores) of a request that
+        has finished, failed or been aborted."""
         self._generators.pop(request_id, None)
         self._prompt_scores.pop(request_id, None)
 
@@ -360,8 +365,7 @@ class LLM:
             finished = req.status is Status.FINISHED
             outputs.append(self._output(req, [req.output_token_ids[-1]], finished))
             if finished:
-                self._generators.pop(req.request_id, None)
-                self._prompt_scores.pop(req.request_id, None)
+                self._forget(req.request_id)
         self._record(out, t0, change, before, len(out.chunks), compile_count() - compiles_before, True, number)
         return outputs
 
@@ -426,8 +430,7 @@ class LLM:
                 output.prompt_logprobs = [None] + [scores.get(p) for p in range(len(req.prompt_token_ids) - 1)]
             outputs.append(output)
             if rid in finished:
-                self._generators.pop(rid, None)
-                self._prompt_scores.pop(rid, None)
+                self._forget(rid)
         return outputs
 
     def _score_prompts(self, out: SchedulerOutput, rows: torch.Tensor) -> list[RequestOutput]:
@@ -470,8 +473,7 @@ class LLM:
     def _fail(self, req: Request, exc: BaseException) -> RequestOutput:
         """Finish ``req`` with an error and free its pages."""
         self.scheduler.abort(req.request_id, reason="error")
-        self._generators.pop(req.request_id, None)
-        self._prompt_scores.pop(req.request_id, None)
+        self._forget(req.request_id)
         self._failed += 1
         output = self._output(req, [], True)
         output.error = f"{type(exc).__name__}: {exc}"
