@@ -225,27 +225,30 @@ def test_nccl_abort_runs_once_when_two_threads_end_the_engine(monkeypatch):
     """The monitor thread (a rank died) and the engine thread (its error → close) both abort the NCCL group: the
     second waits for the first, and the communicator is aborted once (two concurrent aborts can hang)."""
     import threading
-    import time
 
     from torch.distributed import distributed_c10d
 
     from rimuru.distributed.group import TensorParallelGroup
 
-    calls, inside = [], threading.Event()
+    calls, inside, release = [], threading.Event(), threading.Event()
 
-    def slow_abort():
+    def slow_abort():  # the monitor's abort stays in progress until the test releases it
         calls.append(threading.current_thread().name)
         inside.set()
-        time.sleep(0.3)
+        assert release.wait(30)
 
     monkeypatch.setattr(distributed_c10d, "_abort_process_group", slow_abort)
     group = TensorParallelGroup.__new__(TensorParallelGroup)  # only the abort's state
     group._abort_lock, group._aborted = threading.Lock(), False
     monitor = threading.Thread(target=group._abort, name="monitor")
     monitor.start()
-    inside.wait(5)
-    t = time.perf_counter()
-    group._abort()  # the engine thread: returns once the monitor's abort is done, without a second one
-    assert time.perf_counter() - t > 0.1
-    monitor.join(5)
+    assert inside.wait(30)
+    engine = threading.Thread(target=group._abort, name="engine")  # the engine thread's abort
+    engine.start()
+    engine.join(0.2)
+    assert engine.is_alive()  # it waits for the monitor's abort (no wall-clock bound: a slow machine only waits longer)
+    release.set()
+    engine.join(30)
+    monitor.join(30)
+    assert not engine.is_alive() and not monitor.is_alive()
     assert calls == ["monitor"]
