@@ -87,6 +87,7 @@ class TorchDistributed:
         self.backend: AllReduceBackend = group  # the one in use; written by select_all_reduce / use_all_reduce
         self.backends: dict[str, AllReduceBackend] = {group.name: group}  # built so far (all ranks alike)
         self.selection_report: dict = {"all_reduce": group.name}
+        self.dead_ranks: list[int] = []  # written by rank 0's monitor thread: every later collective raises at once
 
     # ------------------------------------------------------------------ backends
     def _context(self, dtype: torch.dtype):
@@ -123,8 +124,16 @@ class TorchDistributed:
             self.backends[name] = backend
         self.backend = self.backends[name]
 
+    def mark_dead(self, dead: list[int]) -> None:
+        """Every later collective of this rank raises ``TensorParallelError`` at once (rank 0's monitor thread, the
+        moment it sees a rank die)."""
+        self.dead_ranks = sorted(set(self.dead_ranks) | set(dead))
+
     def release_peers(self, dead: list[int]) -> None:
-        """A rank died (rank 0's monitor thread): let this rank's kernels waiting for it finish."""
+        """A rank died (rank 0's monitor thread): let this rank's kernels waiting for it finish, and make every
+        later collective of this rank raise instead of calling into a group whose peer is gone (an eager step
+        after NCCL's abort would otherwise wait in the next collective until the store's timeout)."""
+        self.mark_dead(dead)
         for backend in list(self.backends.values()):
             backend.release_peers(dead)
 
@@ -133,8 +142,15 @@ class TorchDistributed:
             backend.close()
 
     # ------------------------------------------------------------------ the call
+    def _check_alive(self) -> None:
+        if self.dead_ranks:
+            from rimuru.distributed.errors import TensorParallelError
+
+            raise TensorParallelError(f"tensor-parallel rank(s) {self.dead_ranks} died: no collective can complete")
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self.calls += 1
+        self._check_alive()
         if self.timing and t.is_cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -147,6 +163,7 @@ class TorchDistributed:
     def min_int(self, value: int) -> int:
         import torch.distributed as dist
 
+        self._check_alive()
         backend_device = self.device if self.device.type == "cuda" else torch.device("cpu")
         t = torch.tensor([value], dtype=torch.int64, device=backend_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)

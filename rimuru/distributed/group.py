@@ -24,6 +24,7 @@ import threading
 import time
 import traceback
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
 
@@ -31,6 +32,7 @@ import torch
 
 from rimuru.distributed.errors import TensorParallelError
 from rimuru.distributed.replica import BatchReceiver, BatchSender, apply_ops, state_digest, synchronize
+from rimuru.engine.executor import LaunchedDecode
 
 _ENV_DEFAULTS = {  # NVLink multicast off: see the device notes of the machines this runs on
     "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
@@ -122,6 +124,8 @@ class TensorParallelGroup:
                 proc = self.procs[rank - 1]
                 proc.join(1.0)  # reap it: the exit code is known only then
                 self.dead[rank] = proc.exitcode
+                if self.comm is not None:  # this rank's next collective raises instead of waiting for the dead one
+                    self.comm.mark_dead([rank])
                 if self.backend == "nccl":  # unblock rank 0's kernels waiting for the dead rank:
                     if self.comm is not None:  # peer-memory kernels spinning at a barrier for it, released
                         # concurrently with the abort (an abort that frees memory waits for the device to drain,
@@ -342,11 +346,37 @@ class TensorParallelExecutor:
             raise group.fail(exc) from exc
         group.raise_if_failed()
         if self.timing:
-            self._late.append({"graphed": graphed, "rank0_launch_ms": (launched - sent) * 1e3,
-                               "received_late_ms": [(group.received_at[r] - sent) * 1e3 for r in range(1, group.world)],
-                               "launched_late_ms": [(group.launched_at[r] - launched) * 1e3
-                                                    for r in range(1, group.world)]})
+            self._record(graphed, sent, launched)
         return logits
+
+    @property
+    def launches_decode(self) -> bool:
+        return self.local.launches_decode
+
+    def launch_decode(self, out, previous: LaunchedDecode | None) -> TensorParallelLaunch:
+        """Async scheduling on every rank: send the step as a "launch" (each worker replays the same graph, feeding
+        the pending tokens from its own copy of the step it launched before: every rank's greedy argmax is rank
+        0's), then launch rank 0's own. Nothing waits here; the step's tokens are read by
+        :meth:`TensorParallelLaunch.wait`, which polls like :func:`wait_for_step`."""
+        group = self.group
+        group.raise_if_failed()
+        group.step += 1
+        sent = time.perf_counter()
+        group.send(self.sender.message(out, "launch") + (True, group.step))
+        try:
+            launched = self.local.launch_decode(out, previous)
+        except Exception as exc:  # noqa: BLE001 - every failure of a collective step ends the engine
+            raise group.fail(exc) from exc
+        if self.timing:
+            self._record(True, sent, time.perf_counter())
+        return TensorParallelLaunch(**vars(launched), group=group)
+
+    def _record(self, graphed: bool, sent: float, launched: float) -> None:
+        group = self.group
+        self._late.append({"graphed": graphed, "rank0_launch_ms": (launched - sent) * 1e3,
+                           "received_late_ms": [(group.received_at[r] - sent) * 1e3 for r in range(1, group.world)],
+                           "launched_late_ms": [(group.launched_at[r] - launched) * 1e3
+                                                for r in range(1, group.world)]})
 
     def pop_lateness(self) -> list[dict]:
         """Per step since the last call: rank 0's time from sending the message to its forward being launched, and
@@ -354,6 +384,24 @@ class TensorParallelExecutor:
         it launched its own forward (positive: the worker was late; its all-reduces made rank 0 wait)."""
         late, self._late = self._late, []
         return late
+
+
+@dataclass(frozen=True)
+class TensorParallelLaunch(LaunchedDecode):
+    """Rank 0's async-scheduled step: :meth:`wait` polls the step's event (:func:`wait_for_event`), so a dead or
+    silent peer ends the wait with the engine's error instead of a blocking synchronise that never returns."""
+
+    group: TensorParallelGroup | None = None
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            try:
+                wait_for_event(self.group, self.done)
+            except TensorParallelError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise self.group.fail(exc) from exc
+        return super().wait()
 
 
 def wait_for_step(group: TensorParallelGroup, device: torch.device) -> None:
@@ -365,6 +413,12 @@ def wait_for_step(group: TensorParallelGroup, device: torch.device) -> None:
         return
     done = torch.cuda.Event()
     done.record()
+    wait_for_event(group, done)
+
+
+def wait_for_event(group: TensorParallelGroup, done: torch.cuda.Event) -> None:
+    """Poll ``done`` until it completes; a dead rank or ``timeout_s`` raises the engine's error (see
+    :func:`wait_for_step`)."""
     deadline = time.monotonic() + group.timeout_s
     while not done.query():
         if group.dead:
@@ -402,6 +456,13 @@ def _receive(conn, spin: bool):
     return conn.recv()
 
 
+def _finish_launched(llm, launched: LaunchedDecode, step: int, progress, rank: int) -> None:
+    """A worker's async-scheduled step has run: its expert counters settled, its number recorded as finished."""
+    launched.wait()
+    llm.graphs.experts.settle(launched.counts)
+    progress[rank] = step
+
+
 def worker_main(rank: int, world: int, port: int, source, options: dict, conn, parent_pid: int, timeout_s: float,
                 progress, received_at, launched_at) -> None:
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -416,6 +477,7 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
         conn.send(("ready",))
         receiver = BatchReceiver()
         spin = llm.device.type == "cuda"
+        inflight: tuple[LaunchedDecode, int] | None = None  # async scheduling: the step launched, not yet waited for
         while True:
             try:
                 message = _receive(conn, spin)
@@ -424,6 +486,21 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
             kind = message[0]
             if kind == "stop":
                 break
+            if kind == "launch":  # async scheduling: launch step n+1, then wait for step n (as rank 0 does)
+                received_at[rank] = time.perf_counter()
+                _, ops, dropped, tokens, chunks, _, step = message
+                llm.policy.begin_step()
+                apply_ops(ops, llm.kv, llm.cache)
+                out = receiver.output(dropped, tokens, chunks)
+                launched = llm.executor.launch_decode(out, None if inflight is None else inflight[0])
+                launched_at[rank] = time.perf_counter()
+                if inflight is not None:
+                    _finish_launched(llm, *inflight, progress, rank)
+                inflight = (launched, step)
+                continue
+            if inflight is not None:  # every other message: the step in flight first (rank 0 committed it)
+                _finish_launched(llm, *inflight, progress, rank)
+                inflight = None
             if kind == "step":
                 received_at[rank] = time.perf_counter()
                 _, ops, dropped, tokens, chunks, graphed, step = message
@@ -451,6 +528,9 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
             elif kind == "warmup":
                 llm.warmup(message[1])
                 conn.send(("warm",))
+            elif kind == "eager_graphs":
+                llm._install_eager_replay_graphs()
+                conn.send(("eager_graphs",))
             else:
                 raise ValueError(f"unknown message {kind!r}")
     except BaseException:  # noqa: BLE001 - tell rank 0 why, then die loudly

@@ -117,16 +117,20 @@ class BatchSender:
     """Rank 0: turns a SchedulerOutput plus the pending op log into one picklable step message.
 
     Request tokens travel incrementally: the first time a request is scheduled its tokens so far, later
-    only the tokens sampled since (each rank keeps a token mirror per live request). A decode step of the very
-    requests of the step before, in the same order, each one token further, travels compact: its new tokens as one
-    list of ints and ``chunks=None`` (the receiver knows the rest) — no per-request tuples to build, pickle and
-    rebuild on every step of a steady decode batch."""
+    only the tokens sampled since (each rank keeps a token mirror per live request). Only tokens on rank 0's host
+    travel: with async scheduling a request's newest token is still pending on the device (``Request.num_pending``)
+    and every rank feeds it from its own copy of the step before (every rank's greedy argmax is rank 0's: the
+    hidden states are all-reduced and the LM head is replicated); it reaches the mirrors one message later, once
+    committed. A decode step of the very requests of the step before, in the same order, each just past its last
+    chunk and each with the same number of newly known tokens (0 or 1), travels compact: those tokens as one list
+    of ints and ``chunks=None`` (the receiver knows the rest) — no per-request tuples to build, pickle and rebuild
+    on every step of a steady decode batch."""
 
     def __init__(self, oplog: list[Op], is_live: Callable[[str], bool]) -> None:
         self.oplog = oplog
         self.is_live = is_live
-        self._sent: dict[str, tuple[Request, int]] = {}
-        self._last: list[Request] = []  # the requests of the last message's chunks, in order
+        self._sent: dict[str, tuple[Request, int]] = {}  # rid -> (request, tokens its mirror holds)
+        self._last: list[ScheduledChunk] = []  # the last message's chunks, in order
 
     def drain_ops(self) -> list[Op]:
         ops = list(self.oplog)
@@ -134,78 +138,100 @@ class BatchSender:
         return ops
 
     def _steady_decode(self, out: SchedulerOutput) -> list[int] | None:
-        """The one new token of each chunk, when ``out`` is the last step's requests one token further; else None."""
+        """The newly known token of each chunk ([] when none has one), when ``out`` is the last step's requests,
+        each one token just past its last chunk, every request with the same number (0 or 1) of newly known
+        tokens; else None."""
         chunks, last, sent = out.chunks, self._last, self._sent
         if len(chunks) != len(last) or not chunks:
             return None
-        new = []
+        new, fresh = [], None
         for c, prev in zip(chunks, last):
             req = c.request
-            if req is not prev or c.num_tokens != 1:
+            if req is not prev.request or c.num_tokens != 1 or c.start != prev.start + prev.num_tokens:
                 return None
             seen = sent.get(req.request_id)
-            n = req.num_tokens
-            if seen is None or seen[0] is not req or c.start != seen[1] or n != seen[1] + 1 or not req.output_token_ids:
+            if seen is None or seen[0] is not req:
                 return None
-            new.append(req.output_token_ids[-1])
+            d = req.num_known_tokens - seen[1]
+            if d not in (0, 1) or (fresh is not None and d != fresh) or (d and not req.output_token_ids):
+                return None
+            fresh = d
+            if d:
+                new.append(req.output_token_ids[-1])
         for c in chunks:
             req = c.request
-            sent[req.request_id] = (req, req.num_tokens)
+            sent[req.request_id] = (req, req.num_known_tokens)
+        self._last = list(chunks)
         return new
 
-    def message(self, out: SchedulerOutput) -> tuple:
+    def message(self, out: SchedulerOutput, kind: str = "step") -> tuple:
+        """``(kind, ops, dropped, tokens, chunks)``: ``kind`` "step" (the receiver runs it, reading tokens from
+        its mirrors) or "launch" (async scheduling: a graphed decode step whose pending tokens each rank feeds on
+        its device from the step it launched before)."""
         dropped = [rid for rid in self._sent if not self.is_live(rid)]
         for rid in dropped:
             del self._sent[rid]
         steady = self._steady_decode(out)
         if steady is not None:
-            return ("step", self.drain_ops(), dropped, steady, None)
+            return (kind, self.drain_ops(), dropped, steady, None)
         tokens: list[tuple[str, bool, list[int]]] = []  # (rid, reset, new tokens)
         chunks = []
-        self._last = [c.request for c in out.chunks]
+        self._last = list(out.chunks)
         for c in out.chunks:
             req = c.request
             rid = req.request_id
             seen = self._sent.get(rid)
+            known = req.num_known_tokens
             if seen is None or seen[0] is not req:
                 tokens.append((rid, True, list(req.all_token_ids)))
-            elif req.num_tokens > seen[1]:  # the tokens sampled since: a slice of the outputs, no concatenation
+            elif known > seen[1]:  # the tokens sampled since: a slice of the outputs, no concatenation
                 m = len(req.prompt_token_ids)
                 tokens.append((rid, False, req.output_token_ids[seen[1] - m:] if seen[1] >= m
                                else req.all_token_ids[seen[1]:]))
-            self._sent[rid] = (req, req.num_tokens)
+            self._sent[rid] = (req, known)
             chunks.append((rid, c.start, c.num_tokens))
-        return ("step", self.drain_ops(), dropped, tokens, chunks)
+        return (kind, self.drain_ops(), dropped, tokens, chunks)
 
 
 class BatchReceiver:
     """Rank > 0: the token mirrors, and a SchedulerOutput rebuilt from a step message (``chunks=None``: the last
-    step's requests, each one new token from ``tokens``, a list of ints — BatchSender's compact decode step)."""
+    step's requests, each just past its last chunk, each with one newly known token from ``tokens`` — a list of ints —
+    or none when ``tokens`` is empty: BatchSender's compact decode step). A one-token chunk at the position just
+    past its mirror's tokens decodes a pending token (``num_pending`` 1: async scheduling feeds it on the device)."""
 
     def __init__(self) -> None:
         self._mirror: dict[str, Request] = {}
         self._params = SamplingParams()
-        self._last: list[Request] = []
+        self._last: list[ScheduledChunk] = []
 
     def output(self, dropped: list[str], tokens: list[tuple[str, bool, list[int]]] | list[int],
                chunks: list[tuple[str, int, int]] | None) -> SchedulerOutput:
         for rid in dropped:
             self._mirror.pop(rid, None)
-        if chunks is None:  # a steady decode step: one token each, the position after the tokens so far
+        if chunks is None:  # a steady decode step: one token just past the last chunk each
             steps = []
-            for mirror, token in zip(self._last, tokens, strict=True):
-                ids = mirror.prompt_token_ids
-                steps.append(ScheduledChunk(mirror, len(ids), 1))
-                ids.append(token)
+            if tokens:
+                for prev, token in zip(self._last, tokens, strict=True):
+                    prev.request.prompt_token_ids.append(token)
+            for prev in self._last:
+                mirror = prev.request
+                start = prev.start + prev.num_tokens
+                mirror.num_pending = int(start == len(mirror.prompt_token_ids))
+                steps.append(ScheduledChunk(mirror, start, 1))
+            self._last = steps
             return SchedulerOutput(tuple(steps), 0, ())
         for rid, reset, new in tokens:
             if reset:
                 self._mirror[rid] = Request(rid, list(new), self._params, 0.0)
             else:
                 self._mirror[rid].prompt_token_ids.extend(new)
-        self._last = [self._mirror[rid] for rid, _, _ in chunks]
-        return SchedulerOutput(tuple(ScheduledChunk(self._last[i], start, n)
-                                     for i, (_, start, n) in enumerate(chunks)), 0, ())
+        steps = []
+        for rid, start, n in chunks:
+            mirror = self._mirror[rid]
+            mirror.num_pending = int(n == 1 and start == len(mirror.prompt_token_ids))
+            steps.append(ScheduledChunk(mirror, start, n))
+        self._last = steps
+        return SchedulerOutput(tuple(steps), 0, ())
 
 
 def synchronize(device: torch.device) -> None:

@@ -223,6 +223,10 @@ class LLM:
         tensor parallelism they hold captured collectives of the group being closed, and an NCCL communicator
         torn down while a graph still holds its collectives can hang (PyTorch issue 115388)."""
         if self.tp_group is not None:
+            inflight, self._inflight = self._inflight, None
+            if inflight is not None and self.tp_group.error is None:  # the graphs below may still be running it
+                with contextlib.suppress(TensorParallelError):
+                    inflight[0].wait()
             if self._local_executor is not None:
                 self._local_executor.drop_graphs()  # destroys the CUDA graphs themselves
             self.tp_group.close()
@@ -231,9 +235,11 @@ class LLM:
         """Give a one-device engine without decode graphs (on the CPU, say) graphs that run their captured forward
         eagerly over the same persistent buffers (``DecodeGraphs(replay_eagerly=True)``), so that the graphed
         and async-scheduling paths run where CUDA graphs do not exist: CPU tests and the host-time profile
-        (workflow/scripts/profile_host_step.py)."""
-        if self.tp_group is not None or self.spec.is_hybrid or self.model is None:
-            raise RuntimeError("eager-replay decode graphs need a one-device torch engine of a plain MoE model")
+        (workflow/scripts/profile_host_step.py). With tensor parallelism every rank installs its own."""
+        if self.spec.is_hybrid or self.model is None:
+            raise RuntimeError("eager-replay decode graphs need a torch engine of a plain MoE model")
+        if self.tp_group is not None:
+            self.tp_group.send(("eager_graphs",))
         resident = self.policy.all_experts_resident
         experts = DeviceTableExperts(lambda: self.cache.page_table, lambda: self.cache.version,
                                      None if resident else self.loader.host, self.device)
@@ -241,9 +247,14 @@ class LLM:
         graphs = DecodeGraphs(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor, experts,
                               self.device, max_batch, self.max_model_len, replay_eagerly=True)
         graphs.capture()
-        self.executor = self._local_executor = TorchExecutor(
-            self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor, self.provider, self.device,
-            graphs)
+        local = TorchExecutor(self.model, self.kv, self.pool.view(KV), self.pool.view(EXPERT).tensor, self.provider,
+                              self.device, graphs)
+        self._local_executor = local
+        if self.tp_group is None:
+            self.executor = local
+        else:
+            self.executor.local = local
+            self.tp_group.gather("eager_graphs")
         return graphs
 
     def _decode_graphs(self, host_weights: torch.Tensor) -> DecodeGraphs | None:
@@ -323,7 +334,7 @@ class LLM:
         option on, one device, every expert resident (no policy hook frees or loads pages around the
         forward), decode graphs ready, and the scheduler's next batch a greedy pure decode they cover."""
         executor = self._local_executor
-        return (self._async and self.tp_group is None and self.policy.all_experts_resident
+        return (self._async and self.policy.all_experts_resident
                 and executor is not None and executor.launches_decode
                 and self.scheduler.pipelinable(executor.graphs.bmax))
 
@@ -336,7 +347,7 @@ class LLM:
         try:
             if not self.graphs.can_run(out):
                 raise RuntimeError("async scheduling scheduled a step the decode graphs cannot run")
-            launched = self._local_executor.launch_decode(out, None if previous is None else previous[0])
+            launched = self.executor.launch_decode(out, None if previous is None else previous[0])  # TP: every rank
         except FatalEngineError:
             raise
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, not the engine

@@ -252,3 +252,21 @@ def test_nccl_abort_runs_once_when_two_threads_end_the_engine(monkeypatch):
     monitor.join(30)
     assert not engine.is_alive() and not monitor.is_alive()
     assert calls == ["monitor"]
+
+
+def test_collectives_raise_at_once_after_a_rank_died():
+    """Once rank 0's monitor marks a rank dead, the communicator's next all-reduce (an eager step after NCCL's abort)
+    and its next agreement raise the engine's error instead of calling into a group whose peer is gone."""
+    from rimuru.distributed import Shard, TensorParallelError
+    from rimuru.distributed.comm import TorchDistributed
+
+    comm = TorchDistributed(Shard(0, 2), torch.device("cpu"))
+    log = []
+    comm.backend = FakeBackend("gloo", log)
+    t = torch.ones(2)
+    assert comm.all_reduce(t) is t  # alive: the backend's call
+    comm.mark_dead([1])
+    with pytest.raises(TensorParallelError, match=r"rank\(s\) \[1\] died"):
+        comm.all_reduce(t)
+    with pytest.raises(TensorParallelError, match=r"\[1\] died"):
+        comm.min_int(3)

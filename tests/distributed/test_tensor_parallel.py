@@ -327,3 +327,96 @@ def test_server_answers_503_and_exits_nonzero_when_a_rank_dies(model_dir):
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+def _graphed(model_dir, policy: str, tp: int, async_scheduling: bool = True) -> LLM:
+    """An engine whose decode steps replay (eagerly, on the CPU) the decode graphs on every rank: the path async
+    scheduling takes on GPUs (``LLM._install_eager_replay_graphs``)."""
+    llm = LLM(model_dir, **BASE, **POLICIES[policy](model_dir, tp), async_scheduling=async_scheduling,
+              **({"tensor_parallel_size": tp} if tp > 1 else {}))
+    llm._install_eager_replay_graphs()
+    return llm
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_async_scheduling_on_every_rank_greedy_identical(model_dir, policy):
+    """Async scheduling at TP=2 (every rank launches step n+1 before step n's tokens are read, feeding the pending
+    tokens from its own greedy argmax): greedy outputs identical to one process, every rank's pool equal. ``static``
+    pipelines (graphed steps launched ahead); ``fixed``/``elastic`` take the graphed path and the synchronous steps
+    their policies need."""
+    if model_dir.name != "tiny-qwen3-moe" and policy != "static":
+        pytest.skip("one model is enough for the offloading policies")
+    run = (lambda llm: generate(llm)) if policy == "elastic" else (lambda llm: generate(llm, PROMPTS[:5], 8))
+    expected = run(_graphed(model_dir, policy, 1))
+    llm = _graphed(model_dir, policy, 2)
+    kinds = []
+    message = llm.executor.sender.message
+    llm.executor.sender.message = lambda out, kind="step": kinds.append(kind) or message(out, kind)
+    try:
+        with llm.collective_timing():
+            assert run(llm) == expected
+            late = llm.executor.pop_lateness()
+        assert any(x["graphed"] for x in late)
+        if policy == "static":  # the decode steps after the first were launched ahead on every rank
+            assert kinds.count("launch") >= 5 and llm._inflight is None
+    finally:
+        llm.close()
+    assert not any(p.is_alive() for p in llm.tp_group.procs)
+
+
+def test_async_scheduling_abort_mid_flight_and_sync_switch(model_dir):
+    """A request aborted while its step is in flight, another arriving mid-flight, and a block of synchronous steps
+    in the middle: the other requests' greedy outputs equal one process's, every rank's state equal."""
+    if model_dir.name != "tiny-qwen3-moe":
+        pytest.skip("one model is enough")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+
+    def drive(llm: LLM) -> dict[str, list[int]]:
+        done = {}
+        for i, p in enumerate(PROMPTS[:4]):
+            llm.add_request(f"r{i}", p, params)
+        for n in range(40):
+            if n == 3:
+                llm.abort_request("r1")  # in flight on every rank
+            if n == 4:
+                llm.add_request("late", PROMPTS[5], params)
+            if 6 <= n < 8:
+                with llm.use_async_scheduling(False):
+                    outs = llm.step()
+            else:
+                outs = llm.step()
+            done.update({o.request_id: o.output_token_ids for o in outs if o.finished})
+            if not llm.has_unfinished_requests():
+                break
+        llm.check_integrity()
+        return done
+
+    expected = drive(_graphed(model_dir, "static", 1))
+    llm = _graphed(model_dir, "static", 2)
+    try:
+        got = drive(llm)
+        assert "r1" not in got and set(got) == {"r0", "r2", "r3", "late"}
+        assert got == expected
+    finally:
+        llm.close()
+
+
+def test_async_scheduling_killed_worker_ends_the_engine(model_dir):
+    """A worker SIGKILLed while async-scheduled steps are in flight: the error naming it within 60 s."""
+    if model_dir.name != "tiny-qwen3-moe":
+        pytest.skip("one model is enough")
+    llm = _graphed(model_dir, "static", 2)
+    worker = llm.tp_group.procs[0]
+    for i, p in enumerate(PROMPTS):
+        llm.add_request(f"r{i}", p, SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(4):
+        llm.step()
+    assert llm._inflight is not None  # a launched step on every rank
+    os.kill(worker.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 exited with code -9"):
+        while time.monotonic() - t0 < 60:
+            llm.step()
+    assert time.monotonic() - t0 < 60
+    llm.close()
+    assert not worker.is_alive()
