@@ -39,6 +39,7 @@ _ENV_DEFAULTS = {  # NVLink multicast off: see the device notes of the machines 
 }
 
 
+LAST_RESORT_S = 30.0  # a rank died and the engine thread is still inside a step this long after: the process exits
 ABORT_WAIT_S = 30.0  # the longest the engine thread waits for the monitor's NCCL abort before reporting the error
 START_TIMEOUT_S = 600.0  # spawning a rank, importing torch and loading its shard: not a collective
 
@@ -83,6 +84,7 @@ class TensorParallelGroup:
         self.dead: dict[int, int | None] = {}  # rank -> exit code, written by the monitor
         self.step = 0
         self._closed = False
+        self.busy = False  # the engine thread is inside a collective step (written by it only)
         self._abort_lock = threading.Lock()
         self._aborted = False
         ctx = mp.get_context("spawn")
@@ -124,6 +126,8 @@ class TensorParallelGroup:
                 proc = self.procs[rank - 1]
                 proc.join(1.0)  # reap it: the exit code is known only then
                 self.dead[rank] = proc.exitcode
+                threading.Thread(target=self._last_resort, args=(rank, proc.exitcode), name="rimuru-tp-last-resort",
+                                 daemon=True).start()  # before the abort, which could itself block this thread
                 if self.comm is not None:  # this rank's next collective raises instead of waiting for the dead one
                     self.comm.mark_dead([rank])
                 if self.backend == "nccl":  # unblock rank 0's kernels waiting for the dead rank:
@@ -133,6 +137,28 @@ class TensorParallelGroup:
                         threading.Thread(target=self._release, args=(rank,), name="rimuru-tp-release",
                                          daemon=True).start()
                     self._abort()  # NCCL's collectives
+
+    def _last_resort(self, rank: int, code: int | None) -> None:
+        """A rank died while the engine thread is blocked inside a step that cannot finish (a driver call waiting
+        for a kernel that waits for the dead rank, which neither the NCCL abort nor the peer release freed): after
+        ``LAST_RESORT_S`` the process reports the error naming the rank, dumps every thread's stack, terminates
+        the other workers and exits with status 1 — loud, never a hang. An engine thread that reported the error,
+        or that is not inside a step (the next step raises it), is left alone."""
+        deadline = time.monotonic() + LAST_RESORT_S
+        while time.monotonic() < deadline:
+            if self.error is not None or self._closed:
+                return
+            time.sleep(0.2)
+        if self.error is not None or self._closed or not self.busy:
+            return
+        import faulthandler
+        import sys
+
+        print(f"rimuru: tensor-parallel rank {rank} exited with code {code}; the engine thread is still blocked in "
+              f"step {self.step} {LAST_RESORT_S:.0f} s later: exiting (status 1). Stacks:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        _terminate(self.procs)
+        os._exit(1)
 
     def _release(self, rank: int) -> None:
         try:
@@ -338,12 +364,15 @@ class TensorParallelExecutor:
         graphed = self.local.will_replay(out)
         sent = time.perf_counter()
         group.send(self.sender.message(out) + (graphed, group.step))
+        group.busy = True
         try:
             logits = self.local.execute(out, graphed)
             launched = time.perf_counter()
             wait_for_step(group, self.device)  # a dead or silent peer surfaces here, never a hang
         except Exception as exc:  # noqa: BLE001 - every failure of a collective step ends the engine
             raise group.fail(exc) from exc
+        finally:
+            group.busy = False
         group.raise_if_failed()
         if self.timing:
             self._record(graphed, sent, launched)
@@ -363,10 +392,13 @@ class TensorParallelExecutor:
         group.step += 1
         sent = time.perf_counter()
         group.send(self.sender.message(out, "launch") + (True, group.step))
+        group.busy = True
         try:
             launched = self.local.launch_decode(out, previous)
         except Exception as exc:  # noqa: BLE001 - every failure of a collective step ends the engine
             raise group.fail(exc) from exc
+        finally:
+            group.busy = False
         if self.timing:
             self._record(True, sent, time.perf_counter())
         return TensorParallelLaunch(**vars(launched), group=group)
@@ -394,13 +426,17 @@ class TensorParallelLaunch(LaunchedDecode):
     group: TensorParallelGroup | None = None
 
     def wait(self) -> list[int]:
+        group = self.group
         if self.done is not None:
+            group.busy = True
             try:
-                wait_for_event(self.group, self.done)
+                wait_for_event(group, self.done)
             except TensorParallelError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                raise self.group.fail(exc) from exc
+                raise group.fail(exc) from exc
+            finally:
+                group.busy = False
         return super().wait()
 
 

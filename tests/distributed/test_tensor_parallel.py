@@ -420,3 +420,26 @@ def test_async_scheduling_killed_worker_ends_the_engine(model_dir):
     assert time.monotonic() - t0 < 60
     llm.close()
     assert not worker.is_alive()
+
+
+def test_last_resort_exits_loudly_only_when_the_engine_thread_is_stuck_in_a_step():
+    """A rank died and the engine thread stays blocked inside a step (a driver call nothing frees): after
+    LAST_RESORT_S the process says which rank died and exits with status 1; an engine thread that is not inside a
+    step, or that already reported the error, is left alone."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, rimuru.distributed.group as g
+g.LAST_RESORT_S = 0.3
+grp = object.__new__(g.TensorParallelGroup)
+grp.error, grp._closed, grp.procs, grp.step = None, False, [], 7
+grp.busy = sys.argv[1] == "busy"
+grp._last_resort(1, -9)
+print("left alone")
+"""
+    stuck = subprocess.run([sys.executable, "-c", code, "busy"], capture_output=True, text=True, timeout=60)
+    assert stuck.returncode == 1 and "left alone" not in stuck.stdout
+    assert "rank 1 exited with code -9" in stuck.stderr and "step 7" in stuck.stderr
+    idle = subprocess.run([sys.executable, "-c", code, "idle"], capture_output=True, text=True, timeout=60)
+    assert idle.returncode == 0 and "left alone" in idle.stdout

@@ -180,6 +180,8 @@ def main() -> None:
                     help="the all-reduce of the hybrid and serving engines: the same for every engine of the A/B (one "
                     "engine per process can use symm_mem; the static part's engine is that one)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--async-ab", action=argparse.BooleanOptionalAction, default=True,
+                    help="the decode A/B runs every engine with async scheduling on and off (off: on only)")
     ap.add_argument("--policies", default="fixed,elastic")
     ap.add_argument("--workloads", default="burst,poisson")
     ap.add_argument("--hybrid-model", default="", help="e.g. qwen3.5-35b-a3b: a TP=N dry run of the GDN split")
@@ -273,15 +275,16 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
         per_batch = {b: (prompts * (b // len(prompts) + 1))[:b] for b in batches}
         step_rows, ar_rows = [], []
 
-        def segment(name: str, engine: LLM, rep: int) -> None:
+        def segment(name: str, engine: LLM, rep: int, pipelined: bool) -> None:
             for b, ps in per_batch.items():
-                seg = decode_steps(engine, ps, args.decode_steps)
+                with engine.use_async_scheduling(pipelined):
+                    seg = decode_steps(engine, ps, args.decode_steps)
                 steps = seg.pop("step_ms")
                 is_tp = engine is many
                 bucket = next((x for x in (many.graphs.buckets if many.graphs else ()) if x >= b), b)
                 step_rows.append({
                     "batch": b, "engine": name, "repeat": rep, "tensor_parallel_size": engine.comm.world_size,
-                    "all_reduce": engine.comm.backend.name if is_tp else None,
+                    "all_reduce": engine.comm.backend.name if is_tp else None, "async_scheduling": pipelined,
                     "step_ms_median": statistics.median(steps), "step_ms_min": min(steps),
                     "step_ms_max": max(steps), "steps": len(steps), **seg,
                     "all_reduce_calls_per_step": 2 * args.static_layers if is_tp else 0,
@@ -294,8 +297,10 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
             pd.DataFrame(step_rows).to_csv(out / "step_tp.csv", index=False)
 
         def warm(engine: LLM) -> None:  # warm-up pass, not recorded
-            for ps in per_batch.values():
-                decode_steps(engine, ps, 4)
+            for pipelined in (False, True):
+                with engine.use_async_scheduling(pipelined):
+                    for ps in per_batch.values():
+                        decode_steps(engine, ps, 4)
 
         def switch(name: str) -> None:
             t = time.perf_counter()
@@ -317,7 +322,16 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                     f"({ar_rows[-1]['us_per_call']:.1f} us/call), floor {floor:.3f} ms")
             pd.DataFrame(ar_rows).to_csv(out / "all_reduce.csv", index=False)
 
-        A, tp_name = ("tp1", one), f"tp{tp}"
+        # the variants: (label, engine, all-reduce or None, async scheduling); async on and off for each engine
+        # (--async-ab), TP=N with every all-reduce of `names`. The sequence runs the variants, then the same in
+        # reverse (ABBA for every pair), ``--repeats // 2`` rounds, after a warm-up pass of every engine and mode.
+        tp_name = f"tp{tp}"
+        modes = (True, False) if args.async_ab else (True,)
+        tp_order = ([other] if other else []) + [first]
+        variants = [("tp1" + ("-async" if m else "-sync"), one, None, m) for m in modes]
+        for name in tp_order:
+            for m in (modes[::-1] if name == tp_order[0] else modes):
+                variants.append((f"{tp_name}-{name}" + ("-async" if m else "-sync"), many, name, m))
         warm(one)
         warm(many)
         if other:
@@ -326,22 +340,19 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
             log(f"greedy ({other}): {greedy[-1]['identical_sequences']}/{greedy[-1]['prompts']} sequences identical")
             (out / "greedy.json").write_text(json.dumps(greedy, indent=1))
             warm(many)
-            # now on `other` (B): TP1, B, A, A, B, TP1
-            for rnd in range(max(1, args.repeats // 2)):  # each variant twice per round
-                segment(*A, 2 * rnd)
-                segment(f"{tp_name}-{other}", many, 2 * rnd)
-                switch(first)
-                segment(f"{tp_name}-{first}", many, 2 * rnd)
-                segment(f"{tp_name}-{first}", many, 2 * rnd + 1)
-                switch(other)
-                segment(f"{tp_name}-{other}", many, 2 * rnd + 1)
-                segment(*A, 2 * rnd + 1)
+        current = other or first
+        for rnd in range(max(1, args.repeats // 2)):
+            if time.perf_counter() - T0 > args.deadline_s:
+                log(f"deadline: round {rnd} of the decode A/B not started")
+                break
+            for half, order in enumerate((variants, variants[::-1])):
+                for name, engine, backend, pipelined in order:
+                    if backend is not None and backend != current:
+                        switch(backend)
+                        current = backend
+                    segment(name, engine, 2 * rnd + half, pipelined)
+        if current != first:
             switch(first)  # the engine closes on the backend it started with
-        else:
-            for rep in range(args.repeats):  # TP1, TPN, TPN, TP1
-                order = (A, (f"{tp_name}-{first}", many))
-                for name, engine in order if rep % 2 == 0 else order[::-1]:
-                    segment(name, engine, rep)
     finally:
         log("closing the TP engine")
         t = time.perf_counter()

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One nvidia-h200-x2 call for issue 13 (tensor parallelism), everything under $OUT:
+#   1. the 48-layer static decode step, TP=1 vs TP=2, async scheduling on and off, NCCL and symm_mem (ABBA);
+#   2. the killed-rank check on GPUs: a tiny fp32 engine whose steps are async-scheduled graph replays, rank 1
+#      SIGKILLed — with NCCL, then with symm_mem ('auto'), then (time allowing) a `fixed` engine with NCCL; each in
+#      its own process under its own timeout, so that one hang cannot hide another (a stack dump lands in its log
+#      20 s after a kill without an error; the engine's last resort exits the process 30 s after it).
+# Usage on the device: RIMURU_COMMIT=<sha> bash workflow/scripts/device_tp2.sh   (BUDGET_S: stop starting parts;
+# DEVICE=cpu: a dry run of the kill checks with gloo, no decode A/B; PY: the interpreter)
+set -u
+DEVICE=${DEVICE:-cuda}
+PY=${PY:-python3}
+BUDGET_S=${BUDGET_S:-280}
+START=$(date +%s)
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --target /tmp/pylib .whl/*.whl >/dev/null 2>&1; fi
+export PYTHONPATH=$PWD:/tmp/pylib
+mkdir -p "$OUT"
+echo "start $(date -u +%FT%TZ) commit ${RIMURU_COMMIT:-unknown}" | tee "$OUT/driver.log"
+nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/driver.log" 2>&1
+
+T=$(( $(left) - 120 )); [ "$T" -gt 150 ] && T=150
+if [ "$DEVICE" = cuda ]; then
+echo "[$(( $(date +%s) - START ))s] decode A/B (timeout $T s)" | tee -a "$OUT/driver.log"
+timeout "$T" $PY workflow/scripts/e2e_tp_gpu.py --model qwen3-30b-a3b --layers 4 --static-layers 48 --skew 0.7 \
+  --tp 2 --static-budget-tp1 72GiB --static-budget 44GiB --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz \
+  --num-requests 48 --batches 64,128 --decode-steps 30 --repeats 2 --all-reduce auto --ab-all-reduce nccl \
+  --ar-rows 1 --skip-serving --deadline-s $(( T - 25 )) --out "$OUT/step" > "$OUT/step.log" 2>&1
+echo "[$(( $(date +%s) - START ))s] decode A/B rc=$?" | tee -a "$OUT/driver.log"
+fi
+
+for spec in ${CHECKS:-nccl:static auto:static nccl:fixed}; do
+  set -- ${spec/:/ }
+  [ "$DEVICE" = cpu ] && set -- gloo "$2"
+  L=$(left)
+  if [ "$L" -lt 45 ]; then echo "not started (time): kill check $1 $2" | tee -a "$OUT/driver.log"; continue; fi
+  T=$(( L < 75 ? L : 75 ))
+  graphs=$([ "$2" = static ] && echo --graphs || echo)
+  echo "[$(( $(date +%s) - START ))s] kill check all_reduce=$1 policy=$2 (timeout $T s)" | tee -a "$OUT/driver.log"
+  # its own session: every process it leaves behind is found (and ended) by that session's id, nothing else
+  setsid timeout "$T" $PY workflow/scripts/tp_gpu_checks.py --device "$DEVICE" --all-reduce "$1" --policy "$2" $graphs \
+    --out "$OUT/kill_$1_$2" > "$OUT/kill_$1_$2.log" 2>&1 &
+  pid=$!
+  wait $pid
+  rc=$?
+  for _ in 1 2 3 4 5; do [ -z "$(pgrep -s "$pid")" ] && break; sleep 1; done  # (multiprocessing's tracker exits last)
+  left_over=$(pgrep -s "$pid" | tr '\n' ' ')
+  echo "[$(( $(date +%s) - START ))s] kill check $1 $2 rc=$rc, processes left 5 s after: [${left_over}]" \
+    | tee -a "$OUT/driver.log"
+  for p in $left_over; do echo "  left: $p $(tr '\0' ' ' < /proc/$p/cmdline)" | tee -a "$OUT/driver.log"; kill -9 "$p"; done
+done
+echo "[$(( $(date +%s) - START ))s] done $(date -u +%FT%TZ)" | tee -a "$OUT/driver.log"
