@@ -648,7 +648,7 @@ class LLM:
         if self.device.type != "cuda" or self.model is None:
             return {"compiles": 0, "graphs": 0}
         from rimuru.kernels.fused_moe import fused_moe, warmup_token_counts
-        from rimuru.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_attention, prefill_attention
+        from rimuru.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_attention, prefill_attention, write_kv
 
         if self.tp_group is not None:
             self.tp_group.send(("warmup", max_seq_len))
@@ -665,6 +665,11 @@ class LLM:
             table = torch.zeros(1, -(-seq // block), dtype=torch.int32, device=dev)
             decode_attention(q, kv, table, torch.tensor([seq], dtype=torch.int32, device=dev), scale,
                              max_seq_len=seq, num_splits=splits)
+        # the KV write, every slot skipped (negative): nothing is written. Decode-graph capture compiles it too, but
+        # hybrid models have no graphs, and their first step compiled it (H200, main 3966996)
+        kv_rows = torch.randn(2, attn.num_kv_heads, spec.head_dim, device=dev, dtype=dtype)
+        write_kv(kv_rows, kv_rows, kv, torch.full((2,), -1, dtype=torch.int32, device=dev),  # int32: the upload's
+                 impl=self.config.attention_impl)
         group = heads // attn.num_kv_heads
         for q_len in sorted({max(1, -(-rows // group)) for rows in (16, 32, 64, 128)} | {2}):  # each tile height
             q = torch.randn(q_len, heads, spec.head_dim, device=dev, dtype=dtype)
