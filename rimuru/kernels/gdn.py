@@ -42,7 +42,9 @@ def _use_reference(impl: str, t: torch.Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- conv
-@triton.jit
+# the per-request index rows are row slices of one [GDN layers, requests] upload: their 16-byte alignment changes with
+# the layer and the batch size, so it is not specialised on (a new alignment would compile mid-run); scalar loads
+@triton.jit(do_not_specialize_on_alignment=["conv_ids", "cu_seqlens", "fresh"])
 def causal_conv1d_paged_kernel(x, w, conv, conv_ids, cu_seqlens, fresh, out, D,
                                W: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr,
                                ACTIVATION: tl.constexpr):
@@ -109,7 +111,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv: torch.Tensor, con
 
 
 # ---------------------------------------------------------------------------------------------- GDN decode
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["ssm_ids", "fresh"])  # row slices, as the conv kernel's ids
 def gdn_decode_kernel(q, k, v, g, beta, ssm, ssm_ids, fresh, out, scale,
                       H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr):
