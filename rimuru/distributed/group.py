@@ -17,6 +17,7 @@ rank 0's pipe closes or rank 0's process disappears (a watchdog thread), and ran
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import re
 import socket
@@ -24,6 +25,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -91,8 +93,10 @@ class TensorParallelGroup:
         self.progress = ctx.Array("q", world, lock=False)  # last step each rank finished (rank 0: unused)
         # per rank, the monotonic time (time.perf_counter: CLOCK_MONOTONIC, one clock for every process on the
         # host) it received its last step message and launched that step's forward: how late rank r starts
-        self.received_at = ctx.Array("d", world, lock=False)
-        self.launched_at = ctx.Array("d", world, lock=False)
+        # (two slots per rank, by step parity: with async scheduling rank 0 reads step n's times after the worker
+        # may have received step n+1, never n+2)
+        self.received_at = ctx.Array("d", 2 * world, lock=False)
+        self.launched_at = ctx.Array("d", 2 * world, lock=False)
         port = _free_port()
         self.procs, self.conns = [], []
         for rank in range(1, world):
@@ -375,7 +379,7 @@ class TensorParallelExecutor:
             group.busy = False
         group.raise_if_failed()
         if self.timing:
-            self._record(graphed, sent, launched)
+            self._record(group.step, graphed, sent, launched)
         return logits
 
     @property
@@ -399,15 +403,17 @@ class TensorParallelExecutor:
             raise group.fail(exc) from exc
         finally:
             group.busy = False
-        if self.timing:
-            self._record(True, sent, time.perf_counter())
-        return TensorParallelLaunch(**vars(launched), group=group)
+        record = None
+        if self.timing:  # read once the step ran: every worker has launched it then
+            record = functools.partial(self._record, group.step, True, sent, time.perf_counter())
+        return TensorParallelLaunch(**vars(launched), group=group, record=record)
 
-    def _record(self, graphed: bool, sent: float, launched: float) -> None:
-        group = self.group
+    def _record(self, step: int, graphed: bool, sent: float, launched: float) -> None:
+        group, k = self.group, step % 2
         self._late.append({"graphed": graphed, "rank0_launch_ms": (launched - sent) * 1e3,
-                           "received_late_ms": [(group.received_at[r] - sent) * 1e3 for r in range(1, group.world)],
-                           "launched_late_ms": [(group.launched_at[r] - launched) * 1e3
+                           "received_late_ms": [(group.received_at[2 * r + k] - sent) * 1e3
+                                                for r in range(1, group.world)],
+                           "launched_late_ms": [(group.launched_at[2 * r + k] - launched) * 1e3
                                                 for r in range(1, group.world)]})
 
     def pop_lateness(self) -> list[dict]:
@@ -424,6 +430,7 @@ class TensorParallelLaunch(LaunchedDecode):
     silent peer ends the wait with the engine's error instead of a blocking synchronise that never returns."""
 
     group: TensorParallelGroup | None = None
+    record: Callable[[], None] | None = None  # the step's lateness record (``collective_timing``), once it ran
 
     def wait(self) -> list[int]:
         group = self.group
@@ -437,7 +444,10 @@ class TensorParallelLaunch(LaunchedDecode):
                 raise group.fail(exc) from exc
             finally:
                 group.busy = False
-        return super().wait()
+        tokens = super().wait()
+        if self.record is not None:
+            self.record()
+        return tokens
 
 
 def wait_for_step(group: TensorParallelGroup, device: torch.device) -> None:
@@ -519,17 +529,18 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
                 message = _receive(conn, spin)
             except EOFError:
                 os._exit(0)
+            got = time.perf_counter()
             kind = message[0]
             if kind == "stop":
                 break
             if kind == "launch":  # async scheduling: launch step n+1, then wait for step n (as rank 0 does)
-                received_at[rank] = time.perf_counter()
                 _, ops, dropped, tokens, chunks, _, step = message
+                received_at[2 * rank + step % 2] = got
                 llm.policy.begin_step()
                 apply_ops(ops, llm.kv, llm.cache)
                 out = receiver.output(dropped, tokens, chunks)
                 launched = llm.executor.launch_decode(out, None if inflight is None else inflight[0])
-                launched_at[rank] = time.perf_counter()
+                launched_at[2 * rank + step % 2] = time.perf_counter()
                 if inflight is not None:
                     _finish_launched(llm, *inflight, progress, rank)
                 inflight = (launched, step)
@@ -538,14 +549,14 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
                 _finish_launched(llm, *inflight, progress, rank)
                 inflight = None
             if kind == "step":
-                received_at[rank] = time.perf_counter()
                 _, ops, dropped, tokens, chunks, graphed, step = message
+                received_at[2 * rank + step % 2] = got
                 llm.policy.begin_step()  # publish this rank's finished loads, as rank 0's step does
                 apply_ops(ops, llm.kv, llm.cache)
                 out = receiver.output(dropped, tokens, chunks)
                 if not out.is_empty:
                     llm.executor.execute(out, graphed)
-                    launched_at[rank] = time.perf_counter()
+                    launched_at[2 * rank + step % 2] = time.perf_counter()
                     synchronize(llm.device)
                     if graphed:
                         llm.graphs.settle()

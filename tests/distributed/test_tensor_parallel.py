@@ -357,6 +357,8 @@ def test_async_scheduling_on_every_rank_greedy_identical(model_dir, policy):
             assert run(llm) == expected
             late = llm.executor.pop_lateness()
         assert any(x["graphed"] for x in late)
+        assert len(late) == llm.stats().forward_steps  # a launched step is recorded once it ran
+        assert all(x["received_late_ms"][0] >= 0 for x in late)  # each step's own message: after rank 0 sent it
         if policy == "static":  # the decode steps after the first were launched ahead on every rank
             assert kinds.count("launch") >= 5 and llm._inflight is None
     finally:
