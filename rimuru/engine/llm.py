@@ -686,11 +686,9 @@ class LLM:
                       self.pool.view(EXPERT).tensor, table)
         # routing with and without a padding mask (graphs pass one, eager steps do not), and the fused residual
         # add + RMSNorm for each addend shape (a sub-layer's output, a token's k expert rows) and a shared expert
-        from rimuru.kernels.norm_rope import add_rms_norm, topk_softmax
+        from rimuru.kernels.norm_rope import add_rms_norm, warmup_routing
 
-        logits = torch.randn(2, experts, device=dev, dtype=dtype)
-        for valid in (None, torch.ones(2, 1, dtype=torch.bool, device=dev)):
-            topk_softmax(logits, k, spec.norm_topk_prob, valid)
+        warmup_routing(experts, spec.hidden_size, k, spec.norm_topk_prob, dtype, dev)
         h = torch.randn(2, spec.hidden_size, device=dev, dtype=dtype)
         norm = torch.ones(spec.hidden_size, device=dev, dtype=dtype)
         for addend in (h, torch.randn(2, k, spec.hidden_size, device=dev, dtype=dtype)):

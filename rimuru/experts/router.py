@@ -15,11 +15,16 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk
     Unlike HF the weights stay fp32: the kernel combines in fp32 anyway. ``row_valid`` [T, 1] bool marks the
     real rows of a padded (captured) batch; padding rows route like row 0, so they read no extra experts.
     """
-    logits = F.linear(hidden, gate_weight if gate_weight.dtype == hidden.dtype else gate_weight.to(hidden.dtype))
-    if logits.is_cuda:  # softmax, top-k, renormalisation, the id cast and the padding rule in one launch
-        from rimuru.kernels.norm_rope import topk_softmax
+    gate = gate_weight if gate_weight.dtype == hidden.dtype else gate_weight.to(hidden.dtype)
+    if hidden.is_cuda:
+        from rimuru.kernels import variants
+        from rimuru.kernels.norm_rope import fused_router, router_topk, topk_softmax
 
-        return topk_softmax(logits, top_k, norm_topk_prob, row_valid)
+        if fused_router(hidden.shape[0], variants.on("router_fused")):  # the gate GEMV and the routing: one launch
+            return router_topk(hidden, gate, top_k, norm_topk_prob, row_valid)
+        # softmax, top-k, renormalisation, the id cast and the padding rule in one launch after the GEMM
+        return topk_softmax(F.linear(hidden, gate), top_k, norm_topk_prob, row_valid)
+    logits = F.linear(hidden, gate)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
     if norm_topk_prob:

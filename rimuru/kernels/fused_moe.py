@@ -24,7 +24,32 @@ import torch
 import triton
 import triton.language as tl
 
+from rimuru.kernels import variants
 from rimuru.kernels.moe_align import MoeAlignment, moe_align
+
+
+@triton.jit
+def _direct_block(topk_ids_ptr, pair_m, num_pairs, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The block schedule of a small batch straight from its top-k ids (no ``moe_align`` launch).
+
+    Pair ``pair_m`` leads a block when it is the first, or the ``BLOCK_M``-th, ``2 BLOCK_M``-th ... pair routed to
+    its expert (in pair order); the block's rows are that expert's pairs from there on, at most ``BLOCK_M``.
+    Returns ``(expert, pair [BLOCK_M])`` with ``expert = -1`` when ``pair_m`` leads no block and ``pair`` =
+    ``num_pairs`` in unused rows: the blocks ``moe_align`` would build (rows in pair order), one per leading pair.
+    ``num_pairs <= BLOCK_P``.
+    """
+    offs_p = tl.arange(0, BLOCK_P)
+    ids = tl.load(topk_ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1)
+    expert = tl.load(topk_ids_ptr + pair_m)
+    same = ids == expert  # [BLOCK_P]
+    rank = tl.cumsum(same.to(tl.int32), 0) - 1  # each pair's index among its expert's pairs
+    lead = tl.sum(tl.where(offs_p == pair_m, rank, 0), 0)
+    first = lead // BLOCK_M * BLOCK_M == lead
+    offs_m = tl.arange(0, BLOCK_M)
+    hit = same[None, :] & (rank[None, :] == lead + offs_m[:, None])  # [BLOCK_M, BLOCK_P]
+    pair = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
+    pair = tl.where(tl.sum(hit.to(tl.int32), 1) > 0, pair, num_pairs)
+    return tl.where(first, expert, -1), pair
 
 
 @triton.jit(do_not_specialize=["num_pairs"],
@@ -39,6 +64,7 @@ def fused_moe_kernel(
     TOP_K: tl.constexpr, GATE_UP: tl.constexpr, PAGED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, HOST_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile of one expert's rows. Grid ``(max_blocks * cdiv(N, BLOCK_N),)``.
 
@@ -48,10 +74,16 @@ def fused_moe_kernel(
     GATE_UP: a = hidden ``[T, D]`` (row = pair // TOP_K), c = h ``[T*TOP_K, F]``; N = F, K = D.
     DOWN:    a = h ``[T*TOP_K, F]`` (row = pair), c = y ``[T*TOP_K, D]``; N = D, K = F.
     sorted_token_ids ``[max_padded]`` pair ids (padding = num_pairs); expert_ids ``[max_blocks]`` (-1 = none).
+    ``DIRECT`` (small batches, ``num_pairs <= BLOCK_P``): no alignment; ``expert_ids`` is the flat top-k ids
+    ``[num_pairs]`` and row block ``m`` is the one pair ``m`` leads (:func:`_direct_block`); grid
+    ``(num_pairs * cdiv(N, BLOCK_N),)``.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_m = tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M)
+    if DIRECT:
+        num_pid_m = num_pairs
+    else:
+        num_pid_m = tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M)
     # grouped ordering: GROUP_M row blocks share a band of weight columns in L2
     group = GROUP_M * num_pid_n
     first_m = (pid // group) * GROUP_M
@@ -61,11 +93,17 @@ def fused_moe_kernel(
     pid_m = first_m + (pid % group) % group_m
     pid_n = (pid % group) // group_m
 
-    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if DIRECT:
+        expert, pair = _direct_block(expert_ids_ptr, pid_m, num_pairs, BLOCK_M, BLOCK_P)
+        expert = expert.to(tl.int64)
+        pair = pair.to(tl.int64)
+    else:
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
+    if not DIRECT:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
     row_mask = pair < num_pairs
     a_row = pair // TOP_K if GATE_UP else pair
 
@@ -238,28 +276,71 @@ def warmup_token_counts(num_experts: int, top_k: int, f: int, d: int) -> list[in
     limit stands for every interval that crosses it."""
     from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS
 
-    seen: dict[tuple[MoeConfigs, bool], int] = {}
+    seen: dict[tuple[MoeConfigs, bool, bool], int] = {}
     table = TUNED.get((num_experts, f, d))
     counts = sorted(table) if table else [max(1, int(min(b, 64.0) * num_experts / top_k)) for b, _ in
                                           BY_ROWS_PER_EXPERT]
-    limit = FUSED_SCATTER_MAX_PAIRS // top_k
-    for m in sorted({*counts, limit, limit + 1}):
-        seen.setdefault((pick_configs(m, top_k, num_experts, f, d), m * top_k <= FUSED_SCATTER_MAX_PAIRS), m)
+    limit, direct = FUSED_SCATTER_MAX_PAIRS // top_k, DIRECT_MAX_PAIRS // top_k
+    for m in sorted({*counts, limit, limit + 1, direct, direct + 1}):
+        seen.setdefault(kernel_variant(m, top_k, num_experts, f, d), m)
     return sorted(seen.values())
 
 
+def kernel_variant(num_tokens: int, top_k: int, num_experts: int, f: int, d: int,
+                   enabled: bool = True) -> tuple[MoeConfigs, bool, bool]:
+    """What decides which kernels a batch of ``num_tokens`` compiles: its tiles, whether ``moe_align`` fuses the
+    scatter, whether the kernel schedules from the top-k ids (:func:`direct_schedule`)."""
+    from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS
+
+    cfgs = pick_configs(num_tokens, top_k, num_experts, f, d)
+    pairs = num_tokens * top_k
+    return cfgs, pairs <= FUSED_SCATTER_MAX_PAIRS, direct_schedule(pairs, cfgs.gate_up.block_m, enabled)
+
+
+# ---------------------------------------------------------------------------------------------- schedule
+DIRECT_MAX_PAIRS = 128  # up to here (16 decode requests at top-8) the kernel schedules from the top-k ids
+
+
+def direct_schedule(num_pairs: int, block_m: int, enabled: bool) -> bool:
+    """Whether a batch of ``num_pairs`` (token, expert) pairs skips ``moe_align``: the fused kernel groups the
+    pairs by expert itself (:func:`_direct_block`), which builds the same blocks (the same weight reads) but
+    scans every pair's id in every program, so only small batches (at most ``DIRECT_MAX_PAIRS`` pairs) do.
+    Decode at batch 1-16 saves one launch per MoE layer. ``enabled``: the ``direct_moe`` lever
+    (:mod:`rimuru.kernels.variants`)."""
+    return enabled and num_pairs <= DIRECT_MAX_PAIRS and block_m <= 16
+
+
+@dataclass(frozen=True)
+class DirectSchedule:
+    """The kernel's schedule from the flat top-k ids (no alignment): one row block per pair."""
+
+    topk_ids: torch.Tensor  # [num_pairs] int32
+    block_m: int
+    num_pairs: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.num_pairs
+
+
 # ---------------------------------------------------------------------------------------------- launch
-def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment, *, N, K, F, D, top_k, gate_up, paged,
-            cfg: MoeKernelConfig, host=None) -> None:
+def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment | DirectSchedule, *, N, K, F, D, top_k, gate_up,
+            paged, cfg: MoeKernelConfig, host=None) -> None:
     grid = (align.max_blocks * triton.cdiv(N, cfg.block_n),)
+    direct = isinstance(align, DirectSchedule)
+    if direct:
+        sorted_ids, expert_ids, post = align.topk_ids, align.topk_ids, align.topk_ids
+    else:
+        sorted_ids, expert_ids, post = align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded
     fused_moe_kernel[grid](
         a, w, w if host is None else host, c, page_table, topk_weights,
-        align.sorted_token_ids, align.expert_ids, align.num_tokens_post_padded,
+        sorted_ids, expert_ids, post,
         N, K, F, D, align.num_pairs, a.stride(0), c.stride(0),
         TOP_K=top_k, GATE_UP=gate_up, PAGED=paged, MUL_ROUTED_WEIGHT=not gate_up,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=K % cfg.block_k == 0, HOST_PAGES=host is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # fp32 means fp32 (no TF32) on the GPU
+        DIRECT=direct, BLOCK_P=DIRECT_MAX_PAIRS if direct else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -292,7 +373,12 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     if weights.shape[-1] != d or not weights.is_contiguous() or not hidden.is_contiguous():
         raise ValueError(f"want contiguous hidden [T, {weights.shape[-1]}] and weights, got {tuple(hidden.shape)}")
     configs = configs or pick_configs(T, k, E, f, d)
-    if align is None:
+    if align is None and direct_schedule(T * k, configs.gate_up.block_m, variants.on("direct_moe")):
+        flat = topk_ids.reshape(-1)
+        if flat.dtype != torch.int32 or not flat.is_contiguous():
+            flat = flat.to(torch.int32).contiguous()
+        align = DirectSchedule(flat, configs.gate_up.block_m, T * k)
+    elif align is None:
         align = moe_align(topk_ids, E, configs.gate_up.block_m)
     elif align.block_m != configs.gate_up.block_m:
         raise ValueError(f"alignment has block_m {align.block_m}, configs want {configs.gate_up.block_m}")

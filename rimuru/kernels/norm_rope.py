@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from rimuru.kernels import sync, variants
+from rimuru.kernels.sync import last_to_arrive, reset
+
 
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_out, eps, BLOCK: tl.constexpr):
@@ -29,6 +32,32 @@ def rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, stride_x, stride_out, eps, BL
 
 
 @triton.jit
+def _norm_rope_row(row, w_ptr, cos_row, sin_row, head_dim, eps, out_dtype: tl.constexpr, ROT: tl.constexpr,
+                   NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One head's row at ``row``: optional RMSNorm (weight ``w_ptr``; rounded to ``out_dtype`` where the torch
+    chain rounds), then neox RoPE on the first ``ROT`` dims with ``cos_row, sin_row`` (fp32). Returns fp32
+    ``[BLOCK_D]`` (lanes past ``head_dim`` are don't-care)."""
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < head_dim
+    half = ROT // 2
+    partner = tl.where(offs < half, offs + half, offs - half)
+    rotated = offs < ROT
+    x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(row + partner, mask=rotated, other=0.0).to(tl.float32)
+    if NORM:
+        r = tl.rsqrt(tl.sum(x * x, 0) / head_dim + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+        x = (w * (x * r).to(out_dtype).to(tl.float32)).to(out_dtype).to(tl.float32)
+        xp = (wp * (xp * r).to(out_dtype).to(tl.float32)).to(out_dtype)
+        xp = xp.to(tl.float32)
+    c = tl.load(cos_row + offs, mask=rotated, other=1.0)
+    s = tl.load(sin_row + offs, mask=rotated, other=0.0)
+    sign = tl.where(offs < half, -1.0, 1.0)
+    return tl.where(rotated, x * c + sign * xp * s, x)
+
+
+@triton.jit
 def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, head_dim, stride_xt, stride_xh,
                      stride_cos, eps, ROT: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
     """Program (token t, head h): optional per-head RMSNorm, then neox RoPE on the first ROT dims.
@@ -38,25 +67,44 @@ def norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, head_di
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
+    dt = out_ptr.dtype.element_ty
+    y = _norm_rope_row(x_ptr + t * stride_xt + h * stride_xh, w_ptr, cos_ptr + t * stride_cos,
+                       sin_ptr + t * stride_cos, head_dim, eps, dt, ROT, NORM, BLOCK_D)
+    tl.store(out_ptr + (t * num_heads + h) * head_dim + offs, y.to(dt), mask=offs < head_dim)
+
+
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
+def qkv_norm_rope_write_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_out_ptr, kv_ptr,
+                               slot_mapping_ptr, num_heads, head_dim, stride_t, stride_cos, eps,
+                               stride_page, stride_kv, stride_tok, stride_head,
+                               BLOCK_TOKENS: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
+                               BLOCK_D: tl.constexpr):
+    """Program (token t, head j) over the fused projection ``qkv [T, (H + 2 Hkv) D]``: q heads (``j < H``) get
+    their RMSNorm + RoPE into ``q_out [T, H, D]``; KV head ``j - H`` gets k's RMSNorm + RoPE and v's copy written
+    straight into the token's KV slot (``slot_mapping[t]``; negative: no write), as ``norm_rope`` for q and k and
+    then ``write_kv`` would (one launch instead of three)."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
     mask = offs < head_dim
-    half = ROT // 2
-    partner = tl.where(offs < half, offs + half, offs - half)
-    rotated = offs < ROT
-    row = x_ptr + t * stride_xt + h * stride_xh
-    x = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(row + partner, mask=rotated, other=0.0).to(tl.float32)
-    if NORM:
-        r = tl.rsqrt(tl.sum(x * x, 0) / head_dim + eps)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
-        x = (w * (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty).to(tl.float32)
-        xp = (wp * (xp * r).to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty)
-        xp = xp.to(tl.float32)
-    c = tl.load(cos_ptr + t * stride_cos + offs, mask=rotated, other=1.0)
-    s = tl.load(sin_ptr + t * stride_cos + offs, mask=rotated, other=0.0)
-    sign = tl.where(offs < half, -1.0, 1.0)
-    y = tl.where(rotated, x * c + sign * xp * s, x)
-    tl.store(out_ptr + (t * num_heads + h) * head_dim + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    dt = q_out_ptr.dtype.element_ty
+    cos_row = cos_ptr + t * stride_cos
+    sin_row = sin_ptr + t * stride_cos
+    row = qkv_ptr + t * stride_t + j * head_dim  # k heads follow the q heads, v heads the k heads
+    if j < num_heads:
+        y = _norm_rope_row(row, q_norm_ptr, cos_row, sin_row, head_dim, eps, dt, ROT, NORM, BLOCK_D)
+        tl.store(q_out_ptr + (t * num_heads + j) * head_dim + offs, y.to(dt), mask=mask)
+    else:
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot >= 0:
+            kv_head = j - num_heads
+            kv_heads = tl.num_programs(1) - num_heads
+            y = _norm_rope_row(row, k_norm_ptr, cos_row, sin_row, head_dim, eps, dt, ROT, NORM, BLOCK_D)
+            v = tl.load(row + kv_heads * head_dim + offs, mask=mask, other=0.0)
+            dst = (kv_ptr + (slot // BLOCK_TOKENS) * stride_page + (slot % BLOCK_TOKENS) * stride_tok
+                   + kv_head * stride_head + offs)
+            tl.store(dst, y.to(dt).to(kv_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + stride_kv, v.to(kv_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,19 +135,36 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, s
     return out
 
 
+def qkv_norm_rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                        q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, cos: torch.Tensor,
+                        sin: torch.Tensor, eps: float, rotary_dim: int, kv: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+    """One launch for an attention layer's q/k RMSNorm + RoPE and its KV write: ``qkv [T, (H + 2 Hkv) D]`` (the
+    fused projection's output, rows contiguous) → ``q [T, H, D]`` (new, contiguous, ``qkv``'s dtype); k (normed,
+    rotated) and v go into ``kv [P, 2, B, Hkv, D]`` at ``slot_mapping [T]`` (negative: skipped). ``q_norm`` and
+    ``k_norm`` come together (or both None: RoPE only)."""
+    T = qkv.shape[0]
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or qkv.stride(1) != 1:
+        raise ValueError(f"qkv must be [T, {(num_heads + 2 * num_kv_heads) * head_dim}] with contiguous rows, "
+                         f"got {tuple(qkv.shape)}")
+    if kv.shape[3] != num_kv_heads or kv.shape[4] != head_dim or kv.stride(4) != 1:
+        raise ValueError(f"KV view {tuple(kv.shape)} does not fit {num_kv_heads} KV heads of dim {head_dim}")
+    q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if T:
+        qkv_norm_rope_write_kernel[(T, num_heads + num_kv_heads)](
+            qkv, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, cos, sin, q, kv,
+            slot_mapping, num_heads, head_dim, qkv.stride(0), cos.stride(0), eps,
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+            BLOCK_TOKENS=kv.shape[2], ROT=rotary_dim, NORM=q_norm is not None,
+            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2)
+    return q
+
+
 @triton.jit
-def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, row_valid_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr):
-    """One token per program: fp32 softmax over its router logits, the top ``TOP_K`` (first index on ties),
-    optionally renormalised; weights fp32 and ids int32 ``[T, TOP_K]``, largest first. With ``HAS_VALID`` a row
-    whose ``row_valid`` is 0 (padding of a captured batch) takes row 0's routing."""
-    row = tl.program_id(0).to(tl.int64)
-    src = row
-    if HAS_VALID:
-        src = tl.where(tl.load(row_valid_ptr + row) != 0, row, 0)
-    offs = tl.arange(0, BLOCK_E)
-    valid = offs < num_experts
-    x = tl.load(logits_ptr + src * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+def _softmax_topk(x, offs, valid, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  RENORM: tl.constexpr):
+    """fp32 softmax over one token's logits ``x [BLOCK_E]`` (``valid`` lanes), its top ``TOP_K`` (first index on
+    ties), optionally renormalised: ``(weights fp32 [BLOCK_K], ids int32 [BLOCK_K])``, largest first."""
     p = tl.exp(x - tl.max(x, 0))
     p = tl.where(valid, p / tl.sum(p, 0), -1.0)
     slots = tl.arange(0, BLOCK_K)
@@ -113,9 +178,116 @@ def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, row_valid_ptr, num_exp
         p = tl.where(offs == idx, -1.0, p)
     if RENORM:
         w = w / tl.sum(w, 0)
+    return w, ids
+
+
+@triton.jit
+def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, row_valid_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr):
+    """One token per program: fp32 softmax over its router logits, the top ``TOP_K`` (first index on ties),
+    optionally renormalised; weights fp32 and ids int32 ``[T, TOP_K]``, largest first. With ``HAS_VALID`` a row
+    whose ``row_valid`` is 0 (padding of a captured batch) takes row 0's routing."""
+    row = tl.program_id(0).to(tl.int64)
+    src = row
+    if HAS_VALID:
+        src = tl.where(tl.load(row_valid_ptr + row) != 0, row, 0)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < num_experts
+    x = tl.load(logits_ptr + src * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    w, ids = _softmax_topk(x, offs, valid, TOP_K, BLOCK_K, BLOCK_E, RENORM)
+    slots = tl.arange(0, BLOCK_K)
     keep = slots < TOP_K
     tl.store(weights_ptr + row * TOP_K + slots, w, mask=keep)
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=keep)
+
+
+@triton.jit
+def router_topk_kernel(x_ptr, gate_ptr, logits_ptr, counters_ptr, weights_ptr, ids_ptr, row_valid_ptr,
+                       num_experts, hidden, stride_x, stride_g,
+                       TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, PART_E: tl.constexpr,
+                       BLOCK_D: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr):
+    """The router GEMV and :func:`topk_softmax_kernel` in one launch, for small batches. Grid
+    ``(T, cdiv(E, PART_E))``: program (t, p) computes token t's logits of experts ``[p PART_E, (p+1) PART_E)``
+    (fp32 sums, rounded to x's dtype as ``F.linear`` rounds them) into ``logits [T, E]`` fp32; the last of a
+    token's programs to finish (:func:`rimuru.kernels.sync.last_to_arrive`) reads all its logits and writes its
+    top-k. With ``HAS_VALID`` a padding row (``row_valid`` 0) computes row 0's routing."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    src = row
+    if HAS_VALID:
+        src = tl.where(tl.load(row_valid_ptr + row) != 0, row, 0)
+    offs_e = part * PART_E + tl.arange(0, PART_E)
+    e_valid = offs_e < num_experts
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.zeros([PART_E], dtype=tl.float32)
+    for d0 in range(0, hidden, BLOCK_D):
+        d_valid = d0 + offs_d < hidden
+        x = tl.load(x_ptr + src * stride_x + d0 + offs_d, mask=d_valid, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + offs_e[:, None] * stride_g + d0 + offs_d[None, :],
+                    mask=e_valid[:, None] & d_valid[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(g * x[None, :], 1)
+    logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + row * num_experts + offs_e, logits, mask=e_valid)
+    counter = counters_ptr + row
+    if last_to_arrive(counter, tl.num_programs(1)):
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < num_experts
+        x = tl.load(logits_ptr + row * num_experts + offs, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        w, ids = _softmax_topk(x, offs, valid, TOP_K, BLOCK_K, BLOCK_E, RENORM)
+        slots = tl.arange(0, BLOCK_K)
+        keep = slots < TOP_K
+        tl.store(weights_ptr + row * TOP_K + slots, w, mask=keep)
+        tl.store(ids_ptr + row * TOP_K + slots, ids, mask=keep)
+        reset(counter)
+
+
+FUSED_ROUTER_MAX_TOKENS = 16  # above, cuBLAS's GEMM and topk_softmax (each program of the fused kernel reads a
+#                               slice of the router weights per token: fine for a few tokens, not for a prefill)
+
+
+def fused_router(num_tokens: int, enabled: bool) -> bool:
+    """Whether a batch of ``num_tokens`` routes with :func:`router_topk` (one launch) instead of the router GEMM
+    and :func:`topk_softmax` (two): small batches, when the ``router_fused`` lever is on
+    (:mod:`rimuru.kernels.variants`)."""
+    return enabled and num_tokens <= FUSED_ROUTER_MAX_TOKENS
+
+
+def router_topk(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
+                row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden [T, d]``, ``gate_weight [E, d]`` (hidden's dtype, rows contiguous) → (weights fp32 [T, k], ids int32
+    [T, k]): the logits ``F.linear(hidden, gate_weight)`` computes, then :func:`topk_softmax`'s routing, in one
+    launch. ``row_valid`` as in :func:`topk_softmax`."""
+    T, d = hidden.shape
+    E = gate_weight.shape[0]
+    if gate_weight.shape[1] != d or gate_weight.stride(1) != 1 or hidden.stride(1) != 1:
+        raise ValueError(f"router_topk wants hidden [T, {d}] and gate [E, {d}] with contiguous rows, got "
+                         f"{tuple(hidden.shape)} and {tuple(gate_weight.shape)}")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=hidden.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=hidden.device)
+    if T:
+        logits = torch.empty(T, E, dtype=torch.float32, device=hidden.device)
+        part = min(16, triton.next_power_of_2(E))
+        valid = ids if row_valid is None else row_valid.reshape(-1)
+        router_topk_kernel[(T, triton.cdiv(E, part))](
+            hidden, gate_weight, logits, sync.counters(hidden.device, T), weights, ids, valid,
+            E, d, hidden.stride(0), gate_weight.stride(0),
+            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), PART_E=part,
+            BLOCK_D=min(512, triton.next_power_of_2(d)), RENORM=renormalize, HAS_VALID=row_valid is not None,
+            num_warps=4)
+    return weights, ids
+
+
+def warmup_routing(num_experts: int, hidden_size: int, top_k: int, renormalize: bool, dtype: torch.dtype,
+                   device: torch.device) -> None:
+    """Compile every routing kernel a step can launch: :func:`topk_softmax` and, with the ``router_fused`` lever,
+    :func:`router_topk`, each with and without a padding mask (graphs pass one, eager steps do not)."""
+    logits = torch.randn(2, num_experts, device=device, dtype=dtype)
+    hidden = torch.randn(2, hidden_size, device=device, dtype=dtype)
+    gate = torch.randn(num_experts, hidden_size, device=device, dtype=dtype)
+    for valid in (None, torch.ones(2, 1, dtype=torch.bool, device=device)):
+        topk_softmax(logits, top_k, renormalize, valid)
+        if fused_router(2, variants.on("router_fused")):
+            router_topk(hidden, gate, top_k, renormalize, valid)
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,

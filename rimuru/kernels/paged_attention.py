@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rimuru.kernels import sync, variants
 from rimuru.kernels.attention_cpu import paged_attention_cpu
 from rimuru.kernels.attention_reference import (
     decode_attention_reference,
@@ -28,11 +29,13 @@ from rimuru.kernels.attention_reference import (
     prefill_attention_reference,
     write_kv_reference,
 )
+from rimuru.kernels.sync import last_to_arrive, reset
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a decode split's fixed cost dominates its KV reads
 MAX_SPLITS = 64  # the heuristic's cap
 REDUCE_SPLITS = 8  # splits the merge kernel reads per iteration (one compiled variant for any split count)
+MERGE_SPLITS = 4  # splits the in-kernel merge reads per iteration (a [G, 4, D] fp32 tile)
 
 
 # ---------------------------------------------------------------------------------------------- kernels
@@ -194,21 +197,52 @@ def _split_tokens(seq_len, num_splits, min_tokens, BLOCK_N: tl.constexpr):
     return tl.maximum(per, min_tokens)
 
 
+@triton.jit
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, head, g_valid, ran, head_dim,
+                  stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
+                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Merge the ``ran`` split partials of the heads ``head [BLOCK_G]`` of one request into ``out``:
+    softmax-weighted by their log-sum-exps, ``BLOCK_S`` splits at a time, online. Partials are read past L1
+    (``.cg``): another program wrote them, and this SM may hold stale lines of the same addresses."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < head_dim
+    lse_rows = part_lse_ptr + req.to(tl.int64) * stride_lr + head * stride_lh  # [BLOCK_G]
+    out_rows = part_out_ptr + req.to(tl.int64) * stride_pr + head * stride_ph  # [BLOCK_G]
+    m = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, ran, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        sg = g_valid[:, None] & (offs_s < ran)[None, :]  # [BLOCK_G, BLOCK_S]
+        lse = tl.load(lse_rows[:, None] + offs_s[None, :], mask=sg, other=float("-inf"), cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 1))
+        alpha = tl.exp2(m - m_new)
+        weight = tl.where(sg, tl.exp2(lse - m_new[:, None]), 0.0)  # [BLOCK_G, BLOCK_S]
+        parts = tl.load(out_rows[:, None, None] + offs_s[None, :, None] * stride_ps + offs_d[None, None, :],
+                        mask=sg[:, :, None] & d_valid[None, None, :], other=0.0, cache_modifier=".cg")
+        acc = acc * alpha[:, None] + tl.sum(parts * weight[:, :, None], 1)
+        total = total * alpha + tl.sum(weight, 1)
+        m = m_new
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + req.to(tl.int64) * stride_or + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=g_valid[:, None] & d_valid[None, :])
+
+
 @triton.jit(do_not_specialize=["min_tokens", "stride_bt", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "min_tokens", "stride_bt",
-                                            "stride_pr", "stride_ph", "stride_lr", "stride_lh"])
+            do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "counters_ptr", "min_tokens",
+                                            "stride_bt", "stride_pr", "stride_ph", "stride_lr", "stride_lh"])
 def decode_attention_kernel(
     # pointers
-    q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, kv_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, seq_lens_ptr, counters_ptr,
     # sizes and strides (elements)
     scale_log2, head_dim, min_tokens,
     stride_qr, stride_qh, stride_or, stride_oh,
     stride_page, stride_kv, stride_tok, stride_head, stride_bt,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
     # meta-parameters
-    GROUP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One query token per request over its KV range ``split``. Grid ``(R, Hkv, num_splits)``; each request's KV
     is cut into splits of :func:`_split_tokens` tokens (by its own ``seq_len``, not the batch's capacity).
@@ -217,8 +251,12 @@ def decode_attention_kernel(
     The G query heads of a KV head are the rows of one program (padded to ``BLOCK_G >= 16`` for the dot).
     Without ``SPLIT`` (one split) the normalised result goes straight to ``out``; otherwise each split writes
     its partial ``part_out [R, H, S, D]`` (fp32, normalised within the split) and
-    ``part_lse [R, H, S]`` (log2 domain) for :func:`decode_reduce_kernel`. Splits past ``seq_len`` write nothing.
-    ``min_tokens`` is a multiple of ``BLOCK_N``, so only a split's last tile needs masks.
+    ``part_lse [R, H, S]`` (log2 domain). With ``MERGE`` the kernel merges them itself: a request whose KV
+    fits one split writes ``out`` directly, and otherwise each split counts itself done on
+    ``counters [R, Hkv]`` (int32, zero between launches) and the last one merges (:func:`_merge_splits`) and
+    resets the counter; without ``MERGE`` :func:`decode_reduce_kernel` merges in a second launch. Splits past
+    ``seq_len`` write nothing. ``min_tokens`` is a multiple of ``BLOCK_N``, so only a split's last tile needs
+    masks.
     """
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -226,14 +264,14 @@ def decode_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     tokens_per_split = _split_tokens(seq_len, tl.num_programs(2), min_tokens, BLOCK_N)
     kv_start = split * tokens_per_split
+    offs_g = tl.arange(0, BLOCK_G)
+    g_valid = offs_g < GROUP
+    head = kv_head * GROUP + offs_g
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = g_valid[:, None] & (offs_d < head_dim)[None, :]
     if kv_start < seq_len:
         kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
         full_end = kv_start + (kv_end - kv_start) // BLOCK_N * BLOCK_N
-        offs_g = tl.arange(0, BLOCK_G)
-        g_valid = offs_g < GROUP
-        head = kv_head * GROUP + offs_g
-        offs_d = tl.arange(0, BLOCK_D)
-        mask = g_valid[:, None] & (offs_d < head_dim)[None, :]
         q = tl.load(q_ptr + req.to(tl.int64) * stride_qr + head[:, None] * stride_qh + offs_d[None, :],
                     mask=mask, other=0.0)  # [BLOCK_G, BLOCK_D]
         if UPCAST:
@@ -251,7 +289,8 @@ def decode_attention_kernel(
             stride_page, stride_kv, stride_tok, stride_head,
             BLOCK_TOKENS, BLOCK_N, BLOCK_D, True, False, DOT_PRECISION, UPCAST)
         acc = acc / l_i[:, None]
-        if not SPLIT:
+        ran = tl.cdiv(seq_len, tokens_per_split)
+        if not SPLIT or (MERGE and ran == 1):
             tl.store(out_ptr + req.to(tl.int64) * stride_or + head[:, None] * stride_oh + offs_d[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
@@ -259,13 +298,16 @@ def decode_attention_kernel(
             tl.store(part_out_ptr + base[:, None] + offs_d[None, :], acc, mask=mask)
             tl.store(part_lse_ptr + req.to(tl.int64) * stride_lr + head * stride_lh + split,
                      m_i + tl.log2(l_i), mask=g_valid)
-    elif not SPLIT:  # an empty request (a padding row of a captured batch): a defined zero output
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        head = kv_head * GROUP + offs_g
+            if MERGE:
+                counter = counters_ptr + req * tl.num_programs(1) + kv_head
+                if last_to_arrive(counter, ran):  # the last split of this (request, KV head) merges
+                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, req, head, g_valid, ran, head_dim,
+                                  stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
+                                  BLOCK_G, BLOCK_S, BLOCK_D)
+                    reset(counter)
+    elif (not SPLIT or MERGE) and split == 0:  # an empty request (a padding row of a captured batch): zeros
         tl.store(out_ptr + req.to(tl.int64) * stride_or + head[:, None] * stride_oh + offs_d[None, :],
-                 tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32).to(out_ptr.dtype.element_ty),
-                 mask=(offs_g < GROUP)[:, None] & (offs_d < head_dim)[None, :])
+                 tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "min_tokens", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
@@ -416,6 +458,11 @@ def prefill_attention(
     return out
 
 
+def merge_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The in-kernel merge's completion counters (:func:`rimuru.kernels.sync.counters`)."""
+    return sync.counters(device, n)
+
+
 def choose_num_splits(num_req: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Split the KV of each decode so that ~4 programs per SM run, but never below 256 tokens a split."""
     if device.type != "cuda":
@@ -464,24 +511,26 @@ def decode_attention(
     num_splits = max(1, min(num_splits, triton.cdiv(max_seq_len, min_tokens), MAX_SPLITS))
     qk = q if q.dtype == kv.dtype else q.to(kv.dtype)
     block_d = triton.next_power_of_2(head_dim)
+    merge = variants.on("merge")  # the splits merge inside the decode kernel (no decode_reduce_kernel launch)
     if num_splits > 1:
         part_out = torch.empty(num_req, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_req, heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    counters = merge_counters(q.device, num_req * kv_heads) if num_splits > 1 and merge else seq_lens
     decode_attention_kernel[(num_req, kv_heads, num_splits)](
-        qk, kv, out, part_out, part_lse, block_tables, seq_lens,
+        qk, kv, out, part_out, part_lse, block_tables, seq_lens, counters,
         scale * LOG2E, head_dim, min_tokens,
         qk.stride(0), qk.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2) if num_splits > 1 else 0,
         part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, BLOCK_TOKENS=block_tokens, SPLIT=num_splits > 1,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d,
+        GROUP=group, BLOCK_TOKENS=block_tokens, SPLIT=num_splits > 1, MERGE=merge,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS,
         DOT_PRECISION=_dot_precision(kv.dtype), UPCAST=_upcast_dots(kv.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge:
         decode_reduce_kernel[(num_req, heads)](
             part_out, part_lse, out, seq_lens,
             head_dim, num_splits, min_tokens,

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from rimuru.distributed.comm import ONE_RANK, Shard
 from rimuru.distributed.sharding import local_heads
+from rimuru.kernels import variants
+from rimuru.kernels.attention_reference import kv_tensor
 from rimuru.kernels.paged_attention import paged_attention, write_kv
+from rimuru.kernels.small_linear import linear
 from rimuru.models.rms_norm import rms_norm
 from rimuru.models.rope import RotaryEmbedding
 
@@ -118,6 +120,14 @@ def _fuse(weights: dict[str, torch.Tensor], layer: int, names: tuple[str, str, s
     return fused
 
 
+def fused_qkv_path(triton_kernels: bool, dtype: torch.dtype, norm_dtype: torch.dtype | None,
+                   kv_dtype: torch.dtype, enabled: bool) -> bool:
+    """Whether a layer's q/k norm + RoPE and KV write run as one launch (``qkv_norm_rope_write``): Triton kernels
+    (CUDA, or ``impl="triton"`` anywhere), the norm weights and the KV cache in the activations' dtype, the
+    ``qkv_fused`` lever on."""
+    return triton_kernels and (norm_dtype is None or norm_dtype == dtype) and kv_dtype == dtype and enabled
+
+
 class Attention:
     """One decoder layer's attention; holds references to the caller's weight tensors.
 
@@ -169,12 +179,23 @@ class Attention:
         c = self.config
         meta = meta.for_layer(self.layer_idx)
         num_tokens = hidden_states.shape[0]
-        q, k, v = F.linear(hidden_states, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        triton_kernels = self.impl == "triton" or (self.impl == "auto" and hidden_states.is_cuda)
+        small = triton_kernels and variants.on("small_gemm")
+        qkv = linear(hidden_states, self.qkv_weight, self.qkv_bias, small)
+        q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, c.num_heads, c.head_dim)
         k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
         cos_sin = cos_sin if cos_sin is not None else self.rope.cos_sin(meta.positions)
-        if q.is_cuda and self.impl in ("auto", "triton") and (self.q_norm is None or self.q_norm.dtype == q.dtype):
+        fused = fused_qkv_path(triton_kernels, q.dtype, None if self.q_norm is None else self.q_norm.dtype,
+                               kv_tensor(kv_view).dtype, variants.on("qkv_fused"))
+        if fused:  # q/k norm + RoPE + the KV write: one launch
+            from rimuru.kernels.norm_rope import qkv_norm_rope_write
+
+            q = qkv_norm_rope_write(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.q_norm, self.k_norm,
+                                    *cos_sin, c.rms_norm_eps, self.rope.rotary_dim, kv_tensor(kv_view),
+                                    meta.slot_mapping)
+        elif q.is_cuda and self.impl in ("auto", "triton") and (self.q_norm is None or self.q_norm.dtype == q.dtype):
             from rimuru.kernels.norm_rope import norm_rope  # q/k norm + RoPE: one launch per tensor
 
             rot = self.rope.rotary_dim
@@ -185,7 +206,8 @@ class Attention:
                 q = rms_norm(q, self.q_norm, c.rms_norm_eps)
                 k = rms_norm(k, self.k_norm, c.rms_norm_eps)
             q, k = self.rope.apply(q, k, cos_sin)
-        write_kv(k, v, kv_view, meta.slot_mapping, impl=self.impl)
+        if not fused:
+            write_kv(k, v, kv_view, meta.slot_mapping, impl=self.impl)
         attn = paged_attention(q, kv_view, meta.block_tables, meta.cu_query_lens, meta.seq_lens, c.scale,
                                impl=self.impl, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
-        return F.linear(attn.reshape(num_tokens, c.num_heads * c.head_dim), self.o_proj, self.o_bias)
+        return linear(attn.reshape(num_tokens, c.num_heads * c.head_dim), self.o_proj, self.o_bias, small)

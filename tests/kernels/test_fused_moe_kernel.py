@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from rimuru.experts.moe_reference import moe_reference
+from rimuru.kernels import variants
 from rimuru.kernels.fused_moe import MoeConfigs, MoeKernelConfig, fused_moe, fused_moe_experts
 from rimuru.kernels.moe_align import moe_align, moe_align_torch
 from tests.markers import needs_triton
@@ -47,10 +48,17 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.fixture(params=variants.VARIANTS)
+def kernel_variant(request):
+    """``fast`` schedules small batches from the top-k ids inside the kernel, ``baseline`` through moe_align."""
+    with variants.use(request.param):
+        yield request.param
+
+
 @needs_triton
 @pytest.mark.parametrize("placement", ["cache", "buffer", "mixed"])
 @pytest.mark.parametrize("T", [1, 7, 33])
-def test_paged_kernel_matches_reference_for_any_page_placement(placement, T):
+def test_paged_kernel_matches_reference_for_any_page_placement(placement, T, kernel_variant):
     gen = torch.Generator().manual_seed(zlib.crc32(f"{placement}{T}".encode()))
     E, f, d, k = 8, 32, 64, 2
     view, table = _pool(E, f, d, placement, gen)
@@ -88,7 +96,7 @@ def test_uneven_hidden_and_intermediate_sizes_use_masked_tiles():
 
 
 @needs_triton
-def test_multi_block_experts_and_grouped_program_order():
+def test_multi_block_experts_and_grouped_program_order(kernel_variant):
     gen = torch.Generator().manual_seed(6)
     E, f, d, k, T = 4, 32, 64, 2, 40  # ~20 rows per expert: two 16-row blocks each
     view, table = _pool(E, f, d, "cache", gen)
@@ -97,6 +105,31 @@ def test_multi_block_experts_and_grouped_program_order():
     cfg = MoeConfigs(MoeKernelConfig(16, 16, 32, group_m=4, num_stages=1), MoeKernelConfig(16, 32, 32, group_m=4,
                                                                                           num_stages=1))
     assert _rel(fused_moe(x, w, ids, view, table, configs=cfg), moe_reference(x, w, ids, view, table)) <= 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (5, 8, 2), (16, 8, 8), (64, 4, 2)])
+def test_direct_schedule_equals_the_aligned_schedule_bit_for_bit(T, E, k):
+    """Small batches skip moe_align: each program finds its expert's pairs among the top-k ids itself. The blocks
+    are the aligned ones (same rows, same tiles), so the outputs are identical; covers an expert with more pairs
+    than a block holds (T=16 at k=8 of 8 experts: 16 rows each; T=64: ~32 rows, two blocks) and a token routed
+    twice to the same expert (ids drawn with replacement, as warm-up draws them)."""
+    from rimuru.kernels.fused_moe import DIRECT_MAX_PAIRS, SMALL_CONFIGS, direct_schedule
+
+    gen = torch.Generator().manual_seed(100 + T)
+    f, d = 32, 64
+    view, table = _pool(E, f, d, "mixed", gen)
+    ids = torch.randint(0, E, (T, k), generator=gen, dtype=torch.int32)
+    w = torch.rand(T, k, generator=gen)
+    x = torch.randn(T, d, generator=gen)
+    assert direct_schedule(T * k, SMALL_CONFIGS.gate_up.block_m, True) == (T * k <= DIRECT_MAX_PAIRS)
+    with variants.use("fast"):
+        fast = fused_moe_experts(x, w, ids, view, table)
+    with variants.use("baseline"):
+        base = fused_moe_experts(x, w, ids, view, table)
+    assert torch.equal(fast, base)
+    ref = moe_reference(x, w, ids, view, table)
+    assert _rel(fast.view(T, k, d).sum(1), ref) <= 1e-5
 
 
 @pytest.mark.gpu
@@ -174,13 +207,9 @@ def test_warmup_token_counts_cover_every_variant_a_step_can_launch(shape):
     """Every (tile choice, fused-scatter or not) a batch of 1..8192 tokens picks is compiled by warm-up. The
     H200 no-compile test caught the tiny model's warm-up compiling only the fused-scatter alignment (one count,
     2 pairs): its first 211-token prefill compiled the two-launch alignment (2 compiles)."""
-    from rimuru.kernels.fused_moe import pick_configs, warmup_token_counts
-    from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS
+    from rimuru.kernels.fused_moe import kernel_variant, warmup_token_counts
 
     experts, k, f, d = shape
-
-    def variant(m):
-        return pick_configs(m, k, experts, f, d), m * k <= FUSED_SCATTER_MAX_PAIRS
-
-    warmed = {variant(m) for m in warmup_token_counts(experts, k, f, d)}
-    assert {variant(m) for m in range(1, 8193)} == warmed
+    warmed = {kernel_variant(m, k, experts, f, d) for m in warmup_token_counts(experts, k, f, d)}
+    assert {kernel_variant(m, k, experts, f, d) for m in range(1, 8193)} == warmed
+    assert any(v[2] for v in warmed) and not all(v[2] for v in warmed)  # direct schedules and aligned ones

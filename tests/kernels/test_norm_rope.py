@@ -92,3 +92,57 @@ def test_fused_add_rms_norm_matches_sum_add_then_norm(dtype, k, extra):
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the interpreter truncates where CUDA rounds
     for got, want in ((h_got, h_want), (x_got, x_want)):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= tol
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partial,norm", [(1.0, True), (0.5, False)])
+def test_qkv_norm_rope_write_equals_norm_rope_then_write_kv(dtype, partial, norm):
+    """The fused launch gives the q of ``norm_rope`` and writes the k (normed, rotated) and v that ``norm_rope`` +
+    ``write_kv`` write, bit for bit; a negative slot (a padding row) writes nothing."""
+    from rimuru.kernels.norm_rope import qkv_norm_rope_write
+    from rimuru.kernels.paged_attention import write_kv
+
+    gen = torch.Generator().manual_seed(7 + norm)
+    T, H, Hkv, D, block, pages = 5, 4, 2, 32, 4, 6
+    rope = RotaryEmbedding(D, 10000.0, 64, partial, device=DEVICE)
+    positions = torch.randint(0, 64, (T,), generator=gen).to(DEVICE)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=gen).to(dtype).to(DEVICE)
+    qn = (torch.rand(D, generator=gen) + 0.5).to(dtype).to(DEVICE) if norm else None
+    kn = (torch.rand(D, generator=gen) + 0.5).to(dtype).to(DEVICE) if norm else None
+    slots = torch.tensor([3, 9, -1, 17, 22], dtype=torch.int64, device=DEVICE)
+    cos, sin = rope.cos_sin(positions)
+    kv_fused = torch.full((pages, 2, block, Hkv, D), float("nan"), dtype=dtype, device=DEVICE)
+    kv_ref = kv_fused.clone()
+    q = qkv_norm_rope_write(qkv, H, Hkv, D, qn, kn, cos, sin, 1e-6, rope.rotary_dim, kv_fused, slots)
+    q_ref, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+    q_ref = norm_rope(q_ref.view(T, H, D), qn, cos, sin, 1e-6, rope.rotary_dim)
+    k = norm_rope(k.view(T, Hkv, D), kn, cos, sin, 1e-6, rope.rotary_dim)
+    write_kv(k, v.reshape(T, Hkv, D), kv_ref, slots, impl="triton")
+    assert torch.equal(q, q_ref)
+    assert torch.equal(kv_fused.isnan(), kv_ref.isnan())  # the same slots written, the padding row's not
+    assert torch.equal(kv_fused.nan_to_num(), kv_ref.nan_to_num())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E,k,d,renorm", [(8, 2, 64, True), (128, 8, 96, False), (60, 4, 1100, True)])
+def test_router_topk_matches_gemm_then_topk_softmax(dtype, E, k, d, renorm):
+    """The fused router (GEMV slices per program, the last one to finish routes) against ``F.linear`` +
+    ``topk_softmax``; a padding row takes row 0's routing; the completion counters are left at zero."""
+    from rimuru.kernels import sync
+    from rimuru.kernels.norm_rope import router_topk, topk_softmax
+
+    gen = torch.Generator().manual_seed(E + k + d)
+    T = 5
+    x = torch.randn(T, d, generator=gen).to(dtype).to(DEVICE)
+    gate = (torch.randn(E, d, generator=gen) / d**0.5).to(dtype).to(DEVICE)
+    valid = torch.tensor([True, True, False, True, True], device=DEVICE)[:, None]
+    w, ids = router_topk(x, gate, k, renorm, valid)
+    logits = torch.nn.functional.linear(x.float(), gate.float()).to(dtype)  # fp32 sums, then F.linear's rounding
+    w_ref, ids_ref = topk_softmax(logits, k, renorm, valid)
+    assert torch.equal(ids, ids_ref)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(w, w_ref, rtol=tol, atol=tol)
+    assert torch.equal(ids[2], ids[0]) and torch.equal(w[2], w[0])
+    assert not sync.counters(x.device, 1)[:T].any()

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rimuru.kernels import variants
 from rimuru.kernels.attention_reference import (
     decode_attention_reference,
     gather_kv,
@@ -12,6 +13,7 @@ from rimuru.kernels.attention_reference import (
 )
 from rimuru.kernels.paged_attention import (
     decode_attention,
+    merge_counters,
     paged_attention,
     prefill_attention,
     write_kv,
@@ -122,9 +124,16 @@ def test_triton_prefill_tile_wider_than_a_page_and_longer_than_the_sequence():
     assert rel_err(out, batch.sdpa()) <= 1e-5
 
 
+@pytest.fixture(params=variants.VARIANTS)
+def kernel_variant(request):
+    """Both decode variants: ``fast`` merges the splits inside the decode kernel, ``baseline`` in a second one."""
+    with variants.use(request.param):
+        yield request.param
+
+
 @needs_triton
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_triton_decode_matches_reference_for_any_split_count(num_splits):
+def test_triton_decode_matches_reference_for_any_split_count(num_splits, kernel_variant):
     seq_lens = [1, 7, 33, 64, 50]  # splits past a short request's end are skipped
     batch = PagedBatch(q_lens=[1] * len(seq_lens), seq_lens=seq_lens, group=4)
     out = decode_attention(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale,
@@ -136,9 +145,10 @@ def test_triton_decode_matches_reference_for_any_split_count(num_splits):
 
 
 @needs_triton
-def test_triton_decode_splits_each_request_by_its_own_length_and_merges_many_splits():
+def test_triton_decode_splits_each_request_by_its_own_length_and_merges_many_splits(kernel_variant):
     """Each request cuts its own KV into the grid's splits (a short one uses few, a long one many), and the merge
-    kernel folds more splits than it reads at once (REDUCE_SPLITS) online."""
+    (kernel, or in-kernel) folds more splits than it reads at once (REDUCE_SPLITS, MERGE_SPLITS) online; the
+    in-kernel merge leaves its completion counters at zero for the next launch."""
     seq_lens = [300, 5, 0, 129]
     batch = PagedBatch(q_lens=[1] * len(seq_lens), seq_lens=[max(s, 1) for s in seq_lens], group=2, seed=5)
     batch.seq_lens_t[2] = 0  # a padding row
@@ -148,11 +158,15 @@ def test_triton_decode_splits_each_request_by_its_own_length_and_merges_many_spl
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     keep = [0, 1, 3]
     assert rel_err(out[keep], ref[keep]) <= 1e-5
+    assert not merge_counters(batch.q.device, 1).any()
+    again = decode_attention(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale, max_seq_len=320,
+                             out=batch.poisoned_out(), num_splits=20, block_n=16, min_tokens_per_split=16)
+    assert torch.equal(again, out)
 
 
 @needs_triton
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_triton_decode_writes_zeros_for_an_empty_padding_row(num_splits):
+def test_triton_decode_writes_zeros_for_an_empty_padding_row(num_splits, kernel_variant):
     """A captured decode batch pads to its bucket with seq_len-0 rows: they must come out finite (zero)."""
     seq_lens = [7, 33]
     batch = PagedBatch(q_lens=[1] * 3, seq_lens=seq_lens + [1], group=4, seed=3)

@@ -15,6 +15,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     apply_rotary_pos_emb as hf_apply_partial_rope,
 )
 
+from rimuru.kernels import variants
 from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
 from rimuru.models.rms_norm import rms_norm
 from rimuru.models.rope import RotaryEmbedding
@@ -140,9 +141,17 @@ SCHEDULE = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton),
+                                  pytest.param("triton-baseline", marks=needs_triton)])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
 def test_prefill_then_decode_matches_transformers_attention(kind, impl):
+    """``triton``: the fast kernels (fused q/k norm + RoPE + KV write, few-row projections, in-kernel split merge);
+    ``triton-baseline``: the wave-4 kernels (rimuru.kernels.variants)."""
+    with variants.use("baseline" if impl == "triton-baseline" else "fast"):
+        _prefill_then_decode(kind, impl.removesuffix("-baseline"))
+
+
+def _prefill_then_decode(kind, impl):
     config, module = make_hf_attention(kind)
     weights = {f"self_attn.{k}": v.to(DEVICE) for k, v in module.state_dict().items()}
     assert ("self_attn.q_norm.weight" in weights) == (kind == "qwen3_moe")

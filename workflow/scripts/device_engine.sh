@@ -4,6 +4,8 @@
 #   TESTS=1              pytest -m gpu over the whole suite (every helper's GPU tests)
 #   FLOOR_LAYERS="4 48"  decode_floor_gpu.py per layer count (FLOOR_POLICIES_<n>, FLOOR_BATCHES)
 #   PROFILE=1            profile_decode_gpu.py at 48 layers (per-kernel-class time vs floor)
+#   AB="fast;baseline"   profile_decode_gpu.py --ab: kernel variants (rimuru/kernels/variants.py) A/B'd on the same
+#                        48-layer graphs, ABBA rounds of replays per batch (AB_BATCHES), per-kernel times of each
 #   E2E_RUNS="..."       e2e_gpu.py --runs (ABBA, REPEATS each), NREQ requests, LAYERS layers (burst)
 #   POISSON_RUNS="..."   a second e2e_gpu.py call for the Poisson runs (POISSON_NREQ requests at RATE/s)
 # Every output lands in /tmp/res and comes back as one results.tar.gz plus the logs under $OUT (at most 8 files
@@ -34,6 +36,12 @@ gpu_tests() {
 }
 # TESTS_LAST=1: the measurements first, so that a slow test cannot cost them
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && gpu_tests
+if [ -n "${AB:-}" ]; then
+  timeout "${AB_TIMEOUT:-200}" python3 workflow/scripts/profile_decode_gpu.py --ab "$AB" --ab-only \
+    --batches "${AB_BATCHES:-1,4,16,64,256}" --ab-rounds "${AB_ROUNDS:-4}" --out "$RES/ab" 2>&1 \
+    | grep -v -i warn > "$RES/ab.log"
+  grep -E "^AB" "$RES/ab.log"
+fi
 for n in ${FLOOR_LAYERS:-}; do
   pol_var="FLOOR_POLICIES_$n"
   timeout "${FLOOR_TIMEOUT:-300}" python3 workflow/scripts/decode_floor_gpu.py --model "$MODEL" --layers "$n" \

@@ -12,6 +12,10 @@ a ``static`` engine, warms it up (kernels compiled, decode graphs captured), the
    launch/idle gap inside the graph;
 4. cProfile of the host side of a few steps (top functions by own time).
 
+``--ab "fast;baseline"`` (per batch, before the rest; ``--ab-only`` skips the rest): the bucket's graph captured
+once per kernel variant of :mod:`rimuru.kernels.variants` over the same inputs, replayed in ABBA rounds of
+back-to-back replays (CUDA events), with per-kernel device times of each variant's graph (``ab_*.csv``).
+
 Also measures the ceilings once: a device-to-device copy (read + write bytes) and a read-only
 reduction over 4 GiB. Writes ``profile_kernels.csv`` (batch, class, kernel, calls/step, us/step),
 ``profile_summary.csv`` and prints short tables.
@@ -166,6 +170,73 @@ def moe_sweep(llm: LLM, tokens: list[int], replays: int = 5) -> list[dict]:
     return rows
 
 
+def capture_variant(graphs, bucket: int, variant: str) -> torch.cuda.CUDAGraph:
+    """The bucket's decode graph captured with ``variant``'s kernels (rimuru.kernels.variants) over the engine's
+    persistent buffers and the last step's inputs: one eager pass (compiles that variant), then the capture."""
+    from rimuru.kernels import variants
+
+    with variants.use(variant):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            graphs._forward(bucket)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=graphs._pool, stream=stream):
+                graphs._forward(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+    return graph
+
+
+def kernel_times(graph: torch.cuda.CUDAGraph, n: int = 5) -> dict[str, list[float]]:
+    """Device time of each kernel over ``n`` replays of ``graph`` (torch.profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            graph.replay()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = {}
+    for ev in prof.events():
+        t = getattr(ev, "device_time_total", 0) or getattr(ev, "device_time", 0)
+        if ev.device_type == torch.autograd.DeviceType.CUDA and t > 0:
+            per_kernel.setdefault(ev.name, []).append(t)
+    return per_kernel
+
+
+def ab_variants(llm: LLM, b: int, names: list[str], rounds: int, replays: int) -> tuple[list[dict], list[dict]]:
+    """A/B of kernel variants on one batch's graph: each variant's graph captured over the same inputs, then
+    ``rounds`` ABBA rounds (A B B A ...) of ``replays`` back-to-back replays each, timed by CUDA events (the first
+    round's first block per variant is a discarded warm-up); per-kernel device times of each variant's graph."""
+    bucket = min(k for k in llm.graphs.graphs if k >= b)
+    graphs = {v: capture_variant(llm.graphs, bucket, v) for v in names}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for v in names:  # warm-up, discarded
+        for _ in range(3):
+            graphs[v].replay()
+    torch.cuda.synchronize()
+    rows = []
+    order = 0
+    for r in range(rounds):
+        seq = names if r % 2 == 0 else names[::-1]
+        for v in seq:
+            start.record()
+            for _ in range(replays):
+                graphs[v].replay()
+            end.record()
+            end.synchronize()
+            rows.append({"batch": b, "bucket": bucket, "variant": v, "round": r, "order": order,
+                         "replay_ms": start.elapsed_time(end) / replays})
+            order += 1
+    kernels = []
+    for v in names:
+        for name, ts in kernel_times(graphs[v]).items():
+            kernels.append({"batch": b, "variant": v, "class": kernel_class(name), "kernel": name[:120],
+                            "calls_per_step": len(ts) / 5, "us_per_step": sum(ts) / 5,
+                            "us_per_call": float(np.median(ts))})
+    del graphs
+    return rows, kernels
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b")
@@ -177,6 +248,11 @@ def main() -> None:
     ap.add_argument("--moe-sweep", default="", help="token counts for the fused-MoE tile sweep (e.g. 1,4,16)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ab", default="", help="kernel variants to A/B per batch (rimuru.kernels.variants), e.g. "
+                    "fast,baseline: one graph each, ABBA rounds of back-to-back replays")
+    ap.add_argument("--ab-rounds", type=int, default=4)
+    ap.add_argument("--ab-replays", type=int, default=20)
+    ap.add_argument("--ab-only", action="store_true", help="skip the step/profiler/cProfile part of each batch")
     args = ap.parse_args()
     device, dtype = torch.device("cuda"), torch.bfloat16
     out = Path(args.out)
@@ -197,6 +273,8 @@ def main() -> None:
     print(f"warm-up {time.perf_counter() - t0:.1f} s {info}", flush=True)
     rng = np.random.default_rng(args.seed)
     kernel_rows, summary = [], []
+    ab_rows: list[dict] = []
+    ab_kernels: list[dict] = []
     for b in batches:
         for i in range(b):
             llm.add_request(f"b{b}-{i}", rng.integers(0, spec.vocab_size, args.prompt_len).tolist(),
@@ -206,6 +284,18 @@ def main() -> None:
             llm.step()
         for _ in range(5):
             llm.step()
+        if args.ab:
+            rows, kernels = ab_variants(llm, b, args.ab.split(";"), args.ab_rounds, args.ab_replays)
+            ab_rows += rows
+            ab_kernels += kernels
+            frame = pd.DataFrame(rows)
+            for v, g in frame.groupby("variant", sort=False):
+                print(f"AB batch {b} {v}: replay median {g['replay_ms'].median():.3f} ms "
+                      f"(min {g['replay_ms'].min():.3f}, max {g['replay_ms'].max():.3f}, n={len(g)})", flush=True)
+            if args.ab_only:
+                for i in range(b):
+                    llm.abort_request(f"b{b}-{i}")
+                continue
         first = len(llm.timeline.records)
         for _ in range(args.replays):
             llm.step()
@@ -281,6 +371,18 @@ def main() -> None:
         sweep = moe_sweep(llm, [int(t) for t in args.moe_sweep.split(",")])
         pd.DataFrame(sweep).to_csv(out / "moe_sweep.csv", index=False)
     prov = provenance()
+    if ab_rows:
+        pd.DataFrame(ab_rows).assign(**prov).to_csv(out / "ab_replays.csv", index=False)
+        pd.DataFrame(ab_kernels).assign(**prov).to_csv(out / "ab_kernels.csv", index=False)
+        summary_ab = (pd.DataFrame(ab_rows).groupby(["batch", "variant"], sort=False)["replay_ms"]
+                      .agg(["median", "min", "max", "count"]).reset_index())
+        summary_ab.assign(**prov).to_csv(out / "ab_summary.csv", index=False)
+        print(summary_ab.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+        by_class = (pd.DataFrame(ab_kernels).groupby(["batch", "variant", "class"], sort=False)
+                    [["calls_per_step", "us_per_step"]].sum().reset_index())
+        print(by_class.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+    if not kernel_rows:
+        return
     pd.DataFrame(kernel_rows).assign(**prov, **ceil).to_csv(out / "profile_kernels.csv", index=False)
     table = pd.DataFrame(summary)
     table.assign(**prov, **ceil).to_csv(out / "profile_summary.csv", index=False)

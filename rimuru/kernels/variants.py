@@ -1,0 +1,67 @@
+"""Which small-batch decode kernel variants the wrappers launch (issue 11, wave 5), for A/B runs in one process.
+
+Levers (each on in ``fast``, all off in ``baseline``, the wave-4 kernels):
+
+* ``merge``: split-KV decode merges its splits inside the decode kernel (the last split of a request and KV head
+  to finish merges; no ``decode_reduce_kernel`` launch);
+* ``direct_moe``: the fused MoE builds its expert-grouped schedule from the top-k ids inside the kernel for
+  small batches (no ``moe_align`` launch);
+* ``qkv_fused``: q/k RMSNorm + RoPE and the KV write in one launch per layer (not two ``norm_rope`` and a
+  ``write_kv``);
+* ``router_fused``: the router GEMV and the top-k softmax in one launch for small batches;
+* ``small_gemm``: the attention's qkv and output projections of a few rows through a Triton kernel without
+  split-K (cuBLAS launches a GEMM and a split-K reduction for the output projection at batch 1).
+
+CUDA graphs keep the levers that were on when they were captured (``workflow/scripts/profile_decode_gpu.py
+--ab`` captures one graph per variant and replays them alternately). The default comes from
+``RIMURU_DECODE_KERNELS``: ``fast``, ``baseline`` or a comma-separated list of levers; :func:`use` switches it
+for a block.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm")
+VARIANTS = ("fast", "baseline")
+
+
+def parse(spec: str) -> frozenset[str]:
+    """``fast`` (every lever), ``baseline`` (none) or levers separated by commas."""
+    if spec == "fast":
+        return frozenset(LEVERS)
+    if spec in ("baseline", ""):
+        return frozenset()
+    levers = frozenset(s.strip() for s in spec.split(","))
+    unknown = sorted(levers - set(LEVERS))
+    if unknown:
+        raise ValueError(f"unknown kernel lever(s) {unknown}: use fast, baseline or a list of {', '.join(LEVERS)}")
+    return levers
+
+
+_current = parse(os.environ.get("RIMURU_DECODE_KERNELS", "fast"))
+
+
+def on(lever: str) -> bool:
+    """Whether ``lever`` is on now."""
+    if lever not in LEVERS:
+        raise ValueError(f"unknown kernel lever {lever!r}")
+    return lever in _current
+
+
+def current() -> str:
+    return "fast" if _current == frozenset(LEVERS) else ",".join(sorted(_current)) or "baseline"
+
+
+@contextmanager
+def use(spec: str) -> Iterator[None]:
+    """Launch ``spec``'s kernels inside the block (CUDA graphs captured inside keep them)."""
+    global _current
+    levers = parse(spec)
+    before, _current = _current, levers
+    try:
+        yield
+    finally:
+        _current = before
