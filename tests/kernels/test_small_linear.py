@@ -7,14 +7,16 @@ import torch.nn.functional as F
 from rimuru.kernels.small_linear import SMALL_M_MAX_ROWS, small_m, small_m_linear
 from tests.markers import needs_triton
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @needs_triton
 @pytest.mark.parametrize("M,N,K,bias", [(1, 40, 512, False), (5, 16, 300, True), (16, 33, 256, True)])
 def test_small_m_linear_matches_f_linear(M, N, K, bias):
     gen = torch.Generator().manual_seed(M * N + K)
-    x = torch.randn(M, K, generator=gen)
-    w = torch.randn(N, K, generator=gen) / K**0.5
-    b = torch.randn(N, generator=gen) if bias else None
+    x = torch.randn(M, K, generator=gen).to(DEVICE)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEVICE)
+    b = torch.randn(N, generator=gen).to(DEVICE) if bias else None
     got = small_m_linear(x, w, b)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
@@ -23,8 +25,8 @@ def test_small_m_linear_matches_f_linear(M, N, K, bias):
 def test_small_m_linear_rows_do_not_depend_on_the_batch():
     """A padded graph batch and the eager batch give each request the same values (rows are independent)."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 256, generator=gen)
-    w = torch.randn(24, 256, generator=gen)
+    x = torch.randn(7, 256, generator=gen).to(DEVICE)
+    w = torch.randn(24, 256, generator=gen).to(DEVICE)
     assert torch.equal(small_m_linear(x[:3], w), small_m_linear(x, w)[:3])
 
 
