@@ -6,7 +6,8 @@
 #      its own process under its own timeout, so that one hang cannot hide another (a stack dump lands in its log
 #      20 s after a kill without an error; the engine's last resort exits the process 30 s after it).
 # Usage on the device: RIMURU_COMMIT=<sha> bash workflow/scripts/device_tp2.sh   (BUDGET_S: stop starting parts;
-# DEVICE=cpu: a dry run of the kill checks with gloo, no decode A/B; PY: the interpreter)
+# DEVICE=cpu: a dry run of the kill checks with gloo, no decode A/B; SKIP_STEP=1: no decode A/B; CHECKS: the kill
+# checks as all_reduce:policy words; PY: the interpreter)
 set -u
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
@@ -21,7 +22,7 @@ echo "start $(date -u +%FT%TZ) commit ${RIMURU_COMMIT:-unknown}" | tee "$OUT/dri
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/driver.log" 2>&1
 
 T=$(( $(left) - 120 )); [ "$T" -gt 150 ] && T=150
-if [ "$DEVICE" = cuda ]; then
+if [ "$DEVICE" = cuda ] && [ -z "${SKIP_STEP:-}" ]; then
 echo "[$(( $(date +%s) - START ))s] decode A/B (timeout $T s)" | tee -a "$OUT/driver.log"
 timeout "$T" $PY workflow/scripts/e2e_tp_gpu.py --model qwen3-30b-a3b --layers 4 --static-layers 48 --skew 0.7 \
   --tp 2 --static-budget-tp1 72GiB --static-budget 44GiB --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz \
@@ -36,7 +37,7 @@ for spec in ${CHECKS:-nccl:static auto:static nccl:fixed}; do
   L=$(left)
   if [ "$L" -lt 45 ]; then echo "not started (time): kill check $1 $2" | tee -a "$OUT/driver.log"; continue; fi
   T=$(( L < 75 ? L : 75 ))
-  graphs=$([ "$2" = static ] && echo --graphs || echo)
+  graphs=$([ "$2" = static ] && echo "--graphs --impl auto" || echo)  # graphs need the Triton kernels on GPUs
   echo "[$(( $(date +%s) - START ))s] kill check all_reduce=$1 policy=$2 (timeout $T s)" | tee -a "$OUT/driver.log"
   # its own session: every process it leaves behind is found (and ended) by that session's id, nothing else
   setsid timeout "$T" $PY workflow/scripts/tp_gpu_checks.py --device "$DEVICE" --all-reduce "$1" --policy "$2" $graphs \

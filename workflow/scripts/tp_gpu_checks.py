@@ -38,13 +38,16 @@ def main() -> None:
                     "1 is killed")
     ap.add_argument("--policy", default="fixed", choices=["fixed", "static"])
     ap.add_argument("--graphs", action="store_true", help="capture decode graphs (warmup) on every engine")
+    ap.add_argument("--impl", default="reference", choices=["reference", "auto"],
+                    help="attention/MoE implementations: reference (no kernel compile; not graph-capturable on GPUs) "
+                    "or auto (the Triton kernels on GPUs: what --graphs needs there)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     model = write_synthetic_checkpoint("tiny-qwen3-moe", "/tmp/rimuru_tp_tiny", dtype=torch.float32, tokenizer=False)
     options = dict(device=args.device, dtype=torch.float32, gpu_memory_budget="1GiB", policy=args.policy,
-                   activation_reserve="64MiB", attention_impl="reference", moe_impl="reference", tp_timeout_s=60,
+                   activation_reserve="64MiB", attention_impl=args.impl, moe_impl=args.impl, tp_timeout_s=60,
                    **({"initial_cache_experts": 4} if args.policy == "fixed" else {}))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
@@ -63,7 +66,8 @@ def main() -> None:
     ref = [o.output_token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)]
     del one
     result = {"tensor_parallel_size": args.tp, "backend": "nccl" if args.device == "cuda" else "gloo",
-              "policy": args.policy, "graphs": args.graphs, "greedy": [], **provenance()}
+              "policy": args.policy, "graphs": args.graphs, "impl": args.impl, "dtype": "float32", "greedy": [],
+              **provenance()}
     names = args.all_reduce.split(",")
     for i, name in enumerate(names):  # the last engine stays for the killed rank
         llm = build(tensor_parallel_size=args.tp, all_reduce=name)
