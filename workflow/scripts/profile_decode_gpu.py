@@ -54,8 +54,8 @@ CLASSES = (  # (class, substrings of the kernel name), first match wins
     ("attention", ("decode_attention", "decode_reduce")),
     ("kv_write", ("write_kv",)),
     ("norm_rope", ("rms_norm", "norm_rope", "add_rms")),
-    ("routing", ("topk_softmax",)),
-    ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "sm90", "splitk", "Kernel2")),
+    ("routing", ("topk_softmax", "router_topk")),
+    ("gemm", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "sm90", "splitk", "Kernel2", "small_m_linear")),
     ("reduce", ("reduce", "sum")),
     ("copy", ("copy", "Memcpy", "Memset", "fill")),
 )
