@@ -61,7 +61,18 @@ from rimuru.models.tokenizer import engine_tokenizer
 
 log = logging.getLogger("rimuru.engine")
 
-__all__ = ["LLM", "MemoryBudgetError", "activation_estimate"]
+__all__ = ["LLM", "MemoryBudgetError", "activation_estimate", "may_pipeline"]
+
+
+def may_pipeline(*, enabled: bool, graphs_ready: bool, evictions_pending: bool, decode_fits: bool) -> bool:
+    """Whether the next step is launched before the step in flight (if any) is read (async scheduling,
+    docs/engine.md): the option on, decode graphs captured with replay on (with tensor parallelism on every rank),
+    no expert eviction pending (experts the step in flight shrank are freed at its commit, with nothing else in
+    flight), and the scheduler's next batch a greedy pure decode that the graphs cover and whose
+    KV fits without preemption (``Scheduler.pipelinable``). Every policy: the graphs read a miss in place from
+    pinned host memory, so no page moves around a pipelined forward; expansion copies wait for the compute
+    stream (``ExpertLoader.copy_expert``) and enter the page table only after their event."""
+    return enabled and graphs_ready and not evictions_pending and decode_fits
 
 
 class LLM:
@@ -313,9 +324,9 @@ class LLM:
         A forward pass that raises fails only the requests in this step (their pages are freed); a request
         whose sampling raises fails alone. Either way the engine keeps serving.
 
-        Async scheduling (``async_scheduling``, `static` with decode graphs): while a greedy decode batch runs
-        graphed, step n+1 is scheduled and launched before step n's tokens are read, its input tokens taken on
-        the device; this call then returns step n's outputs (so a pipelined call returns the previous
+        Async scheduling (``async_scheduling``, one device with decode graphs, any memory policy): while a greedy
+        decode batch runs graphed, step n+1 is scheduled and launched before step n's tokens are read, its input
+        tokens taken on the device; this call then returns step n's outputs (so a pipelined call returns the previous
         launch's tokens, and the timeline records step n with this call's wall time). Any other step first
         finishes the one in flight (docs/engine.md, "Async scheduling")."""
         t0 = self.clock.now()
@@ -324,19 +335,19 @@ class LLM:
         if self._inflight is not None and not self._pipelinable():
             inflight, self._inflight = self._inflight, None
             outputs = self._commit(inflight, t0, compiles_before)
+            self.policy.after_forward()  # nothing in flight now: free the pages of experts that step shrank
             t0, compiles_before = self.clock.now(), compile_count()
         if self._pipelinable():
             return outputs + self._step_async(t0, compiles_before)
         return outputs + self._step_sync(t0, compiles_before)
 
     def _pipelinable(self) -> bool:
-        """Whether the next step is launched without waiting for the one before (async scheduling): the
-        option on, one device, every expert resident (no policy hook frees or loads pages around the
-        forward), decode graphs ready, and the scheduler's next batch a greedy pure decode they cover."""
+        """Whether the next step is launched without waiting for the one before (:func:`may_pipeline`)."""
         executor = self._local_executor
-        return (self._async and self.policy.all_experts_resident
-                and executor is not None and executor.launches_decode
-                and self.scheduler.pipelinable(executor.graphs.bmax))
+        graphs_ready = executor is not None and executor.launches_decode
+        return may_pipeline(
+            enabled=self._async, graphs_ready=graphs_ready, evictions_pending=self.cache.num_evicting > 0,
+            decode_fits=graphs_ready and self.scheduler.pipelinable(executor.graphs.bmax))
 
     def _step_async(self, t0: float, compiles_before: int) -> list[RequestOutput]:
         """Schedule and launch a graphed decode step, then read the tokens of the step launched before it."""
@@ -353,9 +364,10 @@ class LLM:
         except Exception as exc:  # noqa: BLE001 - fail this step's requests, not the engine
             log.exception("forward pass failed; failing the %d requests of this step", len(out.chunks))
             outputs = [] if previous is None else self._commit(previous, t0, compiles_before)
+            self.policy.after_forward()  # nothing in flight: this step's shrink, if any, is freed now
             return outputs + [self._fail(c.request, exc) for c in out.chunks if not c.request.is_finished]
-        finally:
-            self.policy.after_forward()
+        # no after_forward() here: experts this step shrank stay mapped until its commit, in the next call (a
+        # pending eviction makes that call's step synchronous: may_pipeline)
         self.scheduler.advance(out)
         self._inflight = (launched, self.scheduler.forward_steps, change)
         return [] if previous is None else self._commit(previous, t0, compiles_before)

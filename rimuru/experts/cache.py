@@ -50,6 +50,11 @@ class ExpertCache:
     def num_resident(self) -> int:
         return int(np.count_nonzero(self.page_table[:, :, 0] >= 0))
 
+    @property
+    def num_evicting(self) -> int:
+        """Experts shrunk but not yet reclaimed (their pages still mapped: a step in flight may read them)."""
+        return len(self._evicting)
+
     def releasable_l2_pages(self, floor: int = 0) -> int:
         """Pages a shrink down to ``floor`` experts would hand back after this step."""
         return PAGES_PER_EXPERT * (max(0, self.num_cached - floor) + len(self._evicting))

@@ -71,10 +71,15 @@ class ExpertLoader:
         self.experts_loaded += 1
 
     def copy_expert(self, layer: int, expert: int, pages: np.ndarray) -> torch.cuda.Event | None:
-        """Load one expert into cache pages (an expansion); the event marks completion."""
+        """Load one expert into cache pages (an expansion); the event marks completion.
+
+        The copy waits for everything queued on the compute stream so far: with async scheduling a step may still
+        be in flight whose kernels write the pages just allocated (the KV slot of a request whose stop token is
+        found one step late, freed at the commit before). Synchronous steps have nothing left queued there."""
         if not self.cuda:
             self._copy(layer, expert, pages)
             return None
+        self.expand_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.expand_stream):
             self._copy(layer, expert, pages)
             done = torch.cuda.Event()

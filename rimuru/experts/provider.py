@@ -52,6 +52,14 @@ def touched_mask(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return mask.index_fill_(0, topk_ids.reshape(-1).long(), True)
 
 
+def prefetch_next_step(touched: int, num_experts: int) -> bool:
+    """Whether a step's first MoE layer routing predicts the next step's: when it touched at least 3/4 of the
+    layer's experts (a large decode batch), the next step's tokens, one per request, touch nearly the same set, so
+    its misses are copied at the end of this step, while the host finishes this step and schedules the next
+    (the PCIe link is otherwise idle there). Below that, a wrong guess would delay the next step's own loads."""
+    return 4 * touched >= 3 * num_experts
+
+
 class PagedExperts:
     computes_on_host = False
     host_pages = None  # misses are loaded into buffer pages, never read in place
@@ -66,6 +74,7 @@ class PagedExperts:
         self.prefetch = prefetch
         self.num_experts = cache.num_experts
         self.experts_touched = 0  # (layer, expert) pairs computed, summed over steps: HBM bytes for the floor
+        self._first_touched: np.ndarray | None = None  # this step's first-layer experts: the next step's guess
 
     def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         nxt = moe_layer + 1
@@ -77,6 +86,8 @@ class PagedExperts:
         used = used.cpu().numpy()  # one device sync per layer: the host must know the misses
         touched = np.flatnonzero(used[0] if predict else used)
         self.experts_touched += len(touched)
+        if moe_layer == 0:
+            self._first_touched = touched
         table = self.loader.layer_table(moe_layer, touched, self.cache.page_table[moe_layer])
         if predict:
             self.loader.prefetch(nxt, np.flatnonzero(used[1]), self.cache.page_table[nxt])
@@ -87,6 +98,13 @@ class PagedExperts:
 
     def layer_done(self, moe_layer: int) -> None:
         self.loader.layer_done(moe_layer)
+        first = self._first_touched
+        if (moe_layer == len(self.gates) - 1 and self.prefetch and first is not None
+                and prefetch_next_step(len(first), self.num_experts)):
+            # the last layer's compute is queued (its buffer's event recorded): the next step's first layer
+            # gets this step's misses of that layer in its buffer, behind this step's loads on the copy stream
+            self.loader.prefetch(0, first, self.cache.page_table[0])
+            self._first_touched = None
 
 
 class ResidentExperts:
@@ -214,6 +232,7 @@ class DeviceTableExperts:
         self._counts = torch.zeros(2, dtype=torch.int64, device=device)  # touched, missed (this step)
         self._counts_host = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
         self._seen_version: int | None = None
+        self._staged: torch.cuda.Event | None = None  # the last table upload out of ``_staging``
         self._step_ids: list[tuple[int, torch.Tensor]] = []
         self.experts_touched = 0
         self.experts_missed = 0  # read in place over PCIe
@@ -227,8 +246,13 @@ class DeviceTableExperts:
         if self.host_pages is None and (table[..., 0] < 0).any():
             raise RuntimeError("an expert is not resident and there is no host store to read it from")
         merged = table if self._host_index is None else np.where(table >= 0, table, self._host_index)
+        if self._staged is not None:  # async scheduling: the last upload may still be queued behind a step
+            self._staged.synchronize()
         self._staging.copy_(torch.from_numpy(merged))
         self.tables.copy_(self._staging, non_blocking=True)
+        if self._staging.is_pinned():
+            self._staged = torch.cuda.Event()
+            self._staged.record()
         self._seen_version = self._version()
         return True
 

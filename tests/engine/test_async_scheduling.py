@@ -139,3 +139,125 @@ def test_resident_experts_count_is_read_from_the_device_only_after_an_eager_step
     while llm.has_unfinished_requests():
         llm.step()  # graphed decode steps (async): counted by the graphs' provider, not read from this one
     assert provider.experts_touched == read
+
+
+# ---------------------------------------------------------------- offloading policies (fixed, elastic)
+def offloaded(ckpt, policy: str, async_scheduling: bool = True, **options) -> LLM:
+    """A fixed/elastic engine whose decode graphs replay eagerly: misses are read in place from the host store."""
+    llm = LLM(ckpt, device="cpu", dtype=torch.float32, activation_reserve="1MiB", policy=policy,
+              async_scheduling=async_scheduling, **options)
+    llm._install_eager_replay_graphs()
+    return llm
+
+
+def run_logged(llm: LLM, params) -> tuple[dict[str, list[int]], list[tuple[bool, int, int]]]:
+    """Serve ``PROMPTS`` to the end; per call: (a step left in flight, experts evicting, that step's cache change)."""
+    for i, p in enumerate(PROMPTS):
+        llm.add_request(f"r{i}", p, params[i] if isinstance(params, list) else params)
+    done, log = {}, []
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                done[o.request_id] = o.output_token_ids
+        inflight = llm._inflight
+        log.append((inflight is not None, llm.cache.num_evicting, 0 if inflight is None else inflight[2]))
+    llm.check_integrity()
+    assert_all_state_pages_returned(llm)
+    assert llm._inflight is None
+    return done, log
+
+
+def _pressure(ckpt) -> dict:
+    """Elastic under a tight budget: the adjuster shrinks and, at the offload limit, the scheduler preempts."""
+    from tests.engine.tiny import tight_budget
+
+    return dict(gpu_memory_budget=tight_budget(ckpt), initial_cache_experts=16, expert_offload_limit=2,
+                max_num_batched_tokens=64)
+
+
+@pytest.mark.parametrize("policy", ["fixed", "elastic"])
+def test_offloading_async_greedy_matches_transformers_and_sync(tiny, policy):
+    ckpt, reference = tiny
+    options = (dict(gpu_memory_budget="400MiB", initial_cache_experts=6) if policy == "fixed" else _pressure(ckpt))
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    runs = []
+    for flag in (False, True):
+        llm = offloaded(ckpt, policy, flag, **options)
+        done, log = run_logged(llm, params)
+        runs.append(done)
+        assert any(inflight for inflight, _, _ in log) == flag  # pipelined steps only with the option on
+    assert runs[0] == runs[1] == {f"r{i}": ref for i, ref in enumerate(reference)}
+    if policy == "elastic":  # the pressure run shrank the cache and preempted a request, as in sync
+        assert any(r.adjust < 0 for r in llm.timeline.records) and llm.stats().preemptions > 0
+    else:
+        assert llm.graphs.experts.experts_missed > 0  # graphed steps read misses in place from the host store
+
+
+def test_elastic_expansions_while_a_step_is_in_flight(tiny):
+    """Expansion copies start while a step runs (one expert per step here); they enter the page table only after
+    their copy completed, and the tokens equal transformers' and the synchronous engine's."""
+    from rimuru.experts.adjuster import AdjusterConfig
+
+    ckpt, reference = tiny
+    runs = []
+    for flag in (False, True):
+        llm = offloaded(ckpt, "elastic", flag, gpu_memory_budget="400MiB", initial_cache_experts=6)
+        llm.policy.adjuster = AdjusterConfig(max_expand=1)
+        done, log = run_logged(llm, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+        runs.append(done)
+    assert sum(1 for inflight, _, change in log if inflight and change > 0) >= 3
+    assert llm.cache.num_cached == llm.cache.total == llm.cache.num_resident
+    assert runs[0] == runs[1] == {f"r{i}": ref for i, ref in enumerate(reference)}
+
+
+def _shrinking(ckpt) -> dict:
+    """Elastic at a budget where the cache shrinks by one expert during a pipelined decode step (F_b < 2)."""
+    from rimuru.bench import pressure
+
+    budget = pressure.tight_budget(ckpt, experts=16, kv_pages=1, device="cpu", dtype=torch.float32,
+                                   activation_reserve="1MiB")
+    return dict(gpu_memory_budget=budget, initial_cache_experts=14, max_num_batched_tokens=64, block_tokens=4)
+
+
+def test_a_shrink_in_a_pipelined_step_is_freed_at_that_steps_commit(tiny):
+    ckpt, reference = tiny
+    params = [SamplingParams(max_tokens=3 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    sync, _ = run_logged(offloaded(ckpt, "elastic", False, **_shrinking(ckpt)), params)
+    llm = offloaded(ckpt, "elastic", True, **_shrinking(ckpt))
+    for i, p in enumerate(PROMPTS):
+        llm.add_request(f"r{i}", p, params[i])
+    done, seen = {}, False
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                done[o.request_id] = o.output_token_ids
+        cache = llm.cache
+        if llm._inflight is not None and cache.num_evicting:  # the step in flight shrank: still mapped
+            seen = True
+            assert llm._inflight[2] < 0 and cache.num_resident == cache.num_cached + cache.num_evicting
+            assert not llm._pipelinable()  # the next call commits it (and frees the pages) before anything else
+    assert seen
+    llm.check_integrity()
+    assert done == sync and all(done[f"r{i}"] == reference[i][: 3 + 3 * i] for i in range(4))
+
+
+def test_abort_while_a_shrinking_step_is_in_flight(tiny):
+    ckpt, reference = tiny
+    params = [SamplingParams(max_tokens=3 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+    sync, _ = run_logged(offloaded(ckpt, "elastic", False, **_shrinking(ckpt)), params)
+    llm = offloaded(ckpt, "elastic", True, **_shrinking(ckpt))
+    for i, p in enumerate(PROMPTS):
+        llm.add_request(f"r{i}", p, params[i])
+    done, aborted = {}, None
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            if o.finished:
+                done[o.request_id] = o.output_token_ids
+        if aborted is None and llm._inflight is not None and llm.cache.num_evicting:
+            aborted = max(r.request_id for r in llm.scheduler.running)  # the longest-running request
+            llm.abort_request(aborted)
+    assert aborted is not None and aborted not in done
+    llm.check_integrity()
+    assert_all_state_pages_returned(llm)
+    assert done == {k: v for k, v in sync.items() if k != aborted}
+    assert all(done[f"r{i}"] == reference[i][: 3 + 3 * i] for i in range(4) if f"r{i}" != aborted)

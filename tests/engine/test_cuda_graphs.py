@@ -236,10 +236,13 @@ def test_padded_decode_buffers_give_the_eager_logits_on_cpu():
 
 
 @pytest.mark.gpu
-def test_gpu_async_scheduling_gives_the_synchronous_tokens():
+@pytest.mark.parametrize("policy,options", [("static", {}), ("fixed", {"initial_cache_experts": 5}),
+                                            ("elastic", {"initial_cache_experts": 5})])
+def test_gpu_async_scheduling_gives_the_synchronous_tokens(policy, options):
     """Greedy decode with step n+1 launched before step n's tokens are read (tokens fed on the device) gives the
-    tokens of the synchronous graphed engine, stop tokens and length limits included."""
-    llm = _gpu_engine("static")
+    tokens of the synchronous graphed engine, stop tokens and length limits included; offloading policies read
+    misses in place while the elastic cache expands behind the step in flight."""
+    llm = _gpu_engine(policy, **options)
     llm.warmup()
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 150000, int(n)).tolist() for n in rng.integers(3, 300, 12)]

@@ -116,3 +116,15 @@ def test_prefetched_experts_are_used_without_a_second_copy():
     read = view[table[[2, 7]].long()].clone()
     torch.cuda.synchronize()
     assert torch.equal(read.cpu(), host[1, [2, 7]])
+
+
+def test_an_expansion_copy_waits_for_the_compute_stream():
+    """With async scheduling a step may still be queued that writes pages an expansion just allocated (the KV slot
+    of a request whose stop token is found one step late): the copy must land after it."""
+    _, host, view, loader, _ = setup(buffer_experts=0)
+    pages = np.arange(PAGES_PER_EXPERT)
+    torch.cuda._sleep(SLEEP_CYCLES)  # the compute stream is busy, then writes the pages
+    view[: PAGES_PER_EXPERT].fill_(-1.0)
+    done = loader.copy_expert(3, 1, pages)
+    done.synchronize()
+    assert torch.equal(pages_of(view, pages), host[3, 1]), "the expansion copy ran before the compute stream's write"

@@ -4,11 +4,14 @@ For each policy an engine is built once (``--layers`` of the real shapes), warme
 graphs captured), then for each batch size ``b``: ``b`` requests of ``--prompt-len`` random tokens are
 prefilled and decoded. Eager and graphed decode segments (``--steps`` steps each, after ``--discard``
 discarded steps) alternate in ABBA order (``--repeats`` of each) on the same running batch; the eager
-segments use the very path ``enforce_eager=True`` takes. Where the engine schedules asynchronously (``static``),
-the graphed segments come twice: ``graph`` (async scheduling: step n+1 launched before step n's tokens are read)
-and ``graph-sync`` (every step waits for its tokens), in A B C C B A order. Per segment: median step time, the floor of
-each step (rimuru.engine.step_floor: HBM bytes / 4.26 TB/s, PCIe bytes / 55.4 GB/s, overlapped), stalls
-(steps over 3x the segment's median) and Triton compiles.
+segments use the very path ``enforce_eager=True`` takes. Where the engine schedules asynchronously (every policy,
+at batches the decode graphs cover), the graphed segments come twice: ``graph`` (async scheduling: step n+1
+launched before step n's tokens are read) and ``graph-sync`` (every step waits for its tokens), in A B C C B A
+order. Per segment: median step time of its decode-only steps, the floor of each (rimuru.engine.step_floor:
+HBM bytes / 4.26 TB/s, PCIe bytes / 55.4 GB/s, overlapped), stalls
+(decode steps over 3x that median), Triton compiles, and the requests preempted in it (under KV pressure a segment
+also holds preempted requests' recompute prefills: ``all_steps_ms`` is the median over every step; before 2026-11-30
+wave 5 ``step_ms`` was that median, against a floor of the decode steps only).
 
 Writes ``decode_floor.csv`` (model, layers, policy, batch, step_ms, floor_ms, ratio, cuda_graphs, device,
 commit, date: medians over the repeats) and ``decode_floor_detail.csv`` (every segment, with order,
@@ -57,12 +60,12 @@ def segment(llm: LLM, steps: int, discard: int) -> pd.DataFrame:
 
 def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: int, discard: int, repeats: int,
             rng: np.random.Generator) -> list[dict]:
-    modes = ["eager"]
-    if llm.graphs is not None:  # graph: replays with async scheduling where the engine uses it; graph-sync: without
-        modes += ["graph", "graph-sync"] if llm.policy.all_experts_resident and llm.config.async_scheduling \
-            else ["graph"]
     rows = []
     for b in batches:
+        modes = ["eager"]
+        if llm.graphs is not None:  # graph: replays with async scheduling (every policy); graph-sync: without.
+            # Above the graphs' largest batch (offloading policies: 16) every mode but eager runs the eager path
+            modes += ["graph", "graph-sync"] if llm.config.async_scheduling and b <= llm.graphs.bmax else ["graph"]
         need = discard + steps
         total_steps = len(modes) * repeats * need + 8
         for i in range(b):
@@ -80,14 +83,18 @@ def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: i
             with llm.use_graphs(mode != "eager"), llm.use_async_scheduling(mode == "graph"):
                 frame = segment(llm, steps, discard)
             floors = decode_floor(frame, llm.spec)
-            med = float(frame["step_ms"].median())
+            decode = frame[frame["prefill_tokens"] == 0]  # the steps the floor is computed for: a segment under
+            # KV pressure also holds the recompute prefills of preempted requests, whose time a decode floor omits
+            med = float(decode["step_ms"].median()) if len(decode) else float("nan")
             rows.append({**label, "batch": b, "mode": mode, "order": k, "repeat": order[:k + 1].count(mode) - 1,
                          "running": int(frame["running"].median()), "step_ms": med,
-                         "step_ms_p10": float(frame["step_ms"].quantile(0.1)),
-                         "step_ms_p90": float(frame["step_ms"].quantile(0.9)),
+                         "step_ms_p10": float(decode["step_ms"].quantile(0.1)),
+                         "step_ms_p90": float(decode["step_ms"].quantile(0.9)),
+                         "all_steps_ms": float(frame["step_ms"].median()), "decode_steps": len(decode),
+                         "preempted": int(frame["preempted"].sum()),
                          "floor_ms": float(floors["floor_overlap_ms"].median()),
                          "hbm_ms": float(floors["hbm_ms"].median()), "pcie_ms": float(floors["pcie_ms"].median()),
-                         "stalls": int((frame["step_ms"] > 3 * med).sum()), "compiles": compile_count() - before,
+                         "stalls": int((decode["step_ms"] > 3 * med).sum()), "compiles": compile_count() - before,
                          "graphed_steps": int(frame["cuda_graph"].sum()), "steps": len(frame),
                          "experts_touched": float(frame["experts_touched"].median()),
                          "experts_loaded": float(frame["experts_loaded"].median()),
@@ -155,8 +162,10 @@ def main() -> None:
                .agg(step_ms=("step_ms", "median"), floor_ms=("floor_ms", "median")))
     summary["ratio"] = summary["step_ms"] / summary["floor_ms"]
     summary["cuda_graphs"] = summary["mode"].ne("eager")
-    pipelined = set(detail.loc[detail["mode"] == "graph-sync", "policy"])  # policies whose "graph" rows ran async
-    summary["async_scheduling"] = summary.pop("mode").eq("graph") & summary["policy"].isin(pipelined)
+    sync = detail[detail["mode"] == "graph-sync"]  # (policy, batch) whose "graph" rows ran async
+    pipelined = set(zip(sync["policy"], sync["batch"]))
+    summary["async_scheduling"] = summary.pop("mode").eq("graph") & pd.Series(
+        [(p, b) in pipelined for p, b in zip(summary["policy"], summary["batch"])], index=summary.index)
     prov = provenance()
     for key in ("device", "commit", "date"):
         summary[key] = prov[key]

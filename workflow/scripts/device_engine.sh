@@ -8,6 +8,8 @@
 #                        48-layer graphs, ABBA rounds of replays per batch (AB_BATCHES), per-kernel times of each
 #   E2E_RUNS="..."       e2e_gpu.py --runs (ABBA, REPEATS each), NREQ requests, LAYERS layers (burst)
 #   POISSON_RUNS="..."   a second e2e_gpu.py call for the Poisson runs (POISSON_NREQ requests at RATE/s)
+#   BURST2_NREQ=200      the E2E_RUNS again at a second burst size
+#   E2E48_RUNS="..."     the full 48-layer model, E2E48_NREQ requests at once, outputs capped (E2E48_ARGS)
 # Every output lands in /tmp/res and comes back as one results.tar.gz plus the logs under $OUT (at most 8 files
 # come back); the e2e calls also write timelines.csv: every run's per-step timeline with policy/workload/repeat.
 # MODEL (qwen3-30b-a3b), DEVICE (cuda) and FLOOR_ARGS/E2E_ARGS let the same script dry-run on the CPU first:
@@ -55,17 +57,25 @@ if [ "${PROFILE:-0}" = 1 ]; then
     | grep -v -i warn > "$RES/profile.log"
   grep -E "^batch" "$RES/profile.log"
 fi
-e2e() {  # name runs nreq timeout
-  timeout "$4" python3 workflow/scripts/e2e_gpu.py --model "$MODEL" --device "$DEVICE" --layers "${LAYERS:-4}" --fast-synth \
-    --trace .device/trace_sharegpt_400.jsonl --num-requests "$3" --rate "${RATE:-4}" --runs "$2" \
-    --repeats "${REPEATS:-2}" --warmup-requests "${WARMUP:-16}" --calibration-prompts "${CAL:-64}" ${E2E_ARGS:-} \
-    --out "$RES/$1" 2>&1 | grep -v Warning > "$RES/$1.log"
+e2e() {  # name runs nreq timeout [layers repeats warm-up-requests calibration-prompts extra-args]
+  timeout "$4" python3 workflow/scripts/e2e_gpu.py --model "$MODEL" --device "$DEVICE" --layers "${5:-${LAYERS:-4}}" \
+    --fast-synth --trace .device/trace_sharegpt_400.jsonl --num-requests "$3" --rate "${RATE:-4}" --runs "$2" \
+    --repeats "${6:-${REPEATS:-2}}" --warmup-requests "${7:-${WARMUP:-16}}" --calibration-prompts "${8:-${CAL:-64}}" \
+    ${9:-${E2E_ARGS:-}} --out "$RES/$1" 2>&1 | grep -v Warning > "$RES/$1.log"
   grep -E '^\{"policy"' "$RES/$1.log" | grep request_throughput | cut -c1-260
   rm -f "$RES/$1"/timeline_*.csv  # the same rows are in timelines.csv
 }
+# E2E_RUNS: the burst of NREQ requests, then (BURST2_NREQ set) the same runs at a second burst size
 [ -n "${E2E_RUNS:-}" ] && e2e "burst_${NREQ:-400}" "$E2E_RUNS" "${NREQ:-400}" "${E2E_TIMEOUT:-400}"
+[ -n "${E2E_RUNS:-}" ] && [ -n "${BURST2_NREQ:-}" ] && e2e "burst_${BURST2_NREQ}" "$E2E_RUNS" "$BURST2_NREQ" \
+  "${BURST2_TIMEOUT:-200}"
 [ -n "${POISSON_RUNS:-}" ] && e2e "poisson_${POISSON_NREQ:-100}" "$POISSON_RUNS" "${POISSON_NREQ:-100}" \
   "${POISSON_TIMEOUT:-300}"
+# E2E48_RUNS: the full-depth model (E2E48_LAYERS, default 48), E2E48_NREQ requests at once, outputs capped by
+# E2E48_ARGS (e.g. "--max-output 16"), E2E48_REPEATS of each policy, a short warm-up pass and calibration
+[ -n "${E2E48_RUNS:-}" ] && e2e "burst_${E2E48_NREQ:-100}_${E2E48_LAYERS:-48}L" "$E2E48_RUNS" "${E2E48_NREQ:-100}" \
+  "${E2E48_TIMEOUT:-200}" "${E2E48_LAYERS:-48}" "${E2E48_REPEATS:-1}" "${E2E48_WARMUP:-4}" "${E2E48_CAL:-16}" \
+  "${E2E48_ARGS:---max-output 16}"
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && gpu_tests
 tar -C "$RES" -czf "$OUT/results.tar.gz" .
 cp "$RES"/*.log "$OUT/" 2>/dev/null
