@@ -4,6 +4,7 @@ behaviour (step counts, concurrency) as the torch executor on a tiny model."""
 from types import SimpleNamespace
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -380,3 +381,99 @@ def test_modeled_hybrid_tp2_holds_state_pages():
         llm.step()
     llm.check_integrity()
     assert not llm.kv.states.requests and llm.executor.totals["allreduce_ms"] > 0  # every state given back
+
+
+def test_overlapped_graph_replay_takes_the_longer_of_host_and_device(spec):
+    """Async scheduling: a replay launched behind another costs max(host, device), otherwise host + device;
+    predict_steps (the calibration's form) agrees."""
+    params = UNIT.replace(host_graph_step_ms=0.5, host_seq_us=100.0)
+    cost = CostModel(spec, GPU, params)
+    layers = spec.num_moe_layers
+    zero = np.zeros(layers)
+    q, starts = np.array([1, 1]), np.array([10, 20])
+
+    def work(overlapped):
+        return StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=zero, prefetched=zero, graphed=True,
+                        in_place=zero, overlapped=overlapped)
+    serial, overlapped = cost.step(work(False)), cost.step(work(True))
+    host = 0.5 + 2 * 0.1
+    assert serial.host_ms == pytest.approx(host)
+    device = serial.total_ms - host
+    # 48 layers x 10 experts x 9437184 B at 1 TB/s dominate: ~4.5 ms of device time, more than the host's 0.7
+    assert device > host
+    assert overlapped.total_ms == pytest.approx(max(host, device))
+    slow_host = CostModel(spec, GPU, params.replace(host_graph_step_ms=50.0))
+    assert slow_host.step(work(True)).total_ms == pytest.approx(50.0 + 0.2)  # host-bound: the host's time alone
+    x = {"tokens": np.array([2.0, 2.0]), "decode": np.array([2.0, 2.0]), "pairs": np.array([32.0, 32.0]),
+         "kv_bytes": np.array([34.0, 34.0]) * cost.kv_bytes_per_token_layer, "touched": np.array([10.0, 10.0]),
+         "loads": np.zeros(2), "in_place": np.zeros(2), "expansions": np.zeros(2), "running": np.array([2.0, 2.0]),
+         "samples": np.array([2.0, 2.0]), "graphed": np.array([True, True]), "overlapped": np.array([False, True])}
+    assert predict_steps(x, cost, params, sync=False) == pytest.approx([serial.total_ms, overlapped.total_ms])
+    with pytest.raises(ValueError, match="overlaps"):
+        cost.step(StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=zero, prefetched=zero,
+                           overlapped=True))
+
+
+def test_resident_host_terms_apply_to_steps_without_a_routing_sync(spec):
+    """resident_seq_us / resident_token_us replace host_seq_us / token_us in steps without a routing sync
+    (every expert resident); steps with one keep the paged terms; None borrows the paged ones."""
+    params = UNIT.replace(host_seq_us=10.0, token_us=2.0, resident_seq_us=30.0, resident_token_us=0.5)
+    cost, base = CostModel(spec, GPU, params), CostModel(spec, GPU, UNIT)
+    layers = spec.num_moe_layers
+    zero = np.zeros(layers)
+    q, starts = np.array([100, 1, 1]), np.array([0, 50, 60])
+    for sync, seq_us, tok_us in ((True, 10.0, 2.0), (False, 30.0, 0.5)):
+        w = StepWork(q, starts, samples=3, touched=np.full(layers, 10), demand=zero, prefetched=zero,
+                     sync_per_layer=sync)
+        assert cost.step(w).total_ms - base.step(w).total_ms == pytest.approx(3 * seq_us * 1e-3 + 102 * tok_us * 1e-3)
+    g = StepWork(np.array([1, 1]), np.array([10, 50]), samples=2, touched=np.full(layers, 10), demand=zero,
+                 prefetched=zero, graphed=True, in_place=zero, sync_per_layer=False)
+    assert cost.step(g).total_ms - base.step(g).total_ms == pytest.approx(2 * 30.0 * 1e-3)  # per request, no token
+    assert UNIT.replace(host_seq_us=7.0, token_us=3.0).seq_us(False) == 7.0
+    assert UNIT.replace(host_seq_us=7.0, token_us=3.0).eager_token_us(False) == 3.0
+
+
+def test_pipelined_decides_as_the_async_engine():
+    from rimuru.engine.modeled.executor import pipelined
+
+    assert pipelined(True, graphed=True, waiting=0)
+    assert not pipelined(True, graphed=True, waiting=3)  # the engine finishes the step first: a prefill is due
+    assert not pipelined(True, graphed=False, waiting=0)
+    assert not pipelined(False, graphed=True, waiting=0)
+
+
+def test_modeled_async_scheduling_overlaps_static_decode_steps():
+    """The same static run with async scheduling on takes less modeled time (graphed steps overlap), every count
+    the same; the offloading policies never overlap (LLM._pipelinable needs every expert resident)."""
+    trace = [TraceRequest(50 + 37 * i % 200, 20 + 13 * i % 60, 0.0) for i in range(24)]
+    runs = {}
+    for policy in ("static", "elastic"):
+        for on in (True, False):
+            llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="80GiB", policy=policy, max_num_seqs=64,
+                      async_scheduling=on)
+            runs[policy, on] = (replay(llm, trace), llm.executor.overlapped_steps, llm.executor.graph_steps)
+    (m_on, over_on, graphs_on), (m_off, over_off, graphs_off) = runs["static", True], runs["static", False]
+    assert over_off == 0 and 0 < over_on < graphs_on == graphs_off
+    assert m_on["forward_steps"] == m_off["forward_steps"] and m_on["duration_s"] < m_off["duration_s"]
+    assert runs["elastic", True][1] == 0 and runs["elastic", True][0] == runs["elastic", False][0]
+
+
+def test_loop_fit_recovers_a_drawn_serving_loop():
+    """fit_loop: the gaps between consecutive steps (time_s ends a step of step_ms) drawn from known terms."""
+    from rimuru.engine.modeled.calibration import fit_loop, loop_gaps
+
+    rng = np.random.default_rng(0)
+    running = rng.integers(1, 200, 400).astype(float)
+    running[:50] = 1
+    eager = (rng.random(400) < 0.3) & (running > 1)
+    step_ms = rng.uniform(1, 10, 400)
+    gap_ms = (20.0 + 2.0 * running + 100.0 * eager) * 1e-3  # us -> ms
+    ends = np.cumsum(step_ms + gap_ms) * 1e-3
+    t = pd.DataFrame({"step": np.arange(400), "repeat": 0, "time_s": ends, "step_ms": step_ms, "running": running,
+                      "cuda_graph": (~eager).astype(int)})
+    assert len(loop_gaps(t)) == 399
+    fit = fit_loop([t])
+    assert fit["loop_step_us"] == pytest.approx(20.0) and fit["loop_seq_us"] == pytest.approx(2.0)
+    assert fit["loop_eager_us"] == pytest.approx(100.0)
+    p = CostParams(loop_step_us=20.0, loop_seq_us=2.0, loop_eager_us=100.0)
+    assert p.loop_ms(5, graphed=True) == pytest.approx(0.030) and p.loop_ms(5, graphed=False) == pytest.approx(0.130)

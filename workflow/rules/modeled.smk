@@ -15,7 +15,8 @@ def calibration_inputs(w):
             + [f"{REF}/{f}" for f in MODELED["decode_floor"]]
             + glob.glob(f"{REF}/e2e/run_*/timeline_*.csv") + glob.glob(f"{REF}/e2e/run_*/hotset.json")
             + [f"{REF}/{k.rsplit(':', 1)[0].rsplit('/', 1)[0]}/timelines_{k.rsplit(':', 1)[0].rsplit('/', 1)[1]}.csv.gz"
-               for k in MODELED["fit_timelines"]])
+               for k in MODELED["fit_timelines"]]
+            + [f"{REF}/{f}" for f in MODELED.get("async_floor", [])])
 
 
 FIDELITY = MODELED["fidelity"]
@@ -44,11 +45,14 @@ rule modeled_calibrate:
         floor=" ".join(MODELED["decode_floor"]),
         routing=",".join(MODELED["routing_fit_runs"]),
         timelines=",".join(MODELED["fit_timelines"]),
+        async_floor=" ".join(MODELED.get("async_floor", [])),
+        fit_loop="--fit-loop" if MODELED.get("fit_loop") else "",
     log: "results/logs/modeled/calibrate.log"
     shell:
         CPU + "results/logs/modeled/cpu/calibrate.json -- "
         "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {params.floor} --fit-runs {params.fit} "
-        "--routing-fit-runs {params.routing} --fit-timelines {params.timelines} "
+        "--routing-fit-runs {params.routing} --fit-timelines {params.timelines} --async-floor {params.async_floor} "
+        "{params.fit_loop} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
@@ -67,13 +71,15 @@ rule modeled_fidelity:
     params:
         caps=" ".join(f"{c}={n}" for c, n in FIDELITY["graph_caps"].items()),
         refs=" ".join(FIDELITY["reference"]),
-        fit=" ".join(k.rsplit(":", 1)[0].rsplit("/", 1)[1] + "/" + k.rsplit(":", 1)[1] for k in MODELED["fit_timelines"]),
+        fit=" ".join(MODELED["fit_timelines"]),
+        overlap=" ".join(f"{c}={int(n)}" for c, n in FIDELITY["async_scheduling"].items()),
     log: "results/logs/modeled/fidelity.log"
     shell:
         CPU + "results/logs/modeled/cpu/fidelity.json -- "
         "{PY} {SCRIPTS}/modeled_fidelity.py --reference {params.refs} "
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
-        "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --fit {params.fit} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
+        "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --async-scheduling {params.overlap} "
+        "--fit {params.fit} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
 
 

@@ -20,7 +20,9 @@ from rimuru.engine.modeled.calibration import (
     fit_attention,
     fit_chunk_routing,
     fit_decode_floor,
+    fit_loop,
     fit_moe_kernel,
+    floor_check,
     load_floor,
     prefetch_waste,
 )
@@ -65,6 +67,11 @@ def main() -> None:
                     help="DIR/RUN:POLICY,... measured per-step timelines (DIR/timelines_RUN.csv.gz under --reference, "
                          "every repeat of POLICY) fitted jointly with the decode-floor segments: prefill, mixed and "
                          "decode steps of serving runs; the fidelity check counts these runs as fit, not validation")
+    ap.add_argument("--async-floor", nargs="*", default=[],
+                    help="decode-floor files (relative to --reference) of an engine whose async scheduling overlaps: "
+                         "its graph (async) and graph-sync segments are checked against the fitted model, not fitted")
+    ap.add_argument("--fit-loop", action="store_true",
+                    help="apply the serving-loop fit (loop_*; always written to fitted.loop_fit) to the parameters")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -126,14 +133,30 @@ def main() -> None:
         runs_path = ref / folder / "e2e.csv"
         t_all, t_runs = pd.read_csv(t_path), pd.read_csv(runs_path)
         t_frame = t_all[t_all["policy"] == policy].reset_index(drop=True)
-        row = t_runs[(t_runs["run"] == run) & (t_runs["policy"] == policy)]
+        # a folder of one run (e.g. e2e/static_c56c229) has no run column: its rows are that run
+        row = t_runs[((t_runs["run"] == run) if "run" in t_runs else True) & (t_runs["policy"] == policy)]
         if t_frame.empty or row.empty:
             raise SystemExit(f"--fit-timelines {key}: no {policy} steps in {t_path} or no row in {runs_path}")
         name, layers = parse_run_model(row.iloc[0]["model"])
         timelines.append((f"{run}/{policy}", t_frame, CostModel(spec_with_layers(name, layers), gpu, base), policy))
         data += [data_entry(t_path), data_entry(runs_path, row)]
     params, steps = fit_decode_floor(frames, floor_costs, base, timelines)
-    params = params.replace(fitted={
+    # the serving loop between steps: the fit runs' all-at-once timelines (a Poisson run's gaps include idle time)
+    bursts = [t[t["workload"] == "burst"] for _, t, _, _ in timelines]
+    loop = fit_loop([t for t in bursts if len(t)]) if any(len(t) for t in bursts) else {}
+    if loop and args.fit_loop:
+        params = params.replace(loop_step_us=loop["loop_step_us"], loop_seq_us=loop["loop_seq_us"],
+                                loop_eager_us=loop["loop_eager_us"])
+    checks = {}
+    for path in args.async_floor:
+        frame = pd.read_csv(ref / path)
+        frame = frame[(frame["compiles"] == 0) & (frame["stalls"] == 0)].reset_index(drop=True)
+        data.append(data_entry(ref / path, frame))
+        for layers, f in frame.groupby("layers"):
+            cost = CostModel(spec_with_layers(f["model"].iloc[0], int(layers)), gpu, params)
+            checks[f"{path} {int(layers)}L"] = floor_check(f.reset_index(drop=True), cost, params, async_overlap=True)
+    params = params.replace(fitted={"loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
+                                    "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
         "routing_fit": routing_fit, "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
         "fit_runs": args.fit_runs.split(","), "fit_timelines": list(filter(None, args.fit_timelines.split(","))),
@@ -155,6 +178,10 @@ def main() -> None:
           f"fixed {kernel['moe_fixed_us']:.1f} us "
           f"(median error {kernel['median_rel_error']:.1%}); attention: attn_eff {attention['attn_eff']:.3f}")
     print("steps:", {k: round(v, 3) for k, v in steps["values"].items()}, "waste", round(params.prefetch_waste, 3))
+    print("serving loop:", {k: round(v, 3) for k, v in loop.items()}, "applied" if args.fit_loop else "not applied")
+    for name, rows in checks.items():
+        print(f"  not fitted, {name}:", ", ".join(f"{k} {r['measured_ms']:.2f}->{r['modeled_ms']:.2f} ms "
+                                                   f"({r['rel_error']:+.1%})" for k, r in rows.items()))
     for name, r in steps["timeline_groups"].items():
         print(f"  {name}: {r['steps']} steps, measured {r['measured_ms_sum'] / 1e3:.2f} s, modeled "
               f"{r['modeled_ms_sum'] / 1e3:.2f} s, median step error {r['median_rel_error']:+.1%}")

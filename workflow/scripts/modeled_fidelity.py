@@ -63,6 +63,18 @@ def graph_caps(items: list[str]) -> dict[str, int]:
     return caps
 
 
+def fit_names(keys: list[str], root: str = "results/reference") -> set[str]:
+    """RUN/POLICY as fidelity.csv names the runs of ``--fit-timelines`` keys DIR/RUN:POLICY: RUN, or the folder's
+    name where its e2e.csv has no run column (one run per folder, e.g. e2e/static_c56c229)."""
+    out = set()
+    for key in keys:
+        path, policy = key.rsplit(":", 1)
+        folder, run = path.rsplit("/", 1)
+        runs = pd.read_csv(Path(root) / folder / "e2e.csv", nrows=1)
+        out.add(f"{run if 'run' in runs else Path(folder).name}/{policy}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reference", nargs="+", default=["results/reference/e2e/graphs"],
@@ -74,7 +86,11 @@ def main() -> None:
                     help="how the measuring script drew Poisson arrivals (see the module docstring)")
     ap.add_argument("--graph-cap", nargs="+", default=[], help="COMMIT=N: offloading decode-graph cap of a commit")
     ap.add_argument("--fit", nargs="*", default=[],
-                    help="RUN/POLICY of runs whose per-step timelines the calibration fitted on: their rows are `fit`")
+                    help="DIR/RUN:POLICY (the calibration's --fit-timelines, DIR under results/reference) of runs "
+                         "whose per-step timelines the calibration fitted on: their rows are `fit`")
+    ap.add_argument("--async-scheduling", nargs="+", default=[],
+                    help="COMMIT=0|1: whether the measured commit's async scheduling overlapped a graphed step's host "
+                         "work with the step before (the modeled engine's async_scheduling)")
     ap.add_argument("--decode-floor", nargs="+", required=True,
                     help="decode-floor segments, newest first, as the calibration read them: figure")
     ap.add_argument("--out-csv", required=True)
@@ -90,6 +106,8 @@ def main() -> None:
     e2e = pd.concat(frames, ignore_index=True)
     lengths = pd.read_csv(args.lengths)
     caps = graph_caps(args.graph_cap)
+    overlap = {c: bool(n) for c, n in graph_caps(args.async_scheduling).items()}
+    fit = fit_names(args.fit)
     rows = []
     timelines = Path(args.out_timelines)
     timelines.mkdir(parents=True, exist_ok=True)
@@ -101,6 +119,8 @@ def main() -> None:
         commit = str(row["commit"])
         if commit not in caps:
             raise SystemExit(f"{key}: no --graph-cap for commit {commit} (the decode-graph cap it ran with)")
+        if commit not in overlap:
+            raise SystemExit(f"{key}: no --async-scheduling for commit {commit} (did its async scheduling overlap?)")
         name, layers = parse_run_model(row["model"])
         full, small = ModelSpec.from_pretrained(name), spec_with_layers(name, layers)
         budget = e2e_scaled_budget(full, small, parse_bytes(f"{row['budget_gib']}GiB"), policy)
@@ -109,7 +129,7 @@ def main() -> None:
         seed = int(command_arg(command, "--seed", 0))
         llm = LLM(small, executor="modeled", gpu_memory_budget=budget, policy=policy, kv_reserve=kv_reserve,
                   hotset=row["hotset"], hardware=args.hardware, cost_params=args.cost_params, seed=seed,
-                  offload_graph_max_batch=caps[commit])
+                  offload_graph_max_batch=caps[commit], async_scheduling=overlap[commit])
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
@@ -130,12 +150,13 @@ def main() -> None:
         for m in METRICS:
             measured = group[m].astype(float)
             med, modeled = float(measured.median()), float(metrics[m])
-            split = "fit" if f"{run}/{policy}" in args.fit else "validate"
+            split = "fit" if f"{run}/{policy}" in fit else "validate"
             rows.append({"run": key, "split": split, "metric": m, "measured": med,
                          "measured_min": float(measured.min()),
                          "measured_max": float(measured.max()), "repeats": len(measured), "modeled": modeled,
                          "rel_error": (modeled - med) / med if med else float("nan"),
-                         "goal": GOALS.get(m, float("nan")), "graph_cap": caps[commit], "commit": commit})
+                         "goal": GOALS.get(m, float("nan")), "graph_cap": caps[commit],
+                         "async_overlap": overlap[commit], "commit": commit})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
         print(f"{key} (cap {caps[commit]}, {len(group)} measured): " + ", ".join(
@@ -143,7 +164,7 @@ def main() -> None:
     frame = pd.DataFrame(rows)
     Path(args.out_csv).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_csv, index=False)
-    serving = serving_steps(args.reference, args.fit, args.cost_params, args.hardware)
+    serving = serving_steps(args.reference, fit, args.cost_params, args.hardware)
     serving.to_csv(Path(args.out_csv).with_name("fidelity_steps.csv"), index=False)
     figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), serving, args.figure)
 

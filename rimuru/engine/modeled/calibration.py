@@ -159,7 +159,9 @@ def prefetch_waste(runs: list[FitRun]) -> float:
 def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync: bool | np.ndarray) -> np.ndarray:
     """Vectorised over steps: the same terms and layer pipeline as ``CostModel.step`` (tests check they agree).
     Steps with ``x["graphed"]`` set are decode-graph replays (``CostModel.graphed_step``); their
-    ``x["in_place"]`` experts per layer are read in place over PCIe."""
+    ``x["in_place"]`` experts per layer are read in place over PCIe; with ``x["overlapped"]`` (async scheduling)
+    a replay takes max(host, device). ``sync`` (per step or one bool): the eager step syncs on routing (paged
+    experts; ``token_us``, ``host_seq_us``) or not (resident: ``resident_token_us``, ``resident_seq_us``)."""
     g = cost.gpu
     roof = lambda b, f, e: np.maximum(b / (g.hbm_bytes_per_s * p.hbm_eff), f / (g.bf16_flops * e)) * 1e3  # noqa: E731
     attn = roof(x["kv_bytes"], cost.attn_flops_factor * x["pairs"], p.attn_eff)
@@ -181,26 +183,50 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
             copy_t = copy_t + load(x["loads"] * p.prefetch_recall)
         gpu_t = np.maximum(gpu_t, ready) + moe
     head = roof(cost.lm_head_bytes, cost.lm_head_flops_per_row * x["samples"], p.mma_eff)
-    eager = p.host_step_ms + p.host_seq_us * 1e-3 * x["running"] + p.token_us * 1e-3 * x["tokens"] + gpu_t + head
+    seq_us = np.where(sync, p.seq_us(True), p.seq_us(False))
+    token_us = np.where(sync, p.eager_token_us(True), p.eager_token_us(False))
+    eager = p.host_step_ms + seq_us * 1e-3 * x["running"] + token_us * 1e-3 * x["tokens"] + gpu_t + head
     if "graphed" not in x:
         return eager
     in_place = x["in_place"]
     moe_res = np.maximum((x["touched"] - in_place) * cost.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff),
                          x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
     reads = in_place * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.inplace_eff) * 1e3
-    graphed = (p.host_graph_step_ms + p.host_seq_us * 1e-3 * x["running"]
-               + layers * (attn + dense + p.gpu_layer_us * 1e-3 + moe_res + reads) + head)
+    host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"]
+    device = layers * (attn + dense + p.gpu_layer_us * 1e-3 + moe_res + reads) + head
+    overlapped = x.get("overlapped", False)  # async scheduling: launched while the step before ran
+    graphed = np.where(overlapped, np.maximum(host, device), host + device)
     return np.where(x["graphed"], graphed, eager)
+
+
+def fit_resident_host(p: CostParams, feats: list[dict], costs: list[CostModel]) -> CostParams:
+    """``resident_seq_us`` and ``resident_token_us`` from the static runs' serving steps (graphed decode, prefill and
+    mixed; no routing sync), every other term as fitted: both are linear in the step time, so ordinary least
+    squares of the measured minus the modeled time without them (in ms) on per-request and per-token (eager steps
+    only) columns. Plain least squares, not the robust loss: a burst's TTFT and duration are sums of step times,
+    and the static mixed steps are bimodal at the same work (~8.5 or ~14 ms at 255 running)."""
+    zero = p.replace(resident_seq_us=0.0, resident_token_us=0.0)
+    rows, target = [], []
+    for x, c in zip(feats, costs):
+        idx = ~np.asarray(x["sync"], bool) & np.ones(len(x["measured"]), bool)
+        eager = ~np.asarray(x["graphed"], bool)
+        rows.append(np.stack([x["running"][idx], (x["tokens"] * eager)[idx]], axis=1) * 1e-3)
+        target.append((x["measured"] - predict_steps(x, c, zero, sync=x["sync"]))[idx])
+    (seq, tok), *_ = np.linalg.lstsq(np.concatenate(rows), np.concatenate(target), rcond=None)
+    return p.replace(resident_seq_us=max(0.0, float(seq)), resident_token_us=max(0.0, float(tok)))
 
 
 # ---------------------------------------------------------------------------------------------- decode floor
 FLOOR_FREE = ("host_step_ms", "host_layer_sync_ms", "host_layer_async_ms", "host_seq_us", "host_graph_step_ms",
-              "gpu_layer_us", "pcie_eff", "inplace_eff", "prefetch_recall")
+              "gpu_layer_us", "pcie_eff", "inplace_eff", "prefetch_recall", "resident_seq_us")
 
 
-def floor_features(frame: pd.DataFrame, cost: CostModel, prompt_len: int = 256, steps_per_segment: int = 11) -> dict:
+def floor_features(frame: pd.DataFrame, cost: CostModel, prompt_len: int = 256, steps_per_segment: int = 11,
+                   async_overlap: bool = False) -> dict:
     """Per-row step work of ``decode_floor_gpu.py`` segments (one layer count): ``batch`` requests decoding after
-    ``prompt_len``-token prompts; segment ``order`` starts ``order x steps_per_segment`` steps in."""
+    ``prompt_len``-token prompts; segment ``order`` starts ``order x steps_per_segment`` steps in. Mode ``graph``
+    segments of an engine whose async scheduling overlaps (``async_overlap``: measured at 1f461ad and later;
+    ``graph-sync`` is the same engine with it off) are overlapped replays."""
     b = frame["batch"].to_numpy(float)
     layers = cost.num_moe_layers
     context = b * (prompt_len + steps_per_segment * frame["order"].to_numpy(float) + steps_per_segment / 2)
@@ -210,15 +236,19 @@ def floor_features(frame: pd.DataFrame, cost: CostModel, prompt_len: int = 256, 
             "touched": frame["experts_touched"].to_numpy(float) / layers, "loads": np.where(graphed, 0.0, loaded),
             "in_place": np.where(graphed, loaded, 0.0), "expansions": np.zeros(len(b)), "running": b, "samples": b,
             "graphed": graphed, "sync": (frame["policy"] != "static").to_numpy(),
+            "overlapped": graphed & async_overlap & (frame["mode"] == "graph").to_numpy(),
             "measured": frame["step_ms"].to_numpy(float)}
 
 
-def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_tokens: int = 256) -> dict:
+def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_tokens: int = 256,
+                      async_overlap: bool = False) -> dict:
     """Per-step work of a measured e2e timeline (``LLM.timeline``: one row per forward step, ``step_ms`` the whole
     ``LLM.step``). Graphed steps read their recorded misses in place; an eager step's recorded loads are its
     expansions (``adjust`` > 0, queued first) and the per-layer misses. Not recorded, so estimated: the number of
     prefill chunks (``prefill_tokens / chunk_tokens``, rounded up; they add per-request host time) and their
-    attention pairs (chunks of up to ``chunk_tokens`` from position 0: a small term at these lengths)."""
+    attention pairs (chunks of up to ``chunk_tokens`` from position 0: a small term at these lengths). With
+    ``async_overlap`` (the run's engine overlapped async-scheduled steps) a graphed step with nothing waiting right
+    after another such step is overlapped (``rimuru.engine.modeled.executor.pipelined``)."""
     layers = cost.num_moe_layers
     graphed = (frame["cuda_graph"] == 1).to_numpy()
     tokens = frame["tokens"].to_numpy(float)
@@ -229,7 +259,10 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
     loaded = (frame["experts_loaded"].to_numpy(float) - expansions) / layers
     chunks = decode + np.ceil(prefill / chunk_tokens)
     pairs = (context - prefill) + prefill * (np.minimum(prefill, chunk_tokens) + 1) / 2
-    return {"tokens": tokens, "decode": decode, "pairs": pairs,
+    piped = graphed & (frame["waiting"] == 0).to_numpy() & async_overlap
+    consecutive = (frame["step"].diff() == 1).to_numpy()
+    overlapped = piped & np.concatenate([[False], piped[:-1]]) & consecutive
+    return {"tokens": tokens, "decode": decode, "pairs": pairs, "overlapped": overlapped,
             "kv_bytes": (context + tokens) * cost.kv_bytes_per_token_layer,
             "touched": frame["experts_touched"].to_numpy(float) / layers, "loads": np.where(graphed, 0.0, loaded),
             "in_place": np.where(graphed, loaded, 0.0), "expansions": expansions, "running": chunks,
@@ -257,14 +290,19 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     predictor's recall from the decode-floor segments (graphed and eager, every policy, one frame per layer
     count): with two layer counts the per-step and per-layer host times are told apart.
 
-    ``timelines`` ((name, timeline, cost, policy) of the fit runs' e2e per-step timelines) join the fit with
-    ``token_us`` free: every forward step of a serving run (prefill, mixed, eager and graphed decode), weighted so
-    that the timelines together count as much as the decode-floor segments."""
+    ``timelines`` ((name, timeline, cost, policy) of the fit runs' e2e per-step timelines): the paged runs'
+    (fixed, elastic) join the fit with ``token_us`` free: every forward step of a serving run (prefill, mixed, eager
+    and graphed decode), weighted so that those timelines together count as much as the decode-floor segments.
+    The static runs' then give ``resident_seq_us`` and ``resident_token_us`` (``fit_resident_host``), every other
+    term as fitted: a second stage, so that static steps (no routing sync) do not move the paged policies' shared
+    terms; without a static timeline ``resident_seq_us`` is the static decode-floor segments'."""
     feats = [floor_features(f, c) for f, c in zip(frames, costs)]
     tfeats = [timeline_features(f, c, pol) for _, f, c, pol in timelines]
-    free = FLOOR_FREE + (("token_us",) if timelines else ())
+    joint = [i for i, (_, _, _, pol) in enumerate(timelines) if pol != "static"]
+    resident = [i for i, (_, _, _, pol) in enumerate(timelines) if pol == "static"]
+    free = FLOOR_FREE + (("token_us",) if joint else ())
     n_floor = sum(len(x["measured"]) for x in feats)
-    n_steps = sum(len(x["measured"]) for x in tfeats)
+    n_steps = sum(len(tfeats[i]["measured"]) for i in joint)
     weight = np.sqrt(n_floor / n_steps) if n_steps else 0.0
 
     def params(theta) -> CostParams:
@@ -277,15 +315,20 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
         p = params(theta)
         floor = [(pred - x["measured"]) / x["measured"] for pred, x in zip(predict(p, feats, costs), feats)]
         steps = [weight * (pred - x["measured"]) / x["measured"]
-                 for pred, x in zip(predict(p, tfeats, [c for _, _, c, _ in timelines]), tfeats)]
+                 for pred, x in zip(predict(p, [tfeats[i] for i in joint], [timelines[i][2] for i in joint]),
+                                    [tfeats[i] for i in joint])]
         return np.concatenate(floor + steps)
 
-    x0 = [1.0, 1.0, 0.8, 10.0, 0.5, 40.0, 0.9, 0.8, 0.5] + ([1.0] if timelines else [])
-    lo = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.0] + ([0.0] if timelines else [])
-    hi = [60.0, 20.0, 20.0, 500.0, 20.0, 500.0, 1.2, 1.2, 1.0] + ([100.0] if timelines else [])
+    extra = len(free) - len(FLOOR_FREE)  # token_us
+    x0 = [1.0, 1.0, 0.8, 10.0, 0.5, 40.0, 0.9, 0.8, 0.5, 10.0] + [1.0] * extra
+    lo = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.0, 0.0] + [0.0] * extra
+    hi = [60.0, 20.0, 20.0, 500.0, 20.0, 500.0, 1.2, 1.2, 1.0, 500.0] + [100.0] * extra
     fit = least_squares(residuals, x0=x0, loss="soft_l1", f_scale=0.1, bounds=(lo, hi))
     p = params(fit.x)
-    report = {"free": list(free), "values": dict(zip(free, map(float, fit.x))),
+    if resident:
+        p = fit_resident_host(p, [tfeats[i] for i in resident], [timelines[i][2] for i in resident])
+        free = free + ("resident_token_us",)
+    report = {"free": list(free), "values": {k: float(getattr(p, k)) for k in free},
               "rows": int(n_floor), "timeline_steps": int(n_steps), "timeline_weight": float(weight),
               "per_group": {}, "timeline_groups": {}}
     for (name, _, c, _), x in zip(timelines, tfeats):
@@ -309,3 +352,53 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     report["median_abs_rel_error"] = float(np.median(all_err))
     report["max_abs_rel_error"] = float(all_err.max())
     return p, report
+
+
+# ---------------------------------------------------------------------------------------------- serving loop
+def loop_gaps(timeline: pd.DataFrame, max_gap_ms: float = 5.0) -> pd.DataFrame:
+    """Per pair of consecutive steps of one measured run (``time_s`` is a step's end, ``step_ms`` its length): the
+    time between the end of one step and the start of the next, outside ``LLM.step`` (the serving loop), beside
+    the running requests of the step after it. Gaps over ``max_gap_ms`` (an idle engine waiting for an arrival,
+    a collector pause) are left out."""
+    out = []
+    for _, t in timeline.groupby("repeat"):
+        t = t.sort_values("step")
+        gap = (t["time_s"] - t["step_ms"] / 1e3 - t["time_s"].shift(1)).to_numpy() * 1e3
+        keep = (t["step"].diff() == 1).to_numpy() & (gap >= 0) & (gap <= max_gap_ms)
+        out.append(pd.DataFrame({"gap_ms": gap[keep], "running": t["running"].to_numpy(float)[keep],
+                                 "eager": (t["cuda_graph"] == 0).to_numpy(float)[keep]}))
+    return pd.concat(out, ignore_index=True)
+
+
+def fit_loop(timelines: list[pd.DataFrame]) -> dict:
+    """``loop_step_us`` + ``loop_seq_us`` x running (+ ``loop_eager_us`` after an eager step): the serving loop's
+    time between steps, from the consecutive steps of the fit runs' measured timelines (all-at-once runs: no idle
+    time). ``loop_step_us`` is the mean gap after a graphed step of one request (the loop's floor); the other two
+    by ordinary least squares on the rest. Means, not a robust fit: the replay adds the loop's time to every step,
+    so its mean is what counts (the gaps have a long right tail)."""
+    gaps = pd.concat([loop_gaps(t) for t in timelines], ignore_index=True)
+    one = gaps[(gaps["running"] == 1) & (gaps["eager"] == 0)]
+    if gaps.empty or one.empty:
+        raise ValueError("the loop fit needs consecutive steps, some of them graphed steps of one request")
+    g, r, e = gaps["gap_ms"].to_numpy(), gaps["running"].to_numpy(), gaps["eager"].to_numpy()
+    a = float(one["gap_ms"].mean()) * 1e3
+    (b, c), *_ = np.linalg.lstsq(np.stack([r - 1, e], axis=1), g * 1e3 - a, rcond=None)
+    b, c = max(float(b), 0.0), max(float(c), 0.0)
+    a -= b  # loop_seq_us counts every output, the first one included
+    pred = (a + b * r + c * e) * 1e-3
+    return {"loop_step_us": a, "loop_seq_us": b, "loop_eager_us": c, "gaps": len(g),
+            "measured_ms_sum": float(g.sum()), "modeled_ms_sum": float(pred.sum())}
+
+
+def floor_check(frame: pd.DataFrame, cost: CostModel, p: CostParams, async_overlap: bool) -> dict:
+    """Decode-floor segments not fitted on (e.g. async scheduling's graphed steps against the same engine's
+    ``graph-sync`` ones) beside the cost model fed their work: per mode and batch, measured and modeled median
+    step ms."""
+    x = floor_features(frame, cost, async_overlap=async_overlap)
+    pred = predict_steps(x, cost, p, sync=x["sync"])
+    out = {}
+    for (mode, batch), idx in frame.groupby(["mode", "batch"]).indices.items():
+        measured, modeled = float(np.median(x["measured"][idx])), float(np.median(pred[idx]))
+        out[f"{mode} {int(batch)}"] = {"measured_ms": measured, "modeled_ms": modeled,
+                                       "rel_error": modeled / measured - 1}
+    return out

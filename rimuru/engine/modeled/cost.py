@@ -47,9 +47,28 @@ class CostParams:
     cpu_dram_eff: float = 0.6  # CPU-computed experts: of the host's DRAM bandwidth
     cpu_flops_eff: float = 0.3  # of the host's peak bf16 FLOPs
     cpu_layer_us: float = 60.0  # activations to the host and back, one sync per layer
+    resident_token_us: float | None = None  # token_us of an eager step without a routing sync (every expert resident:
+    # static), whose MoE bookkeeping stays on the device; None: token_us (no such serving step was fitted)
+    resident_seq_us: float | None = None  # host_seq_us of a step (eager or graphed) with every expert resident (no
+    # routing sync; the resident provider's host path); None: host_seq_us
+    loop_step_us: float = 0.0  # the serving loop's host time between two steps, outside LLM.step (rimuru.bench.inproc:
+    loop_seq_us: float = 0.0  # each step's outputs handled, arrivals admitted): per step + per output + after an
+    loop_eager_us: float = 0.0  # eager step; replay adds it after every step
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     fitted: dict = field(default_factory=dict, compare=False)  # how and on what the numbers were fitted
+
+    def eager_token_us(self, sync: bool) -> float:
+        """Per computed token of an eager step with (``sync``: paged experts) or without a routing sync."""
+        return self.token_us if sync or self.resident_token_us is None else self.resident_token_us
+
+    def seq_us(self, sync: bool) -> float:
+        """Per scheduled request of a step with (paged experts) or without a routing sync (every expert resident)."""
+        return self.host_seq_us if sync or self.resident_seq_us is None else self.resident_seq_us
+
+    def loop_ms(self, outputs: int, graphed: bool) -> float:
+        """The serving loop's time after a step that returned ``outputs`` request outputs."""
+        return (self.loop_step_us + self.loop_seq_us * outputs + (0.0 if graphed else self.loop_eager_us)) * 1e-3
 
     def replace(self, **changes) -> CostParams:
         return CostParams(**(asdict(self) | changes))
@@ -84,6 +103,8 @@ class StepWork:
     sync_per_layer: bool = True  # paged experts: the host waits for routing in every MoE layer
     graphed: bool = False  # the step replays a decode CUDA graph: no host work per layer, misses read in place
     in_place: np.ndarray | None = None  # [M] graphed: experts read in place from pinned host memory over PCIe
+    overlapped: bool = False  # graphed and launched while the step before it ran (async scheduling): its host
+    # work hides behind the device, the step takes max(host, device) instead of host + device
 
     @property
     def tokens(self) -> int:
@@ -218,7 +239,8 @@ class CostModel:
     def graphed_step(self, w: StepWork) -> StepTime:
         """One replay of a decode CUDA graph: the host's step work, then every layer back to back on the device
         (no per-layer host time or sync); a layer's experts read the resident ones from HBM and the missed ones
-        in place over PCIe, one after the other."""
+        in place over PCIe, one after the other. Host then device; with ``w.overlapped`` (async scheduling: the
+        host scheduled and launched this step while the one before ran) the longer of the two."""
         p = self.params
         tokens = w.tokens
         attn_full = self.attention_ms(w.q_lens, w.starts)
@@ -231,9 +253,10 @@ class CostModel:
         n_layers = len(self.layer_kinds)
         attention = attn_full * self.full_layers + attn_lin * self.linear_layers
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
-        host = p.host_graph_step_ms + p.host_seq_us * 1e-3 * len(w.q_lens)
+        host = p.host_graph_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens)
         device = attention + (dense + fixed) * n_layers + float(moe.sum() + reads.sum()) + head
-        return StepTime(total_ms=host + device, host_ms=host, attention_ms=attention,
+        return StepTime(total_ms=max(host, device) if w.overlapped else host + device, host_ms=host,
+                        attention_ms=attention,
                         dense_ms=(dense + fixed) * n_layers + head, moe_ms=float(moe.sum() + reads.sum()),
                         load_stall_ms=0.0, allreduce_ms=0.0, cpu_ms=0.0,
                         loads_ms=float(reads.sum()))
@@ -262,7 +285,10 @@ class CostModel:
         gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, expansion)
         gpu_end += tail
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
-        host = p.host_step_ms + p.host_seq_us * 1e-3 * len(w.q_lens) + p.token_us * 1e-3 * tokens
+        if w.overlapped:
+            raise ValueError("only a decode-graph replay overlaps the step before it (async scheduling)")
+        host = (p.host_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens)
+                + p.eager_token_us(w.sync_per_layer) * 1e-3 * tokens)
         total = host + gpu_end + head
         n_layers = len(self.layer_kinds)
         return StepTime(

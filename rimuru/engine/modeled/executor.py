@@ -7,13 +7,15 @@ finds the misses against the cache's page table, books their loads with the load
 and the predictor's prefetches, as ``PagedExperts`` does) and advances the engine's virtual clock by
 the ``CostModel``'s step time. A pure decode step replays a CUDA graph when the torch engine would
 (``rimuru.engine.cuda_graphs.replays_graph`` with the engine's graph batch cap): its misses are read in
-place from pinned host memory (booked with the loader as the torch engine counts them), not loaded.
+place from pinned host memory (booked with the loader as the torch engine counts them), not loaded. With
+async scheduling (``pipelined``) a graphed step launched behind another takes max(host, device).
 Outputs carry no text: every sampled token is id 0 and lengths follow the requests' ``max_tokens``
 (``ignore_eos``, as ``vllm bench serve`` runs).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import fields
 
 import numpy as np
@@ -30,12 +32,24 @@ from rimuru.experts.loader import ExpertLoader
 _FIELDS = tuple(f.name for f in fields(StepTime))
 
 
+def pipelined(async_scheduling: bool, graphed: bool, waiting: int) -> bool:
+    """Whether the engine launches this step without waiting for the one before (``LLM._pipelinable``): async
+    scheduling on for the engine (one device, every expert resident), a decode-graph step, nothing waiting (a
+    graphed pure decode step admitted nobody, so the queue after scheduling is the queue the engine checked).
+    A pipelined step after a pipelined step overlaps it: the host schedules and launches it while the device
+    runs the one before."""
+    return async_scheduling and graphed and waiting == 0
+
+
 class ModeledExecutor:
     def __init__(self, cost: CostModel | None, routing: RoutingModel, cache: ExpertCache, loader: ExpertLoader,
                  clock: VirtualClock, *, experts_mode: str, prefetch: bool, fixed_step_ms: float | None = None,
-                 graph_max_batch: int | None = None, max_model_len: int = 0) -> None:
+                 graph_max_batch: int | None = None, max_model_len: int = 0, async_scheduling: bool = False,
+                 waiting: Callable[[], int] = lambda: 0) -> None:
         """``experts_mode``: ``paged`` (cache + loading buffers), ``resident`` (static) or ``cpu``;
-        ``graph_max_batch``: decode steps of at most this many requests replay a CUDA graph (None: none do)."""
+        ``graph_max_batch``: decode steps of at most this many requests replay a CUDA graph (None: none do);
+        ``async_scheduling``: the engine launches a graphed decode step while the one before runs (``pipelined``);
+        ``waiting``: the scheduler's waiting requests (a step is pipelined only with none)."""
         if experts_mode not in ("paged", "resident", "cpu"):
             raise ValueError(f"experts_mode must be paged, resident or cpu, got {experts_mode!r}")
         if cost is None and fixed_step_ms is None:
@@ -50,6 +64,10 @@ class ModeledExecutor:
         self.fixed_step_ms = fixed_step_ms
         self.graph_max_batch = graph_max_batch
         self.max_model_len = max_model_len
+        self.async_scheduling = async_scheduling
+        self.waiting = waiting
+        self._pipelined = False  # the step before was launched without waiting for its predecessor
+        self.overlapped_steps = 0  # graphed steps whose host work hid behind the step before (async scheduling)
         self.graph_steps = 0  # steps that replayed a decode graph, as TorchExecutor counts them
         self.experts_touched = 0  # (layer, expert) pairs computed, as the torch providers count them
         self.experts_on_cpu = 0
@@ -70,6 +88,10 @@ class ModeledExecutor:
         demand, prefetched, in_place = zeros, zeros, None
         graphed = self.graph_max_batch is not None and replays_graph(out, self.graph_max_batch, self.max_model_len)
         self.graph_steps += graphed
+        now_pipelined = pipelined(self.async_scheduling, graphed, self.waiting())
+        overlapped = now_pipelined and self._pipelined
+        self._pipelined = now_pipelined
+        self.overlapped_steps += overlapped
         if self.mode == "resident":
             on_device = touched.sum(axis=1)
         else:
@@ -96,7 +118,7 @@ class ModeledExecutor:
         else:
             self.last = self.cost.step(StepWork(q, starts, samples, on_device, demand, prefetched, cpu_experts,
                                                 cpu_share, expansions, sync_per_layer=self.mode != "resident",
-                                                graphed=graphed, in_place=in_place))
+                                                graphed=graphed, in_place=in_place, overlapped=overlapped))
             step_ms = self.last.total_ms
             for k in _FIELDS:
                 self.totals[k] = self.totals.get(k, 0.0) + float(getattr(self.last, k))

@@ -1,8 +1,10 @@
 """Drive a request trace through a modeled engine on its virtual clock and report serving metrics.
 
 Arrivals enter the engine when the virtual clock reaches them; an idle engine jumps to the next
-arrival. Metrics are the ``vllm bench serve`` ones (``rimuru.bench.metrics.compute_metrics``), in
-modeled seconds, plus the engine's counters.
+arrival. After each step the clock also advances by the serving loop's own time (``CostParams.loop_ms``:
+what ``rimuru.bench.inproc``'s loop spends outside ``LLM.step`` handling the step's outputs; 0 unless the
+calibration applied its loop fit). Metrics are the ``vllm bench serve`` ones
+(``rimuru.bench.metrics.compute_metrics``), in modeled seconds, plus the engine's counters.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from rimuru.bench.metrics import RequestRecord, compute_metrics
+from rimuru.engine.modeled.executor import ModeledExecutor
 from rimuru.engine.sampling_params import SamplingParams
 
 
@@ -29,6 +32,15 @@ def arrivals(n: int, rate: float | None, seed: int = 0) -> np.ndarray:
         return np.zeros(n)
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
     return np.cumsum(gaps) - gaps[0]
+
+
+def loop_ms(llm, outputs: int, graphed: bool) -> float:
+    """Seconds the serving loop spends between two steps (``CostParams.loop_ms``: handling a step's outputs and
+    admitting arrivals, as ``rimuru.bench.inproc``'s loop does outside ``LLM.step``); 0 without a cost model."""
+    executor = llm.executor
+    if isinstance(executor, ModeledExecutor) and executor.cost is not None:
+        return executor.cost.params.loop_ms(outputs, graphed) / 1e3
+    return 0.0
 
 
 def run_batch(llm, batch: Sequence[tuple[int, int]], tag: str) -> None:
@@ -73,13 +85,17 @@ def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tupl
         if not llm.has_unfinished_requests():
             clock.advance_to(start + trace[order[nxt]].arrival_time)
             continue
-        for out in llm.step():
+        graphs_before = llm.executor.graph_steps if isinstance(llm.executor, ModeledExecutor) else 0
+        outputs = llm.step()
+        graphed = isinstance(llm.executor, ModeledExecutor) and llm.executor.graph_steps > graphs_before
+        for out in outputs:
             if out.finished:
                 rec = records[out.request_id]
                 times = out.token_times
                 rec.success, rec.output_tokens = True, len(out.output_token_ids)
                 rec.ttft, rec.latency = times[0] - rec.start_time, times[-1] - rec.start_time
                 rec.itl = list(np.diff(times))
+        clock.advance(loop_ms(llm, len(outputs), graphed))
         steps += 1
         if progress_every and steps % progress_every == 0:
             s = llm.stats()
