@@ -47,8 +47,8 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     # decode graphs where the torch engine on a GPU replays them (LLM._decode_graphs: no hybrid model yet)
     graphs = decode_graphs_allowed(config, policy.name) and not llm.spec.is_hybrid
     max_batch = graph_max_batch(config.max_num_seqs, policy.all_experts_resident, config.offload_graph_max_batch)
-    # async scheduling as LLM._pipelinable allows it: the option, one device, every expert resident
-    overlap = config.async_scheduling and config.tensor_parallel_size == 1 and policy.all_experts_resident
+    # async scheduling as LLM._pipelinable allows it: the option on and every expert resident (TP ranks too, 7f9b7a0)
+    overlap = config.async_scheduling and policy.all_experts_resident
     scheduler = llm.scheduler
     return ModeledExecutor(cost, routing, llm.cache, llm.loader, llm.clock, experts_mode=mode,
                            prefetch=config.prefetch == "predict", fixed_step_ms=config.modeled_step_ms,
