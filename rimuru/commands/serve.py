@@ -47,7 +47,17 @@ def run(args: argparse.Namespace) -> int:
     if args.device in (None, "cpu"):
         configure_threads(args.threads)
 
-    return serve(args.model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
-          log_level=args.log_level, gpu_memory_budget=args.gpu_memory_budget, policy=args.policy,
-          device=args.device, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-          seed=args.seed, tensor_parallel_size=args.tensor_parallel_size, **dict(args.engine_option))
+    status = serve(args.model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
+                   log_level=args.log_level, gpu_memory_budget=args.gpu_memory_budget, policy=args.policy,
+                   device=args.device, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+                   tensor_parallel_size=args.tensor_parallel_size, **dict(args.engine_option))
+    if status:  # the engine died: exit now. A failed tensor-parallel group can leave a thread inside NCCL's abort or a
+        # kernel spinning for a dead rank, and the interpreter's teardown would then block or abort (2x H200, wave 5)
+        import os
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status

@@ -18,10 +18,14 @@ A symmetric-memory backend sends what it should not take to the process group (N
 (``max_bytes``, prefill's large sums), other dtypes, non-contiguous or misaligned tensors. The decision is a pure
 function of the tensor's size, dtype and layout (:func:`symm_mem_takes`), so every rank takes the same path.
 
-``auto`` (the default) tries ``symm_mem`` then ``nccl`` on GPUs and is ``gloo`` on CPUs. Every rank checks a
-candidate locally, then the ranks agree (a MIN all-reduce over the group) before the collective set-up and again
-after it; the first candidate every rank could build is used by all (:func:`select_all_reduce`). A name asked for
-explicitly gets no fallback: it works on every rank or the engine does not start, with the reason.
+``auto`` (the default) is ``nccl`` on GPUs and ``gloo`` on CPUs; ``symm_mem_or_nccl`` tries ``symm_mem`` then
+``nccl``. ``auto`` took ``symm_mem`` first until the 2x H200 runs of wave 5 (results/reference/e2e_tp2/async_48L/):
+with async scheduling the one-shot saves only ~0.2 ms of a 10.5 ms 48-layer decode step (2%), while a killed rank
+of a graphed ``symm_mem`` engine was not reported within 75 s (its release of the spinning kernels and NCCL's abort
+both blocked), where NCCL reported it in 30 s. Every rank checks a candidate locally, then the ranks agree (a MIN
+all-reduce over the group) before the collective set-up and again after it; the first candidate every rank could
+build is used by all (:func:`select_all_reduce`). A single name asked for explicitly gets no fallback: it works on
+every rank or the engine does not start, with the reason.
 """
 
 from __future__ import annotations
@@ -38,11 +42,13 @@ from typing import Protocol
 import torch
 
 AUTO = "auto"
+SYMM_MEM_OR_NCCL = "symm_mem_or_nccl"
 SYMM_MEM_MAX_BYTES = 2 << 20  # 2 MiB: every decode bucket up to 512 rows of a 2048-wide bf16 model; prefill -> NCCL
 SYMM_MEM_DTYPES = (torch.bfloat16, torch.float32)  # what PyTorch's symmetric-memory kernels reduce
 SYMM_MEM_ALIGN = 16  # bytes: the kernels' widest vector; the buffer view and the input must agree on alignment
 MULTICAST_OFF = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
-ALL_REDUCE_CHOICES = (AUTO, "nccl", "gloo", "symm_mem", "symm_mem_two_shot")  # ALL_REDUCE_BACKENDS' names and auto
+# ALL_REDUCE_BACKENDS' names, auto and the one fallback order
+ALL_REDUCE_CHOICES = (AUTO, "nccl", "gloo", "symm_mem", "symm_mem_two_shot", SYMM_MEM_OR_NCCL)
 
 
 class AllReduceUnavailable(RuntimeError):
@@ -106,10 +112,12 @@ def all_reduce_candidates(requested: str, device_type: str) -> tuple[str, ...]:
     if requested not in ALL_REDUCE_CHOICES:
         raise ValueError(f"all_reduce must be one of {', '.join(ALL_REDUCE_CHOICES)}, got {requested!r}")
     if device_type != "cuda":
-        if requested not in (AUTO, "gloo"):
+        if requested not in (AUTO, "gloo", SYMM_MEM_OR_NCCL):
             raise ValueError(f"all_reduce={requested!r} needs GPUs; on {device_type} the all-reduce is gloo")
         return ("gloo",)
     if requested == AUTO:
+        return ("nccl",)
+    if requested == SYMM_MEM_OR_NCCL:
         return ("symm_mem", "nccl")
     if requested == "gloo":
         raise ValueError("all_reduce='gloo' is the CPU backend; on GPUs use auto, nccl, symm_mem or symm_mem_two_shot")

@@ -238,8 +238,10 @@ class LLM:
             if inflight is not None and self.tp_group.error is None:  # the graphs below may still be running it
                 with contextlib.suppress(TensorParallelError):
                     inflight[0].wait()
-            if self._local_executor is not None:
-                self._local_executor.drop_graphs()  # destroys the CUDA graphs themselves
+            if self._local_executor is not None and self.tp_group.error is None:
+                # destroys the CUDA graphs themselves; not after a failure: a graph may still be running (a kernel
+                # waiting for a dead rank) and destroying it would block (2x H200, wave 5)
+                self._local_executor.drop_graphs()
             self.tp_group.close()
 
     def _install_eager_replay_graphs(self) -> DecodeGraphs:

@@ -26,12 +26,12 @@ if [ "$DEVICE" = cuda ] && [ -z "${SKIP_STEP:-}" ]; then
 echo "[$(( $(date +%s) - START ))s] decode A/B (timeout $T s)" | tee -a "$OUT/driver.log"
 timeout "$T" $PY workflow/scripts/e2e_tp_gpu.py --model qwen3-30b-a3b --layers 4 --static-layers 48 --skew 0.7 \
   --tp 2 --static-budget-tp1 72GiB --static-budget 44GiB --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz \
-  --num-requests 48 --batches 64,128 --decode-steps 30 --repeats 2 --all-reduce auto --ab-all-reduce nccl \
+  --num-requests 48 --batches 64,128 --decode-steps 30 --repeats 2 --all-reduce symm_mem --ab-all-reduce nccl \
   --ar-rows 1 --skip-serving --deadline-s $(( T - 25 )) --out "$OUT/step" > "$OUT/step.log" 2>&1
 echo "[$(( $(date +%s) - START ))s] decode A/B rc=$?" | tee -a "$OUT/driver.log"
 fi
 
-for spec in ${CHECKS:-nccl:static auto:static nccl:fixed}; do
+for spec in ${CHECKS:-nccl:static symm_mem:static nccl:fixed}; do
   set -- ${spec/:/ }
   [ "$DEVICE" = cpu ] && set -- gloo "$2"
   L=$(left)
