@@ -261,3 +261,13 @@ def test_abort_while_a_shrinking_step_is_in_flight(tiny):
     assert_all_state_pages_returned(llm)
     assert done == {k: v for k, v in sync.items() if k != aborted}
     assert all(done[f"r{i}"] == reference[i][: 3 + 3 * i] for i in range(4) if f"r{i}" != aborted)
+
+
+def test_may_pipeline_needs_every_condition():
+    from itertools import product
+
+    from rimuru.engine.llm import may_pipeline
+
+    for enabled, ready, evicting, fits in product((False, True), repeat=4):
+        got = may_pipeline(enabled=enabled, graphs_ready=ready, evictions_pending=evicting, decode_fits=fits)
+        assert got == (enabled and ready and not evicting and fits)
