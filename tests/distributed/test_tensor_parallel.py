@@ -341,9 +341,8 @@ def _graphed(model_dir, policy: str, tp: int, async_scheduling: bool = True) -> 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_async_scheduling_on_every_rank_greedy_identical(model_dir, policy):
     """Async scheduling at TP=2 (every rank launches step n+1 before step n's tokens are read, feeding the pending
-    tokens from its own greedy argmax): greedy outputs identical to one process, every rank's pool equal. ``static``
-    pipelines (graphed steps launched ahead); ``fixed``/``elastic`` take the graphed path and the synchronous steps
-    their policies need."""
+    tokens from its own greedy argmax): greedy outputs identical to one process, every rank's pool equal, under every
+    policy (elastic with shrinks and preemption: every allocator change replayed on the workers in rank 0's order)."""
     if model_dir.name != "tiny-qwen3-moe" and policy != "static":
         pytest.skip("one model is enough for the offloading policies")
     run = (lambda llm: generate(llm)) if policy == "elastic" else (lambda llm: generate(llm, PROMPTS[:5], 8))
@@ -359,8 +358,11 @@ def test_async_scheduling_on_every_rank_greedy_identical(model_dir, policy):
         assert any(x["graphed"] for x in late)
         assert len(late) == llm.stats().forward_steps  # a launched step is recorded once it ran
         assert all(x["received_late_ms"][0] >= 0 for x in late)  # each step's own message: after rank 0 sent it
-        if policy == "static":  # the decode steps after the first were launched ahead on every rank
-            assert kinds.count("launch") >= 5 and llm._inflight is None
+        # every policy pipelines its graphed decode steps (issue 11, wave 5): launched ahead on every rank
+        assert kinds.count("launch") >= 5 and llm._inflight is None
+        if policy == "elastic":  # with the shrinks and preemptions of the synchronous test
+            assert any(r.adjust < 0 for r in llm.timeline.records), "the adjuster never shrank"
+            assert llm.stats().preemptions > 0, "the scheduler never preempted"
     finally:
         llm.close()
     assert not any(p.is_alive() for p in llm.tp_group.procs)
