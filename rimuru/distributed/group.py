@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -261,10 +262,12 @@ class TensorParallelGroup:
                 raise TensorParallelError(f"tensor-parallel rank {rank} did not answer {kind!r} in {timeout_s:.0f} s")
 
     def send(self, message: tuple) -> None:
+        """One message to every worker, pickled once (``Connection.send`` would pickle it per worker)."""
         self.raise_if_failed()
         try:
+            payload = ForkingPickler.dumps(message)
             for conn in self.conns:
-                conn.send(message)
+                conn.send_bytes(payload)
         except (BrokenPipeError, EOFError, OSError) as exc:
             raise self.fail(exc) from exc
 
