@@ -29,27 +29,24 @@ from rimuru.kernels.moe_align import MoeAlignment, moe_align
 
 
 @triton.jit
-def _direct_block(topk_ids_ptr, pair_m, num_pairs, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+def _direct_block(topk_ids_ptr, pair_m, expert, num_pairs, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
     """The block schedule of a small batch straight from its top-k ids (no ``moe_align`` launch).
 
-    Pair ``pair_m`` leads a block when it is the first, or the ``BLOCK_M``-th, ``2 BLOCK_M``-th ... pair routed to
-    its expert (in pair order); the block's rows are that expert's pairs from there on, at most ``BLOCK_M``.
-    Returns ``(expert, pair [BLOCK_M])`` with ``expert = -1`` when ``pair_m`` leads no block and ``pair`` =
-    ``num_pairs`` in unused rows: the blocks ``moe_align`` would build (rows in pair order), one per leading pair.
-    ``num_pairs <= BLOCK_P``.
+    Pair ``pair_m`` (routed to ``expert``) leads a block when it is the first, or the ``BLOCK_M``-th,
+    ``2 BLOCK_M``-th ... pair routed to its expert (in pair order); the block's rows are that expert's pairs from
+    there on, at most ``BLOCK_M``. Returns ``(leads, pair [BLOCK_M])`` with ``pair`` = ``num_pairs`` in unused
+    rows: the blocks ``moe_align`` would build (rows in pair order), one per leading pair. ``num_pairs <= BLOCK_P``.
     """
     offs_p = tl.arange(0, BLOCK_P)
     ids = tl.load(topk_ids_ptr + offs_p, mask=offs_p < num_pairs, other=-1)
-    expert = tl.load(topk_ids_ptr + pair_m)
     same = ids == expert  # [BLOCK_P]
     rank = tl.cumsum(same.to(tl.int32), 0) - 1  # each pair's index among its expert's pairs
     lead = tl.sum(tl.where(offs_p == pair_m, rank, 0), 0)
-    first = lead // BLOCK_M * BLOCK_M == lead
     offs_m = tl.arange(0, BLOCK_M)
     hit = same[None, :] & (rank[None, :] == lead + offs_m[:, None])  # [BLOCK_M, BLOCK_P]
     pair = tl.sum(tl.where(hit, offs_p[None, :], 0), 1)
     pair = tl.where(tl.sum(hit.to(tl.int32), 1) > 0, pair, num_pairs)
-    return tl.where(first, expert, -1), pair
+    return lead // BLOCK_M * BLOCK_M == lead, pair
 
 
 @triton.jit(do_not_specialize=["num_pairs"],
@@ -64,7 +61,7 @@ def fused_moe_kernel(
     TOP_K: tl.constexpr, GATE_UP: tl.constexpr, PAGED: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, HOST_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DIRECT: tl.constexpr, BLOCK_P: tl.constexpr,
+    DIRECT: tl.constexpr, SINGLE: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile of one expert's rows. Grid ``(max_blocks * cdiv(N, BLOCK_N),)``.
 
@@ -76,7 +73,8 @@ def fused_moe_kernel(
     sorted_token_ids ``[max_padded]`` pair ids (padding = num_pairs); expert_ids ``[max_blocks]`` (-1 = none).
     ``DIRECT`` (small batches, ``num_pairs <= BLOCK_P``): no alignment; ``expert_ids`` is the flat top-k ids
     ``[num_pairs]`` and row block ``m`` is the one pair ``m`` leads (:func:`_direct_block`); grid
-    ``(num_pairs * cdiv(N, BLOCK_N),)``.
+    ``(num_pairs * cdiv(N, BLOCK_N),)``. ``SINGLE`` (one token, whose k experts are distinct): block ``m`` is pair
+    ``m`` alone, no scan.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -93,15 +91,26 @@ def fused_moe_kernel(
     pid_m = first_m + (pid % group) % group_m
     pid_n = (pid % group) // group_m
 
+    # DIRECT: the pair's expert (>= 0); aligned: the block's (-1 past the end of the schedule)
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    table_row = page_table_ptr + tl.maximum(expert, 0) * 3  # page ids read before the block checks: their
+    if PAGED:  #                                             latency overlaps the schedule's
+        if GATE_UP:
+            p1 = tl.load(table_row).to(tl.int64)
+            p3 = tl.load(table_row + 1).to(tl.int64)
+        else:
+            p2 = tl.load(table_row + 2).to(tl.int64)
     if DIRECT:
-        expert, pair = _direct_block(expert_ids_ptr, pid_m, num_pairs, BLOCK_M, BLOCK_P)
-        expert = expert.to(tl.int64)
-        pair = pair.to(tl.int64)
+        if SINGLE:  # one token: its k experts are distinct, every pair is its own block
+            pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs).to(tl.int64)
+        else:
+            leads, pair = _direct_block(expert_ids_ptr, pid_m, expert, num_pairs, BLOCK_M, BLOCK_P)
+            if not leads:
+                return
+            pair = pair.to(tl.int64)
     else:
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return
-    if not DIRECT:
+        if expert < 0:
+            return
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         pair = tl.load(sorted_token_ids_ptr + offs_m).to(tl.int64)
     row_mask = pair < num_pairs
@@ -114,10 +123,7 @@ def fused_moe_kernel(
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
     if GATE_UP:
-        if PAGED:
-            p1 = tl.load(page_table_ptr + expert * 3).to(tl.int64)
-            p3 = tl.load(page_table_ptr + expert * 3 + 1).to(tl.int64)
-        else:
+        if not PAGED:
             p1 = expert * 3
             p3 = expert * 3 + 1
         # page [F, D] row-major: W[n, t] at n * D + t; tile [BLOCK_K, BLOCK_N]
@@ -149,9 +155,7 @@ def fused_moe_kernel(
             w3_ptrs += BLOCK_K
         out = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
     else:
-        if PAGED:
-            p2 = tl.load(page_table_ptr + expert * 3 + 2).to(tl.int64)
-        else:
+        if not PAGED:
             p2 = expert * 3 + 2
         # W2^T page [F, D]: element (j, n) at j * D + n; tile [BLOCK_K, BLOCK_N]
         w2_base = w_ptr + p2 * page_elems
@@ -276,25 +280,27 @@ def warmup_token_counts(num_experts: int, top_k: int, f: int, d: int) -> list[in
     limit stands for every interval that crosses it."""
     from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS
 
-    seen: dict[tuple[MoeConfigs, bool, bool], int] = {}
+    seen: dict[tuple[MoeConfigs, bool, bool, bool], int] = {}
     table = TUNED.get((num_experts, f, d))
     counts = sorted(table) if table else [max(1, int(min(b, 64.0) * num_experts / top_k)) for b, _ in
                                           BY_ROWS_PER_EXPERT]
     limit, direct = FUSED_SCATTER_MAX_PAIRS // top_k, DIRECT_MAX_PAIRS // top_k
-    for m in sorted({*counts, limit, limit + 1, direct, direct + 1}):
+    for m in sorted({1, 2, *counts, limit, limit + 1, direct, direct + 1}):
         seen.setdefault(kernel_variant(m, top_k, num_experts, f, d), m)
     return sorted(seen.values())
 
 
 def kernel_variant(num_tokens: int, top_k: int, num_experts: int, f: int, d: int,
-                   enabled: bool = True) -> tuple[MoeConfigs, bool, bool]:
+                   enabled: bool = True) -> tuple[MoeConfigs, bool, bool, bool]:
     """What decides which kernels a batch of ``num_tokens`` compiles: its tiles, whether ``moe_align`` fuses the
-    scatter, whether the kernel schedules from the top-k ids (:func:`direct_schedule`)."""
+    scatter, whether the kernel schedules from the top-k ids (:func:`direct_schedule`), and whether that schedule
+    is one token's (no scan)."""
     from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS
 
     cfgs = pick_configs(num_tokens, top_k, num_experts, f, d)
     pairs = num_tokens * top_k
-    return cfgs, pairs <= FUSED_SCATTER_MAX_PAIRS, direct_schedule(pairs, cfgs.gate_up.block_m, enabled)
+    direct = direct_schedule(pairs, cfgs.gate_up.block_m, enabled)
+    return cfgs, pairs <= FUSED_SCATTER_MAX_PAIRS, direct, direct and num_tokens == 1
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -317,6 +323,8 @@ class DirectSchedule:
     topk_ids: torch.Tensor  # [num_pairs] int32
     block_m: int
     num_pairs: int
+    single: bool  # one token: each pair is its own block (no scan; correct for any ids, and routing's k experts
+    #               of a token are distinct, so no expert is read twice)
 
     @property
     def max_blocks(self) -> int:
@@ -340,7 +348,7 @@ def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment | DirectSched
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=K % cfg.block_k == 0, HOST_PAGES=host is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # fp32 means fp32 (no TF32) on the GPU
-        DIRECT=direct, BLOCK_P=DIRECT_MAX_PAIRS if direct else 1,
+        DIRECT=direct, SINGLE=direct and align.single, BLOCK_P=DIRECT_MAX_PAIRS if direct else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -377,7 +385,7 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         flat = topk_ids.reshape(-1)
         if flat.dtype != torch.int32 or not flat.is_contiguous():
             flat = flat.to(torch.int32).contiguous()
-        align = DirectSchedule(flat, configs.gate_up.block_m, T * k)
+        align = DirectSchedule(flat, configs.gate_up.block_m, T * k, T == 1)
     elif align is None:
         align = moe_align(topk_ids, E, configs.gate_up.block_m)
     elif align.block_m != configs.gate_up.block_m:

@@ -1,6 +1,7 @@
 """Which small-batch decode kernel variants the wrappers launch (issue 11, wave 5), for A/B runs in one process.
 
-Levers (each on in ``fast``, all off in ``baseline``, the wave-4 kernels):
+Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: ``direct_moe`` and ``qkv_fused``, the two that
+measured faster on the H200; ``all``: every one):
 
 * ``merge``: split-KV decode merges its splits inside the decode kernel (the last split of a request and KV head
   to finish merges; no ``decode_reduce_kernel`` launch);
@@ -25,12 +26,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm")
-VARIANTS = ("fast", "baseline")
+# The levers that measured faster (H200, 48 layers, results/reference/engine/run_2445415_48L/ab_*): the others
+# made their kernels slower than what they replace and are off unless asked for (``all`` or by name).
+FAST = ("direct_moe", "qkv_fused")
+VARIANTS = ("fast", "baseline", "all")
 
 
 def parse(spec: str) -> frozenset[str]:
-    """``fast`` (every lever), ``baseline`` (none) or levers separated by commas."""
+    """``fast`` (the levers that measured faster), ``all`` (every lever), ``baseline`` (none) or levers separated
+    by commas."""
     if spec == "fast":
+        return frozenset(FAST)
+    if spec == "all":
         return frozenset(LEVERS)
     if spec in ("baseline", ""):
         return frozenset()
@@ -52,7 +59,9 @@ def on(lever: str) -> bool:
 
 
 def current() -> str:
-    return "fast" if _current == frozenset(LEVERS) else ",".join(sorted(_current)) or "baseline"
+    if _current == frozenset(FAST):
+        return "fast"
+    return "all" if _current == frozenset(LEVERS) else ",".join(sorted(_current)) or "baseline"
 
 
 @contextmanager

@@ -48,7 +48,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.fixture(params=variants.VARIANTS)
+@pytest.fixture(params=["fast", "baseline"])
 def kernel_variant(request):
     """``fast`` schedules small batches from the top-k ids inside the kernel, ``baseline`` through moe_align."""
     with variants.use(request.param):
@@ -133,7 +133,7 @@ def test_direct_schedule_equals_the_aligned_schedule_bit_for_bit(T, E, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 64, 1024])
+@pytest.mark.parametrize("T", [1, 4, 64, 1024])
 def test_bf16_kernel_on_gpu_at_qwen3_shapes_within_1e2_of_fp32_reference(T):
     gen = torch.Generator(device="cuda").manual_seed(T)
     E, f, d, k = 128, 768, 2048, 8

@@ -142,13 +142,15 @@ SCHEDULE = [
 
 
 @pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton),
-                                  pytest.param("triton-baseline", marks=needs_triton)])
+                                  pytest.param("triton-baseline", marks=needs_triton),
+                                  pytest.param("triton-all", marks=needs_triton)])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
 def test_prefill_then_decode_matches_transformers_attention(kind, impl):
-    """``triton``: the fast kernels (fused q/k norm + RoPE + KV write, few-row projections, in-kernel split merge);
-    ``triton-baseline``: the wave-4 kernels (rimuru.kernels.variants)."""
-    with variants.use("baseline" if impl == "triton-baseline" else "fast"):
-        _prefill_then_decode(kind, impl.removesuffix("-baseline"))
+    """``triton``: the default kernels (fused q/k norm + RoPE + KV write); ``triton-all``: also few-row projections
+    and the in-kernel split merge; ``triton-baseline``: the wave-4 kernels (rimuru.kernels.variants)."""
+    variant = {"triton-baseline": "baseline", "triton-all": "all"}.get(impl, "fast")
+    with variants.use(variant):
+        _prefill_then_decode(kind, impl.split("-")[0])
 
 
 def _prefill_then_decode(kind, impl):

@@ -26,6 +26,7 @@ seconds instead of minutes of CPU synthesis.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -38,10 +39,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rimuru.engine.cuda_graphs import bucket_for  # noqa: E402
 from rimuru.engine.llm import LLM  # noqa: E402
 from rimuru.engine.modeled.reference import e2e_scaled_budget  # noqa: E402
 from rimuru.engine.sampling_params import SamplingParams  # noqa: E402
 from rimuru.engine.step_floor import decode_floor  # noqa: E402
+from rimuru.kernels import variants  # noqa: E402
 from rimuru.kernels.compiles import compile_count  # noqa: E402
 from rimuru.models.spec import ModelSpec  # noqa: E402
 from rimuru.models.synthetic_memory import SyntheticCheckpoint  # noqa: E402
@@ -58,14 +61,60 @@ def segment(llm: LLM, steps: int, discard: int) -> pd.DataFrame:
     return llm.timeline.frame().iloc[first:]
 
 
+def capture_with(llm: LLM, bucket: int, variant: str) -> tuple:
+    """The bucket's decode graph and its logits buffer, captured with ``variant``'s kernels
+    (rimuru.kernels.variants) over the engine's persistent buffers, filled with padding first (no KV write), as
+    ``DecodeGraphs.capture`` does: one eager pass (compiles that variant), then the capture. Nothing in flight."""
+    graphs = llm.graphs
+    with variants.use(variant):
+        stream = torch.cuda.Stream(graphs.device)
+        stream.wait_stream(torch.cuda.current_stream(graphs.device))
+        with torch.cuda.stream(stream):
+            graphs._fill(None, bucket)
+            graphs._forward(bucket)
+            torch.cuda.synchronize(graphs.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=graphs._pool, stream=stream):
+                logits = graphs._forward(bucket)
+        torch.cuda.current_stream(graphs.device).wait_stream(stream)
+        torch.cuda.synchronize(graphs.device)
+    return graph, logits
+
+
+@contextlib.contextmanager
+def kernels_for(llm: LLM, mode: str, bucket: int | None, captured: dict):
+    """``graph-base`` segments: the ``--ab-variant`` kernels, eager steps and graph replays alike (its graph for the
+    bucket swapped in; on the CPU the graphs replay eagerly under the variant). Other modes: unchanged."""
+    if mode != "graph-base":
+        yield
+        return
+    variant = captured["variant"]
+    with variants.use(variant):
+        graphs = llm.graphs
+        if bucket is None or graphs is None or graphs.replay_eagerly:
+            yield
+            return
+        saved = graphs.graphs[bucket]
+        graphs.graphs[bucket] = captured[bucket]
+        try:
+            yield
+        finally:
+            graphs.graphs[bucket] = saved
+
+
 def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: int, discard: int, repeats: int,
-            rng: np.random.Generator) -> list[dict]:
+            rng: np.random.Generator, ab_variant: str | None = None) -> list[dict]:
     rows = []
+    captured: dict = {"variant": ab_variant}
     for b in batches:
         modes = ["eager"]
+        bucket = None
         if llm.graphs is not None:  # graph: replays with async scheduling (every policy); graph-sync: without.
             # Above the graphs' largest batch (offloading policies: 16) every mode but eager runs the eager path
             modes += ["graph", "graph-sync"] if llm.config.async_scheduling and b <= llm.graphs.bmax else ["graph"]
+            bucket = bucket_for(b, llm.graphs.buckets)
+            if ab_variant and bucket is not None:  # graph-base: graph (async) with the A/B variant's kernels
+                modes.append("graph-base")
         need = discard + steps
         total_steps = len(modes) * repeats * need + 8
         for i in range(b):
@@ -74,13 +123,16 @@ def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: i
         while llm.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
                                            for r in llm.scheduler.running):
             llm.step()
+        if "graph-base" in modes and bucket not in captured and not llm.graphs.replay_eagerly:
+            captured[bucket] = capture_with(llm, bucket, ab_variant)  # after a synchronous prefill: none in flight
         order = []
         for r in range(repeats):  # ABBA: A B B A A B ... (A B C C B A with three modes)
             order += modes if r % 2 == 0 else modes[::-1]
         for k, mode in enumerate(order):
             before = compile_count()
             # the eager segments take enforce_eager's path
-            with llm.use_graphs(mode != "eager"), llm.use_async_scheduling(mode == "graph"):
+            with llm.use_graphs(mode != "eager"), llm.use_async_scheduling(mode in ("graph", "graph-base")), \
+                    kernels_for(llm, mode, bucket, captured):
                 frame = segment(llm, steps, discard)
             floors = decode_floor(frame, llm.spec)
             decode = frame[frame["prefill_tokens"] == 0]  # the steps the floor is computed for: a segment under
@@ -125,6 +177,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run (fp32; decode graphs replay eagerly)")
+    ap.add_argument("--ab-variant", default=None, help="kernel variant (rimuru.kernels.variants, e.g. baseline) of "
+                    "extra graph-base segments: graph (async) replays of graphs captured with those kernels, in the "
+                    "same ABBA order; reported in the detail CSV and a printed A/B table, not in decode_floor.csv")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -150,7 +205,7 @@ def main() -> None:
         print(f"{policy}: warm-up {time.perf_counter() - t1:.1f} s, {info}", flush=True)
         label = {"model": args.model, "layers": args.layers, "policy": policy}
         rows += measure(llm, label, [int(b) for b in args.batches.split(",")], args.prompt_len, args.steps,
-                        args.discard, args.repeats, rng)
+                        args.discard, args.repeats, rng, args.ab_variant)
         detail = pd.DataFrame(rows)
         detail.assign(**provenance()).to_csv(out / "decode_floor_detail.csv", index=False)
         del llm
@@ -158,6 +213,12 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     detail = pd.DataFrame(rows)
+    if args.ab_variant:
+        ab = detail[detail["mode"].isin(["graph", "graph-base"])].groupby(["policy", "batch", "mode"])["step_ms"]
+        print(f"A/B: graph = {variants.current()} kernels, graph-base = {args.ab_variant} (async, medians of segment "
+              "medians, min-max)")
+        print(ab.agg(["median", "min", "max", "count"]).to_string(float_format=lambda v: f"{v:.3f}"), flush=True)
+        detail = detail[detail["mode"] != "graph-base"]
     summary = (detail.groupby(["model", "layers", "policy", "batch", "mode"], as_index=False)
                .agg(step_ms=("step_ms", "median"), floor_ms=("floor_ms", "median")))
     summary["ratio"] = summary["step_ms"] / summary["floor_ms"]
