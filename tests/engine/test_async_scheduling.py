@@ -219,13 +219,19 @@ def _shrinking(ckpt) -> dict:
     return dict(gpu_memory_budget=budget, initial_cache_experts=14, max_num_batched_tokens=64, block_tokens=4)
 
 
-def test_a_shrink_in_a_pipelined_step_is_freed_at_that_steps_commit(tiny):
-    ckpt, reference = tiny
+def _shrinking_async(ckpt):
+    """The synchronous run's outputs, and an async elastic engine (with every prompt added) whose cache shrinks."""
     params = [SamplingParams(max_tokens=3 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
     sync, _ = run_logged(offloaded(ckpt, "elastic", False, **_shrinking(ckpt)), params)
     llm = offloaded(ckpt, "elastic", True, **_shrinking(ckpt))
     for i, p in enumerate(PROMPTS):
         llm.add_request(f"r{i}", p, params[i])
+    return sync, llm
+
+
+def test_a_shrink_in_a_pipelined_step_is_freed_at_that_steps_commit(tiny):
+    ckpt, reference = tiny
+    sync, llm = _shrinking_async(ckpt)
     done, seen = {}, False
     while llm.has_unfinished_requests():
         for o in llm.step():
@@ -243,11 +249,7 @@ def test_a_shrink_in_a_pipelined_step_is_freed_at_that_steps_commit(tiny):
 
 def test_abort_while_a_shrinking_step_is_in_flight(tiny):
     ckpt, reference = tiny
-    params = [SamplingParams(max_tokens=3 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
-    sync, _ = run_logged(offloaded(ckpt, "elastic", False, **_shrinking(ckpt)), params)
-    llm = offloaded(ckpt, "elastic", True, **_shrinking(ckpt))
-    for i, p in enumerate(PROMPTS):
-        llm.add_request(f"r{i}", p, params[i])
+    sync, llm = _shrinking_async(ckpt)
     done, aborted = {}, None
     while llm.has_unfinished_requests():
         for o in llm.step():
