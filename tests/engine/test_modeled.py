@@ -477,3 +477,50 @@ def test_loop_fit_recovers_a_drawn_serving_loop():
     assert fit["loop_eager_us"] == pytest.approx(100.0)
     p = CostParams(loop_step_us=20.0, loop_seq_us=2.0, loop_eager_us=100.0)
     assert p.loop_ms(5, graphed=True) == pytest.approx(0.030) and p.loop_ms(5, graphed=False) == pytest.approx(0.130)
+
+
+def test_tensor_parallel_host_terms_by_hand(spec):
+    """tp_step_ms adds to every step at TP > 1 (eager and graphed), tp_layer_ms to every MoE layer with a routing
+    sync of an eager step; neither at TP = 1. predict_steps agrees with CostModel.step."""
+    params = UNIT.replace(tp_step_ms=1.5, tp_layer_ms=0.25)
+    layers = spec.num_moe_layers
+    zero = np.zeros(layers)
+    q, starts = np.array([1, 1]), np.array([10, 20])
+
+    def work(**kw):
+        return StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=zero, prefetched=zero, **kw)
+    for tp in (1, 2):
+        with_tp, base = CostModel(spec, GPU, params, tp=tp), CostModel(spec, GPU, UNIT, tp=tp)
+        extra = (1.5 + 0.25 * layers) if tp > 1 else 0.0
+        assert with_tp.step(work()).total_ms - base.step(work()).total_ms == pytest.approx(extra)
+        graphed = work(graphed=True, in_place=zero)
+        assert with_tp.step(graphed).total_ms - base.step(graphed).total_ms == pytest.approx(1.5 if tp > 1 else 0)
+        resident = work(sync_per_layer=False)  # no routing sync: only the per-step term
+        assert with_tp.step(resident).total_ms - base.step(resident).total_ms == pytest.approx(
+            1.5 if tp > 1 else 0, abs=1e-9)
+    cost = CostModel(spec, GPU, params, tp=2)
+    x = {"tokens": np.array([2.0]), "decode": np.array([2.0]), "pairs": np.array([32.0]),
+         "kv_bytes": np.array([34.0]) * cost.kv_bytes_per_token_layer, "touched": np.array([10.0]),
+         "loads": np.zeros(1), "expansions": np.zeros(1), "running": np.array([2.0]), "samples": np.array([2.0])}
+    assert predict_steps(x, cost, params, sync=True)[0] == pytest.approx(cost.step(work()).total_ms)
+
+
+def test_tp_fit_recovers_the_per_layer_term():
+    """fit_tp: tp_step_ms is the median of rank 0's send-to-launch + the peer's lateness; tp_layer_ms the mean
+    per-layer excess of eager paged TP steps over the model without it (steps drawn from the model itself)."""
+    from rimuru.engine.modeled.calibration import fit_tp, timeline_features
+
+    spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
+    truth = CostParams(tp_step_ms=1.2, tp_layer_ms=0.4)
+    cost = CostModel(spec, load_gpu("h200"), truth, tp=2)
+    n = 30
+    frame = pd.DataFrame({"step": np.arange(n), "repeat": 0, "tokens": 8, "prefill_tokens": 0, "decode_tokens": 8,
+                          "context_tokens": 800, "adjust": 0, "experts_loaded": 0, "experts_touched": 20,
+                          "cuda_graph": 0, "waiting": 0, "running": 8, "step_ms": 0.0})
+    x = timeline_features(frame, cost, "fixed")
+    frame["step_ms"] = predict_steps(x, cost, truth, sync=x["sync"])
+    step_tp = pd.DataFrame({"tensor_parallel_size": [1, 2, 2, 2], "rank0_send_to_launch_ms": [np.nan, 0.8, 1.0, 0.5],
+                            "rank1_launched_late_ms": [np.nan, 0.4, 0.2, 0.3]})
+    fitted, report = fit_tp(step_tp, [(frame, cost, "fixed")], CostParams())
+    assert fitted.tp_step_ms == pytest.approx(1.2) and report["tp_step_segments"] == 3
+    assert fitted.tp_layer_ms == pytest.approx(0.4)

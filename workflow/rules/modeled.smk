@@ -16,7 +16,9 @@ def calibration_inputs(w):
             + glob.glob(f"{REF}/e2e/run_*/timeline_*.csv") + glob.glob(f"{REF}/e2e/run_*/hotset.json")
             + [f"{REF}/{k.rsplit(':', 1)[0].rsplit('/', 1)[0]}/timelines_{k.rsplit(':', 1)[0].rsplit('/', 1)[1]}.csv.gz"
                for k in MODELED["fit_timelines"]]
-            + [f"{REF}/{f}" for f in MODELED.get("async_floor", [])])
+            + [f"{REF}/{f}" for f in MODELED.get("async_floor", [])]
+            + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv",
+                f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"] if "tp_fit" in MODELED else []))
 
 
 FIDELITY = MODELED["fidelity"]
@@ -47,12 +49,14 @@ rule modeled_calibrate:
         timelines=",".join(MODELED["fit_timelines"]),
         async_floor=" ".join(MODELED.get("async_floor", [])),
         fit_loop="--fit-loop" if MODELED.get("fit_loop") else "",
+        tp=(f"--tp-step {MODELED['tp_fit']['step_tp']} --tp-timelines {MODELED['tp_fit']['timelines']}"
+            if "tp_fit" in MODELED else ""),
     log: "results/logs/modeled/calibrate.log"
     shell:
         CPU + "results/logs/modeled/cpu/calibrate.json -- "
         "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {params.floor} --fit-runs {params.fit} "
         "--routing-fit-runs {params.routing} --fit-timelines {params.timelines} --async-floor {params.async_floor} "
-        "{params.fit_loop} "
+        "{params.fit_loop} {params.tp} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
@@ -63,6 +67,7 @@ rule modeled_fidelity:
         runs=[f"{r}/e2e.csv" for r in FIDELITY["reference"]],
         hotsets=[f"{r}/hotset.json" for r in FIDELITY["reference"]],
         floor=[f"{REF}/{f}" for f in MODELED["decode_floor"]],
+        tp_runs=[item.partition("=")[2] for item in FIDELITY.get("tp_runs", [])],
     output:
         csv="results/modeled/fidelity.csv",
         steps="results/modeled/fidelity_steps.csv",  # written beside csv: the step-time model per run, kind, batch
@@ -73,13 +78,15 @@ rule modeled_fidelity:
         refs=" ".join(FIDELITY["reference"]),
         fit=" ".join(MODELED["fit_timelines"]),
         overlap=" ".join(f"{c}={int(n)}" for c, n in FIDELITY["async_scheduling"].items()),
+        tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
     log: "results/logs/modeled/fidelity.log"
     shell:
         CPU + "results/logs/modeled/cpu/fidelity.json -- "
         "{PY} {SCRIPTS}/modeled_fidelity.py --reference {params.refs} "
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
         "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --async-scheduling {params.overlap} "
-        "--fit {params.fit} --decode-floor {input.floor} --out-csv {output.csv} --out-timelines {output.timelines} "
+        "--fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
+        "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
 
 

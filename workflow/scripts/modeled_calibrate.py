@@ -22,6 +22,7 @@ from rimuru.engine.modeled.calibration import (
     fit_decode_floor,
     fit_loop,
     fit_moe_kernel,
+    fit_tp,
     floor_check,
     load_floor,
     prefetch_waste,
@@ -72,6 +73,12 @@ def main() -> None:
                          "its graph (async) and graph-sync segments are checked against the fitted model, not fitted")
     ap.add_argument("--fit-loop", action="store_true",
                     help="apply the serving-loop fit (loop_*; always written to fitted.loop_fit) to the parameters")
+    ap.add_argument("--tp-step", default="",
+                    help="e2e_tp_gpu.py step_tp.csv (relative to --reference) with rank 0's send-to-launch and the "
+                         "peer's lateness per TP segment: tp_step_ms")
+    ap.add_argument("--tp-timelines", default="",
+                    help="folder (relative to --reference) with e2e_runs.csv and timeline.csv of TP serving runs: "
+                         "tp_layer_ms (their rows in fidelity.csv are `fit`)")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -147,6 +154,20 @@ def main() -> None:
     if loop and args.fit_loop:
         params = params.replace(loop_step_us=loop["loop_step_us"], loop_seq_us=loop["loop_seq_us"],
                                 loop_eager_us=loop["loop_eager_us"])
+    tp = {}
+    if args.tp_step and args.tp_timelines:
+        step_tp = pd.read_csv(ref / args.tp_step)
+        folder = ref / args.tp_timelines
+        tp_runs, tp_frame = pd.read_csv(folder / "e2e_runs.csv"), pd.read_csv(folder / "timeline.csv")
+        data += [data_entry(ref / args.tp_step, step_tp), data_entry(folder / "e2e_runs.csv", tp_runs),
+                 data_entry(folder / "timeline.csv")]
+        tp_timelines = []
+        for policy, t in tp_frame.groupby("policy"):
+            row = tp_runs[tp_runs["policy"] == policy].iloc[0]
+            name, layers = parse_run_model(row["model"])
+            cost = CostModel(spec_with_layers(name, layers), gpu, params, tp=int(row["tensor_parallel_size"]))
+            tp_timelines.append((t.reset_index(drop=True), cost, policy))
+        params, tp = fit_tp(step_tp, tp_timelines, params)
     checks = {}
     for path in args.async_floor:
         frame = pd.read_csv(ref / path)
@@ -155,7 +176,8 @@ def main() -> None:
         for layers, f in frame.groupby("layers"):
             cost = CostModel(spec_with_layers(f["model"].iloc[0], int(layers)), gpu, params)
             checks[f"{path} {int(layers)}L"] = floor_check(f.reset_index(drop=True), cost, params, async_overlap=True)
-    params = params.replace(fitted={"loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
+    params = params.replace(fitted={"tp_fit": tp, "tp_fit_inputs": [args.tp_step, args.tp_timelines],
+                                    "loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
         "routing_fit": routing_fit, "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
@@ -179,6 +201,10 @@ def main() -> None:
           f"(median error {kernel['median_rel_error']:.1%}); attention: attn_eff {attention['attn_eff']:.3f}")
     print("steps:", {k: round(v, 3) for k, v in steps["values"].items()}, "waste", round(params.prefetch_waste, 3))
     print("serving loop:", {k: round(v, 3) for k, v in loop.items()}, "applied" if args.fit_loop else "not applied")
+    if tp:
+        print(f"TP: tp_step_ms {tp['tp_step_ms']:.3f} ({tp['tp_step_segments']} segments), tp_layer_ms "
+              f"{tp['tp_layer_ms']:.3f}:", ", ".join(f"{k} {r['measured_ms_sum']:.0f}->{r['modeled_ms_sum']:.0f} ms"
+                                                    for k, r in tp["groups"].items()))
     for name, rows in checks.items():
         print(f"  not fitted, {name}:", ", ".join(f"{k} {r['measured_ms']:.2f}->{r['modeled_ms']:.2f} ms "
                                                    f"({r['rel_error']:+.1%})" for k, r in rows.items()))

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from common import save_figure
+from modeled_tp_check import tp_rows
 
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.calibration import floor_features, load_floor, predict_steps, timeline_features
@@ -93,6 +94,11 @@ def main() -> None:
                          "work with the step before (the modeled engine's async_scheduling)")
     ap.add_argument("--decode-floor", nargs="+", required=True,
                     help="decode-floor segments, newest first, as the calibration read them: figure")
+    ap.add_argument("--tp-runs", nargs="*", default=[],
+                    help="SPLIT=E2E_RUNS_CSV: tensor-parallel runs (e2e_tp_gpu.py) replayed with their trace and "
+                         "hotset (--tp-trace, --tp-hotset); split fit for the runs the calibration's TP fit used")
+    ap.add_argument("--tp-trace", default="results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz")
+    ap.add_argument("--tp-hotset", default="results/reference/e2e_tp2/hotset.json")
     ap.add_argument("--out-csv", required=True)
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
     ap.add_argument("--figure", required=True)
@@ -161,6 +167,13 @@ def main() -> None:
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
         print(f"{key} (cap {caps[commit]}, {len(group)} measured): " + ", ".join(
             f"{m} {float(group[m].median()):.4g} -> {float(metrics[m]):.4g}" for m in METRICS), flush=True)
+    for item in args.tp_runs:
+        split, _, path = item.partition("=")
+        if split not in ("fit", "validate") or not path:
+            raise SystemExit(f"--tp-runs takes fit=PATH or validate=PATH, got {item!r}")
+        for r in tp_rows(path, args.tp_trace, args.tp_hotset, args.cost_params, args.hardware, split):
+            rows.append(r | {"goal": GOALS.get(r["metric"], float("nan")), "graph_cap": float("nan"),
+                             "async_overlap": False})
     frame = pd.DataFrame(rows)
     Path(args.out_csv).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_csv, index=False)
@@ -246,7 +259,7 @@ def figure(frame: pd.DataFrame, steps: pd.DataFrame, serving: pd.DataFrame, path
     left.legend(fontsize=7)
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
-        d = frame[frame["run"] == run].set_index("metric").loc[metrics]
+        d = frame[frame["run"] == run].set_index("metric").reindex(metrics)  # TP rows have no graph count
         lo = 100 * (d["measured_min"] - d["measured"]) / d["measured"]
         hi = 100 * (d["measured_max"] - d["measured"]) / d["measured"]
         x = np.arange(len(metrics)) + i * width

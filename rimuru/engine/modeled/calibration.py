@@ -168,14 +168,16 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     dense = roof(cost.layer_dense_bytes, cost.layer_dense_flops_per_token * x["tokens"], p.mma_eff)
     moe = np.maximum(x["touched"] * cost.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff),
                      x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
-    device = attn + dense + p.gpu_layer_us * 1e-3
+    ar = 2 * cost.allreduce_ms(x["tokens"])  # tensor parallelism: two all-reduces per layer (0 at tp 1)
+    tp_step, tp_layer = (p.tp_step_ms, p.tp_layer_ms) if cost.tp > 1 else (0.0, 0.0)
+    device = attn + dense + p.gpu_layer_us * 1e-3 + ar
     load = lambda n: n * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.pcie_eff) * 1e3  # noqa: E731
     layers = cost.num_moe_layers
     gpu_t = np.zeros_like(x["tokens"])
     copy_t = load(x["expansions"])
     for layer in range(layers):
         overlapped = np.maximum(device + moe, p.host_layer_async_ms) - moe  # launches overlap the device
-        gpu_t = gpu_t + np.where(sync, device + p.host_layer_sync_ms, overlapped)
+        gpu_t = gpu_t + np.where(sync, device + p.host_layer_sync_ms + tp_layer, overlapped)
         r = p.prefetch_recall if layer > 0 else 0.0
         copy_t = np.maximum(copy_t, gpu_t) + load(x["loads"] * (1 - r))
         ready = copy_t
@@ -185,15 +187,16 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     head = roof(cost.lm_head_bytes, cost.lm_head_flops_per_row * x["samples"], p.mma_eff)
     seq_us = np.where(sync, p.seq_us(True), p.seq_us(False))
     token_us = np.where(sync, p.eager_token_us(True), p.eager_token_us(False))
-    eager = p.host_step_ms + seq_us * 1e-3 * x["running"] + token_us * 1e-3 * x["tokens"] + gpu_t + head
+    eager = (p.host_step_ms + seq_us * 1e-3 * x["running"] + token_us * 1e-3 * x["tokens"] + tp_step + gpu_t
+             + head)
     if "graphed" not in x:
         return eager
     in_place = x["in_place"]
     moe_res = np.maximum((x["touched"] - in_place) * cost.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff),
                          x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
     reads = in_place * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.inplace_eff) * 1e3
-    host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"]
-    device = layers * (attn + dense + p.gpu_layer_us * 1e-3 + moe_res + reads) + head
+    host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"] + tp_step
+    device = layers * (attn + dense + p.gpu_layer_us * 1e-3 + ar + moe_res + reads) + head
     overlapped = x.get("overlapped", False)  # async scheduling: launched while the step before ran
     graphed = np.where(overlapped, np.maximum(host, device), host + device)
     return np.where(x["graphed"], graphed, eager)
@@ -402,3 +405,38 @@ def floor_check(frame: pd.DataFrame, cost: CostModel, p: CostParams, async_overl
         out[f"{mode} {int(batch)}"] = {"measured_ms": measured, "modeled_ms": modeled,
                                        "rel_error": modeled / measured - 1}
     return out
+
+
+# ---------------------------------------------------------------------------------------------- tensor parallelism
+def fit_tp(step_tp: pd.DataFrame, timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostParams) -> tuple[
+        CostParams, dict]:
+    """Host terms of a tensor-parallel step, every one-GPU term as fitted:
+
+    * ``tp_step_ms``: rank 0's step message to its own launch plus the peer's lateness, per step (``step_tp``:
+      e2e_tp_gpu.py's ``rank0_send_to_launch_ms`` + ``rank1_launched_late_ms`` of the TP segments, median);
+    * ``tp_layer_ms``: per MoE layer with a routing sync (eager paged steps: every rank syncs on its routing and
+      the layer's all-reduce waits for the slowest), by ordinary least squares (the mean) of the measured minus the
+      modeled step over every step of the TP serving ``timelines`` ((timeline, cost model at its TP degree,
+      policy))."""
+    segments = step_tp[step_tp["tensor_parallel_size"] > 1]
+    host = segments["rank0_send_to_launch_ms"] + segments["rank1_launched_late_ms"]
+    q = p.replace(tp_step_ms=float(host.median()), tp_layer_ms=0.0)
+    layers, residual = [], []
+    for frame, cost, policy in timelines:
+        x = timeline_features(frame, cost, policy)
+        layers.append(np.where(x["sync"] & ~x["graphed"], cost.num_moe_layers, 0))
+        residual.append(x["measured"] - predict_steps(x, cost, q, sync=x["sync"]))
+    layers, residual = np.concatenate(layers).astype(float), np.concatenate(residual)
+    q = q.replace(tp_layer_ms=max(0.0, float(layers @ residual / (layers @ layers))) if layers.any() else 0.0)
+    report = {"tp_step_ms": q.tp_step_ms, "tp_step_segments": len(segments),
+              "tp_step_range_ms": [float(host.min()), float(host.max())], "tp_layer_ms": q.tp_layer_ms,
+              "timeline_steps": len(residual), "groups": {}}
+    for frame, cost, policy in timelines:
+        x = timeline_features(frame, cost, policy)
+        pred = predict_steps(x, cost, q, sync=x["sync"])
+        for kind in sorted(set(x["kind"])):
+            idx = x["kind"] == kind
+            report["groups"][f"tp{cost.tp} {policy} {kind}"] = {
+                "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
+                "modeled_ms_sum": float(pred[idx].sum())}
+    return q, report

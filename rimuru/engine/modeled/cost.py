@@ -54,6 +54,10 @@ class CostParams:
     loop_step_us: float = 0.0  # the serving loop's host time between two steps, outside LLM.step (rimuru.bench.inproc:
     loop_seq_us: float = 0.0  # each step's outputs handled, arrivals admitted): per step + per output + after an
     loop_eager_us: float = 0.0  # eager step; replay adds it after every step
+    tp_step_ms: float = 0.0  # tensor parallelism, per step: rank 0 sends the step message before it launches, and the
+    # peers launch later (a collective waits for the latest rank); on the host path, before the device work
+    tp_layer_ms: float = 0.0  # tensor parallelism, per MoE layer with a routing sync (eager paged steps): every rank
+    # syncs on its routing and the layer's all-reduce waits for the slowest
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     fitted: dict = field(default_factory=dict, compare=False)  # how and on what the numbers were fitted
@@ -181,6 +185,8 @@ class CostModel:
         self.moe_layer_ids = set(spec.moe_layers)
         self.layer_kinds = spec.layer_types
         self._linear_mask = np.array([k == LINEAR_ATTENTION for k in spec.layer_types])
+        self.tp_step_ms = params.tp_step_ms if tp > 1 else 0.0  # host terms of a tensor-parallel step
+        self.tp_layer_ms = params.tp_layer_ms if tp > 1 else 0.0
 
     # ------------------------------------------------------------------ terms (ms)
     def _roof(self, nbytes: float, flops: float, flops_eff: float) -> float:
@@ -253,7 +259,7 @@ class CostModel:
         n_layers = len(self.layer_kinds)
         attention = attn_full * self.full_layers + attn_lin * self.linear_layers
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
-        host = p.host_graph_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens)
+        host = p.host_graph_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens) + self.tp_step_ms
         device = attention + (dense + fixed) * n_layers + float(moe.sum() + reads.sum()) + head
         return StepTime(total_ms=max(host, device) if w.overlapped else host + device, host_ms=host,
                         attention_ms=attention,
@@ -270,7 +276,7 @@ class CostModel:
         attn_lin = self.linear_attention_ms(w.q_lens) if self.linear_layers else 0.0
         dense = self.dense_ms(tokens)
         ar = 2 * self.allreduce_ms(tokens)
-        host_layer = p.host_layer_sync_ms if w.sync_per_layer else p.host_layer_async_ms
+        host_layer = p.host_layer_sync_ms + self.tp_layer_ms if w.sync_per_layer else p.host_layer_async_ms
         assignments = tokens * self.top_k * (1 - (w.cpu_share if w.cpu_share is not None else 0.0))
         moe = self.moe_ms(w.touched, assignments * np.ones(self.num_moe_layers))
         cpu = np.zeros(self.num_moe_layers)
@@ -288,7 +294,7 @@ class CostModel:
         if w.overlapped:
             raise ValueError("only a decode-graph replay overlaps the step before it (async scheduling)")
         host = (p.host_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens)
-                + p.eager_token_us(w.sync_per_layer) * 1e-3 * tokens)
+                + p.eager_token_us(w.sync_per_layer) * 1e-3 * tokens + self.tp_step_ms)
         total = host + gpu_end + head
         n_layers = len(self.layer_kinds)
         return StepTime(
