@@ -184,8 +184,9 @@ def main() -> None:
 
 def serving_steps(references: list[str], fit: list[str], cost_params: str, hardware: str) -> pd.DataFrame:
     """The cost model fed each measured serving step's recorded work (calibration.timeline_features) against the
-    step's measured time, as medians per (run, step kind, running-request bucket): the step-time model alone,
-    without the routing model or the replay. ``split`` as in fidelity.csv (``fit``: the fitted timeline)."""
+    step's measured time, as medians and sums per (run, step kind, resize: the adjuster shrank or expanded the cache
+    in the step or not, running-request bucket): the step-time model alone, without the routing model or the
+    replay. ``split`` as in fidelity.csv (``fit``: the fitted timeline)."""
     params, gpu = CostParams.load(cost_params), load_gpu(hardware)
     out = []
     buckets = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -205,13 +206,15 @@ def serving_steps(references: list[str], fit: list[str], cost_params: str, hardw
                 t = t.reset_index(drop=True)
                 x = timeline_features(t, cost, policy)
                 key = f"{run}/{policy}"
+                resize = np.where(t["adjust"] < 0, "shrink", np.where(t["adjust"] > 0, "expand", "none"))
                 frame = pd.DataFrame({"run": key, "split": "fit" if key in fit else "validate", "kind": x["kind"],
-                                      "running": pd.cut(t["running"], buckets).astype(str),
+                                      "resize": resize, "running": pd.cut(t["running"], buckets).astype(str),
                                       "measured_ms": x["measured"],
                                       "modeled_ms": predict_steps(x, cost, params, sync=x["sync"])})
-                out.append(frame.groupby(["run", "split", "kind", "running"], as_index=False).agg(
+                out.append(frame.groupby(["run", "split", "kind", "resize", "running"], as_index=False).agg(
                     steps=("measured_ms", "size"), measured_ms=("measured_ms", "median"),
-                    modeled_ms=("modeled_ms", "median")))
+                    modeled_ms=("modeled_ms", "median"), measured_ms_sum=("measured_ms", "sum"),
+                    modeled_ms_sum=("modeled_ms", "sum")))
     return pd.concat(out, ignore_index=True) if out else pd.DataFrame()
 
 

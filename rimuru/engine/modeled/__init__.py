@@ -47,8 +47,9 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     # decode graphs where the torch engine on a GPU replays them (LLM._decode_graphs: no hybrid model yet)
     graphs = decode_graphs_allowed(config, policy.name) and not llm.spec.is_hybrid
     max_batch = graph_max_batch(config.max_num_seqs, policy.all_experts_resident, config.offload_graph_max_batch)
-    # async scheduling as LLM._pipelinable allows it: the option on and every expert resident (TP ranks too, 7f9b7a0)
-    overlap = config.async_scheduling and policy.all_experts_resident
+    # async scheduling as rimuru.engine.llm.may_pipeline allows it (every policy since a98ef5f, TP ranks too): the
+    # option on, decode graphs; its "no eviction pending" (a shrink in the step in flight) is not modeled
+    overlap = config.async_scheduling
     scheduler = llm.scheduler
     return ModeledExecutor(cost, routing, llm.cache, llm.loader, llm.clock, experts_mode=mode,
                            prefetch=config.prefetch == "predict", fixed_step_ms=config.modeled_step_ms,

@@ -33,8 +33,8 @@ _FIELDS = tuple(f.name for f in fields(StepTime))
 
 
 def pipelined(async_scheduling: bool, graphed: bool, waiting: int) -> bool:
-    """Whether the engine launches this step without waiting for the one before (``LLM._pipelinable``): async
-    scheduling on for the engine (every expert resident), a decode-graph step, nothing waiting (a
+    """Whether the engine launches this step without waiting for the one before (``rimuru.engine.llm.may_pipeline``):
+    async scheduling on for the engine, a decode-graph step, nothing waiting (a
     graphed pure decode step admitted nobody, so the queue after scheduling is the queue the engine checked).
     A pipelined step after a pipelined step overlaps it: the host schedules and launches it while the device
     runs the one before."""
