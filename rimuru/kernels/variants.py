@@ -44,7 +44,7 @@ def parse(spec: str) -> frozenset[str]:
     levers = frozenset(s.strip() for s in spec.split(","))
     unknown = sorted(levers - set(LEVERS))
     if unknown:
-        raise ValueError(f"unknown kernel lever(s) {unknown}: use fast, baseline or a list of {', '.join(LEVERS)}")
+        raise ValueError(f"unknown kernel lever(s) {unknown}: use fast, baseline, all or a list of {', '.join(LEVERS)}")
     return levers
 
 

@@ -181,6 +181,11 @@ def main() -> None:
                     "extra graph-base segments: graph (async) replays of graphs captured with those kernels, in the "
                     "same ABBA order; reported in the detail CSV and a printed A/B table, not in decode_floor.csv")
     args = ap.parse_args()
+    if args.ab_variant:
+        try:
+            variants.parse(args.ab_variant)
+        except ValueError as exc:
+            ap.error(str(exc))
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(args.out)

@@ -43,6 +43,7 @@ from rimuru.engine.llm import LLM  # noqa: E402
 from rimuru.engine.modeled.reference import e2e_scaled_budget  # noqa: E402
 from rimuru.engine.sampling_params import SamplingParams  # noqa: E402
 from rimuru.engine.step_floor import HBM_BPS, decode_floor  # noqa: E402
+from rimuru.kernels import variants  # noqa: E402
 from rimuru.models.spec import ModelSpec  # noqa: E402
 from rimuru.models.synthetic_memory import repeated_layer_checkpoint  # noqa: E402
 from rimuru.provenance import provenance  # noqa: E402
@@ -173,8 +174,6 @@ def moe_sweep(llm: LLM, tokens: list[int], replays: int = 5) -> list[dict]:
 def capture_variant(graphs, bucket: int, variant: str) -> torch.cuda.CUDAGraph:
     """The bucket's decode graph captured with ``variant``'s kernels (rimuru.kernels.variants) over the engine's
     persistent buffers and the last step's inputs: one eager pass (compiles that variant), then the capture."""
-    from rimuru.kernels import variants
-
     with variants.use(variant):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -254,6 +253,11 @@ def main() -> None:
     ap.add_argument("--ab-replays", type=int, default=20)
     ap.add_argument("--ab-only", action="store_true", help="skip the step/profiler/cProfile part of each batch")
     args = ap.parse_args()
+    for spec in filter(None, args.ab.split(";")):
+        try:
+            variants.parse(spec)
+        except ValueError as exc:
+            ap.error(str(exc))
     device, dtype = torch.device("cuda"), torch.bfloat16
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
