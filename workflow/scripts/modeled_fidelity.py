@@ -64,6 +64,13 @@ def graph_caps(items: list[str]) -> dict[str, int]:
     return caps
 
 
+def folder_run(ref: Path) -> str:
+    """The run name of a folder that holds one run (its e2e.csv has no run column): the folder's name, prefixed
+    by its parent's unless that is e2e/ (e2e/static_c56c229 -> static_c56c229, e2e/async_70e4f36/burst_400 ->
+    async_70e4f36_burst_400)."""
+    return ref.name if ref.parent.name == "e2e" else f"{ref.parent.name}_{ref.name}"
+
+
 def fit_names(keys: list[str], root: str = "results/reference") -> set[str]:
     """RUN/POLICY as fidelity.csv names the runs of ``--fit-timelines`` keys DIR/RUN:POLICY: RUN, or the folder's
     name where its e2e.csv has no run column (one run per folder, e.g. e2e/static_c56c229)."""
@@ -72,7 +79,7 @@ def fit_names(keys: list[str], root: str = "results/reference") -> set[str]:
         path, policy = key.rsplit(":", 1)
         folder, run = path.rsplit("/", 1)
         runs = pd.read_csv(Path(root) / folder / "e2e.csv", nrows=1)
-        out.add(f"{run if 'run' in runs else Path(folder).name}/{policy}")
+        out.add(f"{run if 'run' in runs else folder_run(Path(folder))}/{policy}")
     return out
 
 
@@ -107,7 +114,7 @@ def main() -> None:
     for ref in map(Path, args.reference):
         frame = pd.read_csv(ref / "e2e.csv")
         if "run" not in frame:  # one run per folder (e.g. e2e/static_c56c229): the folder names it
-            frame.insert(0, "run", ref.name)
+            frame.insert(0, "run", folder_run(ref))
         frames.append(frame.assign(hotset=str(ref / "hotset.json")))
     e2e = pd.concat(frames, ignore_index=True)
     lengths = pd.read_csv(args.lengths)
@@ -141,13 +148,15 @@ def main() -> None:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
                              f"{row['initial_cache_experts']}: budgets differ")
         n = int(row["num_requests"])
-        if int(lengths["output_len"][:n].sum()) != round(row["output_throughput"] * row["duration_s"]):
+        max_out = int(command_arg(command, "--max-output", 0))  # e2e_gpu.py's output cap (0: none)
+        outputs = lengths["output_len"].clip(upper=max_out) if max_out else lengths["output_len"]
+        if int(outputs[:n].sum()) != round(row["output_throughput"] * row["duration_s"]):
             raise SystemExit(f"{key}: the lengths file is not the run's trace (output tokens differ)")
         rate = None if np.isinf(row["request_rate"]) else float(row["request_rate"])
         trace = [TraceRequest(int(p), int(o), float(a)) for p, o, a in
-                 zip(lengths["prompt_len"][:n], lengths["output_len"][:n], draw_arrivals(args.arrivals, n, rate, seed))]
+                 zip(lengths["prompt_len"][:n], outputs[:n], draw_arrivals(args.arrivals, n, rate, seed))]
         warm = int(command_arg(command, "--warmup-requests", 0))
-        before = [list(zip(lengths["prompt_len"][:warm].astype(int), lengths["output_len"][:warm].astype(int)))]
+        before = [list(zip(lengths["prompt_len"][:warm].astype(int), outputs[:warm].astype(int)))]
         if warm:
             run_batch(llm, before[0], "warmup-")  # the measured run's discarded pass, before its clock started
         graph_before = llm.executor.graph_steps
@@ -177,12 +186,13 @@ def main() -> None:
     frame = pd.DataFrame(rows)
     Path(args.out_csv).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_csv, index=False)
-    serving = serving_steps(args.reference, fit, args.cost_params, args.hardware)
+    serving = serving_steps(args.reference, fit, args.cost_params, args.hardware, overlap)
     serving.to_csv(Path(args.out_csv).with_name("fidelity_steps.csv"), index=False)
     figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), serving, args.figure)
 
 
-def serving_steps(references: list[str], fit: list[str], cost_params: str, hardware: str) -> pd.DataFrame:
+def serving_steps(references: list[str], fit: list[str], cost_params: str, hardware: str,
+                  overlap: dict[str, bool]) -> pd.DataFrame:
     """The cost model fed each measured serving step's recorded work (calibration.timeline_features) against the
     step's measured time, as medians and sums per (run, step kind, resize: the adjuster shrank or expanded the cache
     in the step or not, running-request bucket): the step-time model alone, without the routing model or the
@@ -192,9 +202,9 @@ def serving_steps(references: list[str], fit: list[str], cost_params: str, hardw
     buckets = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
     for ref in map(Path, references):
         runs = pd.read_csv(ref / "e2e.csv")
-        for path in sorted(ref.glob("timelines_*.csv.gz")):
-            trace_run = path.name.removeprefix("timelines_").removesuffix(".csv.gz")
-            run = trace_run if "run" in runs else ref.name  # as fidelity.csv names it
+        for path in sorted(ref.glob("timelines*.csv.gz")):
+            trace_run = path.name.removeprefix("timelines").removeprefix("_").removesuffix(".csv.gz")
+            run = trace_run if "run" in runs else folder_run(ref)  # as fidelity.csv names it
             for policy, t in pd.read_csv(path).groupby("policy"):
                 rows = runs[runs["policy"] == policy]
                 if "run" in runs:
@@ -204,7 +214,7 @@ def serving_steps(references: list[str], fit: list[str], cost_params: str, hardw
                 name, layers = parse_run_model(rows["model"].iloc[0])
                 cost = CostModel(spec_with_layers(name, layers), gpu, params)
                 t = t.reset_index(drop=True)
-                x = timeline_features(t, cost, policy)
+                x = timeline_features(t, cost, policy, async_overlap=overlap.get(str(rows["commit"].iloc[0]), False))
                 key = f"{run}/{policy}"
                 resize = np.where(t["adjust"] < 0, "shrink", np.where(t["adjust"] > 0, "expand", "none"))
                 frame = pd.DataFrame({"run": key, "split": "fit" if key in fit else "validate", "kind": x["kind"],
