@@ -49,6 +49,27 @@ def _direct_block(topk_ids_ptr, pair_m, expert, num_pairs, BLOCK_M: tl.constexpr
     return lead // BLOCK_M * BLOCK_M == lead, pair
 
 
+@triton.jit
+def _dot_k_loop(acc, a_ptrs, w_ptrs, row_mask, K, w_step, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """``acc += a @ w`` over ``K`` in ``BLOCK_K`` steps: ``a_ptrs [BLOCK_M, BLOCK_K]`` (rows masked by ``row_mask``,
+    K-contiguous), ``w_ptrs [BLOCK_K, BLOCK_N]`` advanced by ``w_step`` elements per step. The one-weight K-loop of
+    the fused MoE's down projection and of ``small_linear``'s few-row projection."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            w = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k < K - k0 * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += w_step
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_pairs"],
             do_not_specialize_on_alignment=["num_pairs"])
 def fused_moe_kernel(
@@ -163,19 +184,8 @@ def fused_moe_kernel(
             if p2 < 0:
                 w2_base = host_ptr + (-1 - p2) * page_elems
         w2_ptrs = w2_base + offs_k[:, None] * D + offs_wn[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-                w2 = tl.load(w2_ptrs)
-            else:
-                k_mask = offs_k < K - k0 * BLOCK_K
-                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                w2 = tl.load(w2_ptrs, mask=k_mask[:, None], other=0.0)
-            acc = tl.dot(a, w2, acc, input_precision=DOT_PRECISION)
-            a_ptrs += BLOCK_K
-            w2_ptrs += BLOCK_K * D
-        out = acc
+        out = _dot_k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptrs, w2_ptrs, row_mask, K, BLOCK_K * D,
+                          BLOCK_K, EVEN_K, DOT_PRECISION)
         if MUL_ROUTED_WEIGHT:
             rw = tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0)
             out = out * rw[:, None]

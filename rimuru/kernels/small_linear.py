@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rimuru.kernels.fused_moe import _dot_k_loop
+
 SMALL_M_MAX_ROWS = 16  # one dot tile of rows
 BLOCK_N = 16
 BLOCK_K = 256
@@ -36,18 +38,8 @@ def small_m_linear_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, strid
     offs_wn = offs_n % N  # wrap instead of masking weight loads; the store masks
     x_ptrs = x_ptr + offs_m[:, None] * stride_x + offs_k[None, :]
     w_ptrs = w_ptr + offs_wn[None, :].to(tl.int64) * stride_w + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=m_valid[:, None], other=0.0)
-            w = tl.load(w_ptrs)
-        else:
-            k_valid = offs_k < K - k0 * BLOCK_K
-            x = tl.load(x_ptrs, mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_valid[:, None], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    acc = _dot_k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), x_ptrs, w_ptrs, m_valid, K, BLOCK_K, BLOCK_K,
+                      EVEN_K, DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_wn).to(tl.float32)[None, :]
     tl.store(out_ptr + offs_m[:, None] * stride_out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
