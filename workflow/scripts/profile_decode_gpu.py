@@ -325,15 +325,7 @@ def main() -> None:
         end.synchronize()
         back_to_back_ms = start.elapsed_time(end) / args.replays
         n_prof = 5
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(n_prof):
-                graph.replay()
-            torch.cuda.synchronize()
-        per_kernel: dict[str, list[float]] = {}
-        for ev in prof.events():
-            t = getattr(ev, "device_time_total", 0) or getattr(ev, "device_time", 0)
-            if ev.device_type == torch.autograd.DeviceType.CUDA and t > 0:
-                per_kernel.setdefault(ev.name, []).append(t)
+        per_kernel = kernel_times(graph, n_prof)
         kernel_us = 0.0
         for name, ts in per_kernel.items():
             us = sum(ts) / n_prof
