@@ -38,6 +38,8 @@ class EngineConfig:
     host: str = "host-xeon-amx"  # modeled, cpu policy: host CPU profile of the CPU-computed experts
     cost_params: str | None = None  # modeled: fitted CostParams JSON (default: uncalibrated defaults)
     modeled_step_ms: float | None = None  # modeled: a constant step time instead of the cost model
+    modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
+    # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
     tensor_parallel_size: int = 1  # ranks (one process and one device each; modeled: one process) the layers are
     # sharded over; the budget is per rank
     tp_timeout_s: float = 300.0  # a rank silent this long in a collective ends the engine

@@ -524,3 +524,47 @@ def test_tp_fit_recovers_the_per_layer_term():
     fitted, report = fit_tp(step_tp, [(frame, cost, "fixed")], CostParams())
     assert fitted.tp_step_ms == pytest.approx(1.2) and report["tp_step_segments"] == 3
     assert fitted.tp_layer_ms == pytest.approx(0.4)
+
+
+def test_carried_copies_hide_behind_the_next_steps_host_time(spec):
+    """Copies a step queued at its end for the next one (next-step prefetch) run while the next step's host work
+    does: they delay its device work only by what exceeds that host time."""
+    layers = spec.num_moe_layers
+    zero = np.zeros(layers)
+    q, starts = np.array([1, 1]), np.array([10, 20])
+    e = spec.expert_bytes()  # 9437184 B: 0.189 ms per copy at 50 GB/s
+
+    def total(host_ms, carried):
+        cost = CostModel(spec, GPU, UNIT.replace(host_step_ms=host_ms))
+        w = StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=np.array([5] + [0] * (layers - 1)),
+                     prefetched=zero, carried_experts=carried)
+        return cost.step(w).total_ms
+    copy = e / 50e9 * 1e3
+    assert total(5.0, 20) == pytest.approx(total(5.0, 0))  # 20 copies = 3.8 ms < 5 ms of host time: hidden
+    # 40 copies = 7.6 ms: 2.55 ms past the host time, ahead of layer 0's own 5 demand copies, which layer 0 waits for
+    # from the end of its attention and dense work (tens of us here): the step grows by 2.55 ms less that
+    grown = total(5.0, 40) - total(5.0, 0)
+    assert 40 * copy - 5.0 - 0.1 < grown < 40 * copy - 5.0
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_modeled_next_step_prefetch_follows_the_engine(on):
+    """After an eager step whose first MoE layer touched >= 3/4 of its experts, the modeled engine copies that
+    layer's non-resident experts (up to a buffer) for the next step, as PagedExperts.layer_done does; off, none."""
+    from rimuru.experts.provider import prefetch_next_step
+
+    llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="24GiB", policy="fixed", max_num_seqs=64,
+              modeled_next_step_prefetch=on)
+    for i in range(8):
+        llm.add_request(f"r{i}", [0] * 1000, SamplingParams(max_tokens=4, ignore_eos=True))
+    ex = llm.executor
+    loads = llm.loader.experts_loaded
+    llm.step()  # a 2048-token prefill chunk: its first layer touches nearly every expert
+    assert ex.last is not None
+    if on:
+        assert ex._carried is not None and 0 < ex._carried_new <= llm.loader.capacity
+        assert ex._carried_new == int(ex._carried.sum())
+        assert llm.loader.experts_loaded - loads >= ex._carried_new
+    else:
+        assert ex._carried is None and ex._carried_new == 0
+    assert prefetch_next_step(96, 128) and not prefetch_next_step(95, 128)

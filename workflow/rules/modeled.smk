@@ -78,6 +78,7 @@ rule modeled_fidelity:
         refs=" ".join(FIDELITY["reference"]),
         fit=" ".join(MODELED["fit_timelines"]),
         overlap=" ".join(f"{c}={int(n)}" for c, n in FIDELITY["async_scheduling"].items()),
+        next_step=" ".join(f"{c}={int(n)}" for c, n in FIDELITY["next_step_prefetch"].items()),
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
     log: "results/logs/modeled/fidelity.log"
     shell:
@@ -85,6 +86,7 @@ rule modeled_fidelity:
         "{PY} {SCRIPTS}/modeled_fidelity.py --reference {params.refs} "
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
         "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --async-scheduling {params.overlap} "
+        "--next-step-prefetch {params.next_step} "
         "--fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"

@@ -93,6 +93,9 @@ def main() -> None:
     ap.add_argument("--arrivals", choices=("inproc", "legacy"), default="inproc",
                     help="how the measuring script drew Poisson arrivals (see the module docstring)")
     ap.add_argument("--graph-cap", nargs="+", default=[], help="COMMIT=N: offloading decode-graph cap of a commit")
+    ap.add_argument("--next-step-prefetch", nargs="+", default=[],
+                    help="COMMIT=0|1: whether the measured commit's eager steps prefetch the next step's first-layer "
+                         "misses (a98ef5f and later; the modeled engine's modeled_next_step_prefetch)")
     ap.add_argument("--fit", nargs="*", default=[],
                     help="DIR/RUN:POLICY (the calibration's --fit-timelines, DIR under results/reference) of runs "
                          "whose per-step timelines the calibration fitted on: their rows are `fit`")
@@ -120,6 +123,7 @@ def main() -> None:
     lengths = pd.read_csv(args.lengths)
     caps = graph_caps(args.graph_cap)
     overlap = {c: bool(n) for c, n in graph_caps(args.async_scheduling).items()}
+    next_step = {c: bool(n) for c, n in graph_caps(args.next_step_prefetch).items()}
     fit = fit_names(args.fit)
     rows = []
     timelines = Path(args.out_timelines)
@@ -132,6 +136,8 @@ def main() -> None:
         commit = str(row["commit"])
         if commit not in caps:
             raise SystemExit(f"{key}: no --graph-cap for commit {commit} (the decode-graph cap it ran with)")
+        if commit not in next_step:
+            raise SystemExit(f"{key}: no --next-step-prefetch for commit {commit}")
         if commit not in overlap:
             raise SystemExit(f"{key}: no --async-scheduling for commit {commit} (did its async scheduling overlap?)")
         name, layers = parse_run_model(row["model"])
@@ -142,7 +148,8 @@ def main() -> None:
         seed = int(command_arg(command, "--seed", 0))
         llm = LLM(small, executor="modeled", gpu_memory_budget=budget, policy=policy, kv_reserve=kv_reserve,
                   hotset=row["hotset"], hardware=args.hardware, cost_params=args.cost_params, seed=seed,
-                  offload_graph_max_batch=caps[commit], async_scheduling=overlap[commit])
+                  offload_graph_max_batch=caps[commit], async_scheduling=overlap[commit],
+                  modeled_next_step_prefetch=next_step[commit])
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "

@@ -54,5 +54,6 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     return ModeledExecutor(cost, routing, llm.cache, llm.loader, llm.clock, experts_mode=mode,
                            prefetch=config.prefetch == "predict", fixed_step_ms=config.modeled_step_ms,
                            graph_max_batch=max_batch if graphs else None, max_model_len=llm.max_model_len,
-                           async_scheduling=overlap and graphs, waiting=lambda: len(scheduler.waiting))
+                           async_scheduling=overlap and graphs, waiting=lambda: len(scheduler.waiting),
+                           next_step_prefetch=config.modeled_next_step_prefetch)
 

@@ -107,6 +107,8 @@ class StepWork:
     sync_per_layer: bool = True  # paged experts: the host waits for routing in every MoE layer
     graphed: bool = False  # the step replays a decode CUDA graph: no host work per layer, misses read in place
     in_place: np.ndarray | None = None  # [M] graphed: experts read in place from pinned host memory over PCIe
+    carried_experts: int = 0  # copies the step before queued at its end (next-step prefetch of the first layer):
+    # on the copy stream while this step's host work runs, ahead of this step's copies
     overlapped: bool = False  # graphed and launched while the step before it ran (async scheduling): its host
     # work hides behind the device, the step takes max(host, device) instead of host + device
 
@@ -288,20 +290,21 @@ class CostModel:
                                  w.sync_per_layer)
         demand, prefetch = self.load_ms(w.demand), self.load_ms(w.prefetched)
         expansion = float(self.load_ms(w.expansion_experts))
-        gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, expansion)
-        gpu_end += tail
-        head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
         if w.overlapped:
             raise ValueError("only a decode-graph replay overlaps the step before it (async scheduling)")
         host = (p.host_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens)
                 + p.eager_token_us(w.sync_per_layer) * 1e-3 * tokens + self.tp_step_ms)
+        carried = float(self.load_ms(w.carried_experts))  # queued before this step's host work, which hides it
+        gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, max(0.0, carried - host) + expansion)
+        gpu_end += tail
+        head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
         total = host + gpu_end + head
         n_layers = len(self.layer_kinds)
         return StepTime(
             total_ms=total, host_ms=host + host_layer * self.num_moe_layers, attention_ms=attn_full * self.full_layers
             + attn_lin * self.linear_layers, dense_ms=(dense + layer_gpu_fixed) * n_layers + head,
             moe_ms=float(moe.sum()), load_stall_ms=stall, allreduce_ms=ar * n_layers, cpu_ms=float(cpu.sum()),
-            loads_ms=float(np.sum(demand) + np.sum(prefetch) + expansion))
+            loads_ms=float(np.sum(demand) + np.sum(prefetch) + expansion + carried))
 
     def _prefix(self, attn_full: float, attn_lin: float, other: float, host_layer: float, moe_total: np.ndarray,
                 sync: bool) -> tuple[np.ndarray, float]:

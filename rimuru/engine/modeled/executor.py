@@ -28,6 +28,7 @@ from rimuru.engine.modeled.routing import RoutingModel
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.provider import prefetch_next_step
 
 _FIELDS = tuple(f.name for f in fields(StepTime))
 
@@ -45,11 +46,14 @@ class ModeledExecutor:
     def __init__(self, cost: CostModel | None, routing: RoutingModel, cache: ExpertCache, loader: ExpertLoader,
                  clock: VirtualClock, *, experts_mode: str, prefetch: bool, fixed_step_ms: float | None = None,
                  graph_max_batch: int | None = None, max_model_len: int = 0, async_scheduling: bool = False,
-                 waiting: Callable[[], int] = lambda: 0) -> None:
+                 waiting: Callable[[], int] = lambda: 0, next_step_prefetch: bool = True) -> None:
         """``experts_mode``: ``paged`` (cache + loading buffers), ``resident`` (static) or ``cpu``;
         ``graph_max_batch``: decode steps of at most this many requests replay a CUDA graph (None: none do);
         ``async_scheduling``: the engine launches a graphed decode step while the one before runs (``pipelined``);
-        ``waiting``: the scheduler's waiting requests (a step is pipelined only with none)."""
+        ``waiting``: the scheduler's waiting requests (a step is pipelined only with none);
+        ``next_step_prefetch``: an eager paged step whose first MoE layer touched >= 3/4 of its experts copies that
+        layer's misses into its buffer at the step's end for the next step (``PagedExperts.layer_done``, since
+        ``a98ef5f``; False models an engine from before)."""
         if experts_mode not in ("paged", "resident", "cpu"):
             raise ValueError(f"experts_mode must be paged, resident or cpu, got {experts_mode!r}")
         if cost is None and fixed_step_ms is None:
@@ -67,6 +71,9 @@ class ModeledExecutor:
         self.async_scheduling = async_scheduling
         self.waiting = waiting
         self._pipelined = False  # the step before was launched without waiting for its predecessor
+        self.next_step_prefetch = next_step_prefetch and self.prefetch
+        self._carried: np.ndarray | None = None  # [E] first-layer experts copied at the end of an eager step
+        self._carried_new = 0  # of them, copied at the end of the step just before (their copy time)
         self.overlapped_steps = 0  # graphed steps whose host work hid behind the step before (async scheduling)
         self.graph_steps = 0  # steps that replayed a decode graph, as TorchExecutor counts them
         self.experts_touched = 0  # (layer, expert) pairs computed, as the torch providers count them
@@ -92,6 +99,7 @@ class ModeledExecutor:
         overlapped = now_pipelined and self._pipelined
         self._pipelined = now_pipelined
         self.overlapped_steps += overlapped
+        carried = 0  # experts copied at the end of the previous step, on the copy stream as this step starts
         if self.mode == "resident":
             on_device = touched.sum(axis=1)
         else:
@@ -109,8 +117,14 @@ class ModeledExecutor:
                 self.loader.account_loads(int(misses.sum()))
             else:
                 on_device = touched.sum(axis=1)
+                if self._carried is not None:  # the previous step copied these into layer 0's buffer: hits
+                    misses[0] -= int((miss[0] & self._carried).sum())
                 demand, prefetched = self._split_loads(misses, resident, touched)
                 self.loader.account_loads(int(demand.sum() + prefetched.sum()))
+            carried = self._carried_new if not graphed else 0
+            self._carried_new = 0
+            if self.mode == "paged" and not graphed and self.next_step_prefetch:
+                self._carry_first_layer(touched[0], resident[0])
         self.experts_touched += int(on_device.sum())
         self._loads_seen = self.loader.experts_loaded
         if self.fixed_step_ms is not None:
@@ -118,12 +132,26 @@ class ModeledExecutor:
         else:
             self.last = self.cost.step(StepWork(q, starts, samples, on_device, demand, prefetched, cpu_experts,
                                                 cpu_share, expansions, sync_per_layer=self.mode != "resident",
-                                                graphed=graphed, in_place=in_place, overlapped=overlapped))
+                                                graphed=graphed, in_place=in_place, overlapped=overlapped,
+                                                carried_experts=carried))
             step_ms = self.last.total_ms
             for k in _FIELDS:
                 self.totals[k] = self.totals.get(k, 0.0) + float(getattr(self.last, k))
         self.clock.advance(step_ms / 1e3)
         return torch.zeros(samples, 1)
+
+    def _carry_first_layer(self, first: np.ndarray, resident: np.ndarray) -> None:
+        """``PagedExperts.layer_done``: after a step whose first MoE layer touched ``first`` ([E] bool), its
+        non-resident experts (up to a buffer's capacity, in expert order as ``ExpertLoader.prefetch`` takes them)
+        are copied for the next step when ``prefetch_next_step`` says so."""
+        if not prefetch_next_step(int(first.sum()), len(first)):
+            self._carried = None
+            return
+        ids = np.flatnonzero(first & ~resident)[: self.loader.capacity]
+        self._carried = np.zeros(len(first), dtype=bool)
+        self._carried[ids] = True
+        self._carried_new = len(ids)
+        self.loader.account_loads(len(ids))
 
     def _split_loads(self, misses: np.ndarray, resident: np.ndarray, touched: np.ndarray):
         """Demand loads and predicted loads per layer (predictions for layer l are made in layer l - 1)."""
