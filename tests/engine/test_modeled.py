@@ -201,6 +201,51 @@ def test_prefill_chunks_route_as_fewer_independent_tokens():
         RoutingModel(pi, 2, chunk_exponent=1.5)
 
 
+def test_shrink_to_uniform_by_hand():
+    from rimuru.engine.modeled.routing import shrink_to_uniform
+
+    # a layer of 4 experts, top-1, measured on 30 tokens, 10 pseudo-tokens: uniform's weight 10 / 40 = 0.25,
+    # each expert 0.75 * p + 0.25 * 1 / 4; a row that sums to 2 is renormalised to 1 pick first
+    out = shrink_to_uniform(np.array([[1.0, 1.0, 0.0, 0.0]]), 1, 30, 10.0)
+    assert out == pytest.approx(np.array([[0.4375, 0.4375, 0.0625, 0.0625]]))
+    # per layer: a layer of unknown size (0 tokens) is renormalised only; 90 tokens: weight 0.1
+    out = shrink_to_uniform(np.array([[0.5, 0.5, 0.0, 0.0], [0.2, 0.2, 0.2, 0.4]]), 2, [0, 90], 10.0)
+    assert out[0] == pytest.approx([1.0, 1.0, 0.0, 0.0])
+    assert out[1] == pytest.approx([0.9 * 0.4 + 0.05, 0.9 * 0.4 + 0.05, 0.9 * 0.4 + 0.05, 0.9 * 0.8 + 0.05])
+    assert shrink_to_uniform(np.array([[0.5, 0.5, 0.0, 0.0]]), 1, 30, 0.0)[0] == pytest.approx([0.5, 0.5, 0, 0])
+    with pytest.raises(ValueError, match="prior_tokens"):
+        shrink_to_uniform(np.ones((1, 4)), 1, 30, -1.0)
+
+
+def test_effective_profile_tokens_from_unseen_experts_by_hand():
+    from rimuru.engine.modeled.routing import effective_profile_tokens
+
+    # reference uniform over 4 experts, top-1: n independent tokens leave 4 * 0.75 ** n experts unseen in expectation.
+    # 2 unseen: n = ln(0.5) / ln(0.75) = 2.409; 3 unseen: n = 1; none: the profile's 100 tokens
+    prob = np.array([[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    n = effective_profile_tokens(prob, 100, np.ones(8), 1)  # the curve is resampled to 4 experts and rescaled
+    assert n == pytest.approx([np.log(0.5) / np.log(0.75), 1.0, 100.0], rel=1e-6)
+    # the routing model shrinks each layer with its own effective tokens (prior 2.409: layer 0 half uniform)
+    prior = float(np.log(0.5) / np.log(0.75))
+    r = RoutingModel(prob, 1, num_tokens=100, prior_tokens=prior, reference_curve=np.ones(4))
+    assert r.pi[0] == pytest.approx([0.375, 0.375, 0.125, 0.125])
+    assert r.pi[2] == pytest.approx([0.25] * 4)
+    assert RoutingModel(prob, 1, num_tokens=100).pi[0] == pytest.approx(prob[0])  # no prior: as measured
+
+
+def test_routing_prior_fit_is_deterministic_and_beats_the_unshrunk_profiles():
+    """fit_routing_prior on a synthetic many-token profile: the prior it picks predicts the full profile's touched
+    experts from small sub-samples better than the sub-samples as measured; the same seed, the same prior."""
+    from rimuru.engine.modeled.calibration import fit_routing_prior
+
+    truth = np.random.default_rng(1).dirichlet(np.full(32, 0.5), size=2) * 4
+    a = fit_routing_prior([truth], 4, sizes=(16, 64), draws=4)
+    b = fit_routing_prior([truth], 4, sizes=(16, 64), draws=4)
+    assert a["routing_prior_tokens"] == b["routing_prior_tokens"] > 0
+    assert a["rms_log_error"] < a["rms_log_error_unshrunk"]
+    assert sum(a["routing_reference_curve"]) == pytest.approx(1.0)
+
+
 def test_chunk_routing_fit_recovers_the_correlation_it_was_drawn_with():
     """fit_chunk_routing on steps whose touched counts follow a known (scale, exponent): it finds them, and the
     independent-token model it replaces is off on the same steps."""

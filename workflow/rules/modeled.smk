@@ -17,6 +17,7 @@ def calibration_inputs(w):
             + [f"{REF}/{k.rsplit(':', 1)[0].rsplit('/', 1)[0]}/timelines_{k.rsplit(':', 1)[0].rsplit('/', 1)[1]}.csv.gz"
                for k in MODELED["fit_timelines"]]
             + [f"{REF}/{f}" for f in MODELED.get("async_floor", [])]
+            + [f"{REF}/{d}/{f}" for d in MODELED.get("routing_prior_fit", []) for f in ("hotset.json", "e2e.csv")]
             + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv",
                 f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"] if "tp_fit" in MODELED else []))
 
@@ -46,6 +47,7 @@ rule modeled_calibrate:
         fit=",".join(MODELED["fit_runs"]),
         floor=" ".join(MODELED["decode_floor"]),
         routing=",".join(MODELED["routing_fit_runs"]),
+        prior=",".join(MODELED.get("routing_prior_fit", [])),
         timelines=",".join(MODELED["fit_timelines"]),
         async_floor=" ".join(MODELED.get("async_floor", [])),
         fit_loop="--fit-loop" if MODELED.get("fit_loop") else "",
@@ -55,7 +57,8 @@ rule modeled_calibrate:
     shell:
         CPU + "results/logs/modeled/cpu/calibrate.json -- "
         "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {params.floor} --fit-runs {params.fit} "
-        "--routing-fit-runs {params.routing} --fit-timelines {params.timelines} --async-floor {params.async_floor} "
+        "--routing-fit-runs {params.routing} --routing-prior-fit {params.prior} --fit-timelines {params.timelines} "
+        "--async-floor {params.async_floor} "
         "{params.fit_loop} {params.tp} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 

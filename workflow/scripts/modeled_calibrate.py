@@ -22,6 +22,7 @@ from rimuru.engine.modeled.calibration import (
     fit_decode_floor,
     fit_loop,
     fit_moe_kernel,
+    fit_routing_prior,
     fit_tp,
     floor_check,
     load_floor,
@@ -64,6 +65,10 @@ def main() -> None:
     ap.add_argument("--routing-fit-runs", default="",
                     help="RUN:POLICY:WORKLOAD,... rows of e2e/e2e.csv (Poisson: one prefill chunk per step) whose "
                          "timelines give the prefill chunks' routing correlation (routing_chunk_*)")
+    ap.add_argument("--routing-prior-fit", default="",
+                    help="DIR,... folders under --reference (fit runs) with a hotset.json built from many calibration "
+                         "prompts and an e2e.csv: sub-sampled, they give routing_prior_tokens and "
+                         "routing_reference_curve (every hotset's shrinkage toward uniform); empty: no shrinkage")
     ap.add_argument("--fit-timelines", default="",
                     help="DIR/RUN:POLICY,... measured per-step timelines (DIR/timelines_RUN.csv.gz under --reference, "
                          "every repeat of POLICY) fitted jointly with the decode-floor segments: prefill, mixed and "
@@ -124,7 +129,26 @@ def main() -> None:
         routing_fit = fit_chunk_routing([fit_run(k, {}) for k in args.routing_fit_runs.split(",")])
         base = base.replace(routing_chunk_scale=routing_fit["routing_chunk_scale"],
                             routing_chunk_exponent=routing_fit["routing_chunk_exponent"])
-    chunk = {"chunk_scale": base.routing_chunk_scale, "chunk_exponent": base.routing_chunk_exponent}
+    prior_fit = {}
+    if args.routing_prior_fit:
+        profiles, seen, top_k = [], set(), set()
+        for folder in args.routing_prior_fit.split(","):
+            hotset_path, runs_path = ref / folder / "hotset.json", ref / folder / "e2e.csv"
+            hotset, runs = Hotset.load(hotset_path), pd.read_csv(runs_path)
+            top_k.add(spec_with_layers(*parse_run_model(runs["model"].iloc[0])).top_k)
+            data.extend([data_entry(hotset_path), data_entry(runs_path)])
+            key = hotset.probability.round(6).tobytes()
+            if key not in seen:  # the same profile served several folders (e.g. graphs and static_c56c229)
+                seen.add(key)
+                profiles.append(hotset.probability)
+        if len(top_k) != 1:
+            raise SystemExit(f"--routing-prior-fit: the folders' models route to {sorted(top_k)} experts, not one k")
+        prior_fit = fit_routing_prior(profiles, top_k.pop())
+        prior_fit["folders"] = args.routing_prior_fit.split(",")
+        base = base.replace(routing_prior_tokens=prior_fit["routing_prior_tokens"],
+                            routing_reference_curve=tuple(prior_fit["routing_reference_curve"]))
+    chunk = {"chunk_scale": base.routing_chunk_scale, "chunk_exponent": base.routing_chunk_exponent,
+             "prior_tokens": base.routing_prior_tokens, "reference_curve": base.routing_reference_curve}
     runs = [fit_run(k, chunk) for k in args.fit_runs.split(",")]
     base = base.replace(prefetch_waste=prefetch_waste(runs))
     floor = load_floor([ref / path for path in args.decode_floor])
@@ -180,7 +204,8 @@ def main() -> None:
                                     "loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
-        "routing_fit": routing_fit, "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
+        "routing_fit": routing_fit, "routing_prior_fit": prior_fit,
+        "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
         "fit_runs": args.fit_runs.split(","), "fit_timelines": list(filter(None, args.fit_timelines.split(","))),
         "data": data,
         "assumptions": [

@@ -35,7 +35,9 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     params = CostParams.load(config.cost_params) if config.cost_params else CostParams()
     routing = RoutingModel.from_hotset(llm.hotset, llm.spec.top_k, seed=config.seed,
                                        chunk_scale=params.routing_chunk_scale,
-                                       chunk_exponent=params.routing_chunk_exponent)
+                                       chunk_exponent=params.routing_chunk_exponent,
+                                       prior_tokens=params.routing_prior_tokens,
+                                       reference_curve=params.routing_reference_curve)
     if routing.shape != (llm.spec.num_moe_layers, llm.spec.num_experts):
         raise ValueError(f"hotset has {routing.shape} (layers, experts), the model "
                          f"{(llm.spec.num_moe_layers, llm.spec.num_experts)}")

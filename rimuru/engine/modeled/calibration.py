@@ -19,6 +19,11 @@ Four fits, each on the data that identifies its terms:
 5. **Prefill routing correlation** (``fit_chunk_routing``: e2e timelines of Poisson runs, one new prompt per
    step): a prompt's tokens share experts, so a chunk of ``q`` tokens touches as many experts as
    ``min(q, scale x q^exponent)`` independent tokens; fitted to the recorded experts touched per step.
+5b. **Routing prior** (``fit_routing_prior``: hotsets of fit runs built from many calibration prompts): their
+   mean sorted popularity curve (against which a served hotset's unseen experts give each layer's effective
+   tokens) and the pseudo-token count by which every hotset is shrunk toward uniform, chosen so that small
+   profiles sub-sampled from them (32-1024 independent tokens) predict the full profile's expected experts
+   touched per step.
 6. **Serving steps** (``timeline_features``, jointly with fit 3): every step of the measured per-step
    timelines of the graphed e2e runs named for fitting (prefill, mixed, eager and graphed decode steps),
    with ``token_us`` (per token of an eager step) free. Decode-floor segments alone fit pure decode only;
@@ -38,7 +43,7 @@ from scipy.optimize import least_squares
 
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import GpuProfile
-from rimuru.engine.modeled.routing import RoutingModel
+from rimuru.engine.modeled.routing import RoutingModel, effective_profile_tokens, shrink_to_uniform
 from rimuru.models.spec import ModelSpec
 
 
@@ -140,6 +145,61 @@ def fit_chunk_routing(runs: list[FitRun]) -> dict:
     base = np.abs(residuals([1.0, 1.0]))
     return {"routing_chunk_scale": float(fit.x[0]), "routing_chunk_exponent": float(fit.x[1]), "steps": len(rows),
             "median_abs_rel_error": float(np.median(err)), "independent_median_abs_rel_error": float(np.median(base))}
+
+
+def reference_curve(profiles: list[np.ndarray]) -> np.ndarray:
+    """The mean sorted (descending) per-layer popularity curve of ``profiles`` [L, E] (same E), summing to 1."""
+    curves = np.concatenate([-np.sort(-p / p.sum(axis=1, keepdims=True), axis=1) for p in profiles])
+    return curves.mean(axis=0)
+
+
+def fit_routing_prior(profiles: list[np.ndarray], top_k: int, sizes: tuple[int, ...] = (32, 64, 128, 256, 512, 1024),
+                      draws: int = 16, tokens: np.ndarray | None = None, seed: int = 0) -> dict:
+    """``routing_prior_tokens`` and ``routing_reference_curve`` (``routing.shrink_to_uniform``,
+    ``routing.effective_profile_tokens``) by sub-sampling profiles measured on many prompts.
+
+    ``profiles``: [L, E] probabilities of hotsets built from many calibration prompts, each taken as the truth;
+    the reference curve is their mean sorted curve. Small profiles of ``n`` independent tokens (each of ``sizes``,
+    ``draws`` times: every expert's count binomial) go through the same rule as a served hotset (effective tokens
+    per layer from its unseen experts, then shrinkage); the prior minimises the mean squared log ratio of their
+    expected experts touched per step (all layers; ``tokens`` independent tokens per step) to the full profile's.
+    Pure: the same inputs and seed, the same result."""
+    from scipy.optimize import minimize_scalar
+
+    tokens = np.geomspace(1, 512, 10) if tokens is None else np.asarray(tokens, dtype=np.float64)
+    curve = reference_curve(profiles)
+    rng = np.random.default_rng(seed)
+
+    def touched(pi: np.ndarray) -> np.ndarray:
+        log_miss = np.log1p(-np.minimum(pi, 1 - 1e-12))
+        return np.array([(-np.expm1(log_miss * t)).sum() for t in tokens])
+
+    cases = []  # (small profile, its effective tokens per layer, the full profile's touched per step size, n)
+    for probability in profiles:
+        truth = shrink_to_uniform(probability, top_k, 0, 0.0).clip(0, 1)
+        target = touched(truth)
+        for n in sizes:
+            for _ in range(draws):
+                counts = rng.binomial(n, truth).astype(np.float64)
+                counts[counts.sum(axis=1) == 0] = 1.0  # a layer never seen: uniform (shrink_to_uniform needs > 0)
+                cases.append((counts, effective_profile_tokens(counts, n, curve, top_k), target, n))
+
+    def errors(prior: float) -> np.ndarray:
+        return np.array([np.mean(np.log(touched(shrink_to_uniform(c, top_k, n_eff, prior).clip(0, 1)) / target) ** 2)
+                         for c, n_eff, target, _ in cases])
+
+    fit = minimize_scalar(lambda x: errors(np.expm1(x)).mean(), bounds=(0.0, np.log1p(1e4)), method="bounded",
+                          options={"xatol": 1e-3})
+    prior = float(np.expm1(fit.x))
+    n_of = np.array([c[3] for c in cases])
+    with_prior, without = errors(prior), errors(0.0)
+    per_size = {int(n): {"rms_log_error": float(np.sqrt(with_prior[n_of == n].mean())),
+                         "rms_log_error_unshrunk": float(np.sqrt(without[n_of == n].mean()))} for n in sizes}
+    return {"routing_prior_tokens": prior, "routing_reference_curve": curve.tolist(), "profiles": len(profiles),
+            "cases": len(cases), "sizes": [int(n) for n in sizes], "draws": draws, "step_tokens": tokens.tolist(),
+            "rms_log_error": float(np.sqrt(with_prior.mean())),
+            "rms_log_error_unshrunk": float(np.sqrt(without.mean())),
+            "per_size": per_size}
 
 
 def prefetch_waste(runs: list[FitRun]) -> float:

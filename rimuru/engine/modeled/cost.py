@@ -60,6 +60,10 @@ class CostParams:
     # syncs on its routing and the layer's all-reduce waits for the slowest
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
+    routing_prior_tokens: float = 0.0  # a hotset layer worth n tokens is shrunk toward uniform, weight prior/(n+prior)
+    # (routing.shrink_to_uniform; calibration.fit_routing_prior); 0: the profile as measured
+    routing_reference_curve: tuple = ()  # sorted popularity curve of profiles of many prompts (sums to 1): a layer's
+    # unseen experts against it give n (routing.effective_profile_tokens); empty: n = the hotset's num_tokens
     fitted: dict = field(default_factory=dict, compare=False)  # how and on what the numbers were fitted
 
     def eager_token_us(self, sync: bool) -> float:

@@ -10,6 +10,16 @@ share experts): a chunk of ``q`` tokens counts as ``min(q, chunk_scale * q ** ch
 independent tokens (``effective_tokens``; fitted to measured per-step touched experts by
 ``rimuru.engine.modeled.calibration.fit_chunk_routing``; 1 and 1 = independent). Decode tokens of different
 requests count one each. Seeded: the same seed and the same sequence of calls give the same sets.
+
+A profile measured on few prompts is too concentrated (an expert no calibration prompt chose gets probability 0
+but is touched in serving; a prompt's tokens share experts, so its tokens are worth fewer independent ones).
+Each layer's probabilities are mixed with uniform (``shrink_to_uniform``), uniform's weight
+``prior_tokens / (n + prior_tokens)`` (the posterior mean under a symmetric Dirichlet prior of ``prior_tokens``
+pseudo-tokens), where ``n`` is the layer's effective number of independent tokens: the profile's token count, or
+fewer where the layer has more experts never chosen than that many independent tokens would leave unseen under a
+reference popularity curve (``effective_profile_tokens``). ``prior_tokens`` and the curve are fitted on profiles
+built from many prompts (``rimuru.engine.modeled.calibration.fit_routing_prior``) and applied to every profile: a
+profile of many tokens with no unseen expert barely moves.
 """
 
 from __future__ import annotations
@@ -19,21 +29,73 @@ import numpy as np
 from rimuru.experts.hotset import Hotset
 
 
+def shrink_to_uniform(probability: np.ndarray, top_k: int, num_tokens, prior_tokens: float) -> np.ndarray:
+    """[L, E] per-layer routing probabilities renormalised to ``top_k`` picks per token and mixed with uniform
+    (``top_k / E`` each), uniform's weight ``prior_tokens / (num_tokens + prior_tokens)``: a layer measured on
+    ``num_tokens`` independent tokens (a number, or one per layer [L]), ``prior_tokens`` pseudo-tokens spread
+    evenly. ``prior_tokens`` 0, or ``num_tokens`` <= 0 (a profile of unknown size, e.g. ``Hotset.uniform``):
+    renormalised only."""
+    if prior_tokens < 0:
+        raise ValueError(f"prior_tokens must be >= 0, got {prior_tokens}")
+    p = np.asarray(probability, dtype=np.float64)
+    if p.ndim != 2:
+        raise ValueError(f"routing probabilities must be [layers, experts], got shape {p.shape}")
+    rows = p.sum(axis=1, keepdims=True)
+    if (rows <= 0).any():
+        raise ValueError("every layer needs a positive routing probability")
+    # a profile measured on few tokens may not sum to exactly k: renormalise each layer to k picks
+    p = p / rows * top_k
+    n = np.broadcast_to(np.asarray(num_tokens, dtype=np.float64), (p.shape[0],))
+    if prior_tokens == 0 or (n <= 0).all():
+        return p
+    w = np.where(n > 0, prior_tokens / (np.maximum(n, 0) + prior_tokens), 0.0)[:, None]
+    return (1 - w) * p + w * top_k / p.shape[1]
+
+
+def resample_curve(curve: np.ndarray, num_experts: int, top_k: int) -> np.ndarray:
+    """A sorted popularity curve resampled by rank quantile to ``num_experts`` and scaled to ``top_k`` picks."""
+    curve = np.asarray(curve, dtype=np.float64)
+    out = np.interp(np.linspace(0, 1, num_experts), np.linspace(0, 1, len(curve)), curve)
+    return np.clip(out / out.sum() * top_k, 0.0, 1 - 1e-12)
+
+
+def effective_profile_tokens(probability: np.ndarray, num_tokens: float, reference: np.ndarray,
+                             top_k: int) -> np.ndarray:
+    """[L] independent tokens each layer of a profile is worth: the ``n`` <= ``num_tokens`` at which ``n``
+    independent tokens routed by the ``reference`` popularity curve (sorted, any scale; resampled to the profile's
+    experts) leave as many experts unseen as the layer has at probability 0. A layer with no more unseen experts
+    than ``num_tokens`` tokens would leave: ``num_tokens``; more unseen than one token leaves: 1."""
+    from scipy.optimize import brentq
+
+    p = np.asarray(probability, dtype=np.float64)
+    log_miss = np.log1p(-resample_curve(reference, p.shape[1], top_k))
+
+    def unseen(n: float, zeros: float = 0.0) -> float:
+        return float(np.exp(log_miss * n).sum()) - zeros
+
+    out = np.full(p.shape[0], float(num_tokens))
+    if num_tokens <= 1:
+        return out
+    for layer, zeros in enumerate((p <= 0).sum(axis=1)):
+        if zeros <= unseen(num_tokens):
+            continue
+        out[layer] = 1.0 if zeros >= unseen(1.0) else brentq(unseen, 1.0, float(num_tokens), args=(float(zeros),))
+    return out
+
+
 class RoutingModel:
     def __init__(self, probability: np.ndarray, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
-                 chunk_exponent: float = 1.0) -> None:
+                 chunk_exponent: float = 1.0, num_tokens: float = 0, prior_tokens: float = 0.0,
+                 reference_curve: np.ndarray | None = None) -> None:
         if chunk_scale <= 0 or not 0 < chunk_exponent <= 1:
             raise ValueError(f"chunk_scale must be > 0 and chunk_exponent in (0, 1], got {chunk_scale}, "
                              f"{chunk_exponent}")
         self.chunk_scale, self.chunk_exponent = float(chunk_scale), float(chunk_exponent)
-        p = np.asarray(probability, dtype=np.float64)
-        if p.ndim != 2:
-            raise ValueError(f"routing probabilities must be [layers, experts], got shape {p.shape}")
-        rows = p.sum(axis=1, keepdims=True)
-        if (rows <= 0).any():
-            raise ValueError("every layer needs a positive routing probability")
-        # a profile measured on few tokens may not sum to exactly k: renormalise each layer to k picks
-        self.pi = np.clip(p / rows * top_k, 0.0, 1.0)
+        n = num_tokens
+        if prior_tokens > 0 and reference_curve is not None and len(reference_curve) and num_tokens > 0:
+            n = effective_profile_tokens(probability, num_tokens, reference_curve, top_k)
+        self.profile_tokens = np.broadcast_to(np.asarray(n, dtype=np.float64), (np.shape(probability)[0],))
+        self.pi = np.clip(shrink_to_uniform(probability, top_k, n, prior_tokens), 0.0, 1.0)
         self.top_k = top_k
         self._log_miss = np.log1p(-np.minimum(self.pi, 1 - 1e-12))  # log(1 - pi)
         self.rng = np.random.default_rng(seed)
@@ -41,8 +103,12 @@ class RoutingModel:
 
     @classmethod
     def from_hotset(cls, hotset: Hotset, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
-                    chunk_exponent: float = 1.0) -> RoutingModel:
-        return cls(hotset.probability, top_k, seed, chunk_scale, chunk_exponent)
+                    chunk_exponent: float = 1.0, prior_tokens: float = 0.0,
+                    reference_curve: np.ndarray | None = None) -> RoutingModel:
+        """The hotset's profile, shrunk toward uniform by ``prior_tokens`` against its ``num_tokens`` (per layer:
+        fewer where ``reference_curve`` says its unseen experts are too many for that many tokens)."""
+        return cls(hotset.probability, top_k, seed, chunk_scale, chunk_exponent, hotset.num_tokens, prior_tokens,
+                   reference_curve)
 
     def effective_tokens(self, q_lens) -> float:
         """Independent tokens equivalent to a step's chunks (``q_lens``: tokens per scheduled request)."""
