@@ -357,7 +357,7 @@ def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment | DirectSched
         TOP_K=top_k, GATE_UP=gate_up, PAGED=paged, MUL_ROUTED_WEIGHT=not gate_up,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=K % cfg.block_k == 0, HOST_PAGES=host is not None,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # fp32 means fp32 (no TF32) on the GPU
+        DOT_PRECISION=variants.dot_precision(a.dtype),
         DIRECT=direct, SINGLE=direct and align.single, BLOCK_P=DIRECT_MAX_PAIRS if direct else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

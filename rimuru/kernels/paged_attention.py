@@ -357,10 +357,6 @@ def decode_reduce_kernel(
 
 
 # ---------------------------------------------------------------------------------------------- wrappers
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
@@ -451,16 +447,11 @@ def prefill_attention(
         qk.stride(0), qk.stride(1), out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), block_tables.stride(0),
         GROUP=group, BLOCK_TOKENS=kv.shape[2], BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=_dot_precision(kv.dtype),
+        BLOCK_D=triton.next_power_of_2(head_dim), DOT_PRECISION=variants.dot_precision(kv.dtype),
         UPCAST=_upcast_dots(kv.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
-
-
-def merge_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The in-kernel merge's completion counters (:func:`rimuru.kernels.sync.counters`)."""
-    return sync.counters(device, n)
 
 
 def choose_num_splits(num_req: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -517,7 +508,7 @@ def decode_attention(
         part_lse = torch.empty(num_req, heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    counters = merge_counters(q.device, num_req * kv_heads) if num_splits > 1 and merge else seq_lens
+    counters = sync.counters(q.device, num_req * kv_heads) if num_splits > 1 and merge else seq_lens
     decode_attention_kernel[(num_req, kv_heads, num_splits)](
         qk, kv, out, part_out, part_lse, block_tables, seq_lens, counters,
         scale * LOG2E, head_dim, min_tokens,
@@ -527,7 +518,7 @@ def decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, BLOCK_TOKENS=block_tokens, SPLIT=num_splits > 1, MERGE=merge,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS,
-        DOT_PRECISION=_dot_precision(kv.dtype), UPCAST=_upcast_dots(kv.dtype),
+        DOT_PRECISION=variants.dot_precision(kv.dtype), UPCAST=_upcast_dots(kv.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1 and not merge:

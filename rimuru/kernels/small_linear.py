@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rimuru.kernels import variants
 from rimuru.kernels.fused_moe import _dot_k_loop
 
 SMALL_M_MAX_ROWS = 16  # one dot tile of rows
@@ -65,7 +66,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     small_m_linear_kernel[(triton.cdiv(N, BLOCK_N),)](
         x, weight, weight if bias is None else bias, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=K % BLOCK_K == 0, BLOCK_M=SMALL_M_MAX_ROWS, BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=4)
+        BLOCK_K=BLOCK_K, DOT_PRECISION=variants.dot_precision(x.dtype), num_warps=4, num_stages=4)
     return out
 
 

@@ -25,6 +25,8 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm")
 # The levers that measured faster (H200, 48 layers, results/reference/engine/run_2445415_48L/ab_*): the others
 # made their kernels slower than what they replace and are off unless asked for (``all`` or by name).
@@ -74,3 +76,9 @@ def use(spec: str) -> Iterator[None]:
         yield
     finally:
         _current = before
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for inputs of ``dtype``: fp32 means fp32 (IEEE; Triton's GPU default would
+    be TF32), anything else ``tf32`` (which 16-bit inputs ignore). Every kernel with a ``DOT_PRECISION``."""
+    return "ieee" if dtype == torch.float32 else "tf32"

@@ -13,11 +13,11 @@ from rimuru.kernels.attention_reference import (
 )
 from rimuru.kernels.paged_attention import (
     decode_attention,
-    merge_counters,
     paged_attention,
     prefill_attention,
     write_kv,
 )
+from rimuru.kernels.sync import counters
 from rimuru.memory import KV, PagePool, PoolLayout
 from tests.markers import needs_triton
 
@@ -159,7 +159,7 @@ def test_triton_decode_splits_each_request_by_its_own_length_and_merges_many_spl
     assert torch.equal(out[2], torch.zeros_like(out[2]))
     keep = [0, 1, 3]
     assert rel_err(out[keep], ref[keep]) <= 1e-5
-    assert not merge_counters(batch.q.device, 1).any()
+    assert not counters(batch.q.device, 1).any()
     again = decode_attention(batch.q, batch.kv, batch.block_tables, batch.seq_lens_t, batch.scale, max_seq_len=320,
                              out=batch.poisoned_out(), num_splits=20, block_n=16, min_tokens_per_split=16)
     assert torch.equal(again, out)
