@@ -187,14 +187,14 @@ class Attention:
         k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
         cos_sin = cos_sin if cos_sin is not None else self.rope.cos_sin(meta.positions)
-        fused = fused_qkv_path(triton_kernels, q.dtype, None if self.q_norm is None else self.q_norm.dtype,
-                               kv_tensor(kv_view).dtype, variants.on("qkv_fused"))
+        kv = kv_tensor(kv_view)
+        fused = fused_qkv_path(triton_kernels, q.dtype, None if self.q_norm is None else self.q_norm.dtype, kv.dtype,
+                               variants.on("qkv_fused"))
         if fused:  # q/k norm + RoPE + the KV write: one launch
             from rimuru.kernels.norm_rope import qkv_norm_rope_write
 
             q = qkv_norm_rope_write(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.q_norm, self.k_norm,
-                                    *cos_sin, c.rms_norm_eps, self.rope.rotary_dim, kv_tensor(kv_view),
-                                    meta.slot_mapping)
+                                    *cos_sin, c.rms_norm_eps, self.rope.rotary_dim, kv, meta.slot_mapping)
         elif q.is_cuda and self.impl in ("auto", "triton") and (self.q_norm is None or self.q_norm.dtype == q.dtype):
             from rimuru.kernels.norm_rope import norm_rope  # q/k norm + RoPE: one launch per tensor
 
