@@ -507,6 +507,15 @@ def _receive(conn, spin: bool):
     return conn.recv()
 
 
+def _step_input(llm, receiver: BatchReceiver, message: tuple):
+    """A worker's side of a "step" or "launch" message, before its forward: publish this rank's finished loads (as
+    rank 0's step does), apply rank 0's op log, rebuild the step. Returns ``(SchedulerOutput, graphed, step)``."""
+    _, ops, dropped, tokens, chunks, graphed, step = message
+    llm.policy.begin_step()
+    apply_ops(ops, llm.kv, llm.cache)
+    return receiver.output(dropped, tokens, chunks), graphed, step
+
+
 def _finish_launched(llm, launched: LaunchedDecode, step: int, progress, rank: int) -> None:
     """A worker's async-scheduled step has run: its expert counters settled, its number recorded as finished."""
     launched.wait()
@@ -539,11 +548,8 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
             if kind == "stop":
                 break
             if kind == "launch":  # async scheduling: launch step n+1, then wait for step n (as rank 0 does)
-                _, ops, dropped, tokens, chunks, _, step = message
+                out, _, step = _step_input(llm, receiver, message)
                 received_at[2 * rank + step % 2] = got
-                llm.policy.begin_step()
-                apply_ops(ops, llm.kv, llm.cache)
-                out = receiver.output(dropped, tokens, chunks)
                 launched = llm.executor.launch_decode(out, None if inflight is None else inflight[0])
                 launched_at[2 * rank + step % 2] = time.perf_counter()
                 if inflight is not None:
@@ -554,11 +560,8 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
                 _finish_launched(llm, *inflight, progress, rank)
                 inflight = None
             if kind == "step":
-                _, ops, dropped, tokens, chunks, graphed, step = message
+                out, graphed, step = _step_input(llm, receiver, message)
                 received_at[2 * rank + step % 2] = got
-                llm.policy.begin_step()  # publish this rank's finished loads, as rank 0's step does
-                apply_ops(ops, llm.kv, llm.cache)
-                out = receiver.output(dropped, tokens, chunks)
                 if not out.is_empty:
                     llm.executor.execute(out, graphed)
                     launched_at[2 * rank + step % 2] = time.perf_counter()
