@@ -296,12 +296,12 @@ class CostModel:
         expansion = float(self.load_ms(w.expansion_experts))
         if w.overlapped:
             raise ValueError("only a decode-graph replay overlaps the step before it (async scheduling)")
-        host = (p.host_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens)
-                + p.eager_token_us(w.sync_per_layer) * 1e-3 * tokens + self.tp_step_ms)
+        scheduling = p.host_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens)
+        host = scheduling + p.eager_token_us(w.sync_per_layer) * 1e-3 * tokens + self.tp_step_ms
         carried = float(self.load_ms(w.carried_experts))  # queued before this step's host work, which hides it
         # up to the first launch: scheduling and per-request preparation (the per-token term is bookkeeping that
         # grows with a chunk during its layers, e.g. the MoE's gather/scatter: it does not precede the device)
-        lead = p.host_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens) + self.tp_step_ms
+        lead = scheduling + self.tp_step_ms
         gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, max(0.0, carried - lead) + expansion)
         gpu_end += tail
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
