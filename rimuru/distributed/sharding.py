@@ -53,8 +53,8 @@ def check_shardable(spec: ModelSpec, shard: Shard) -> None:
 
 
 def local_heads(spec: ModelSpec, shard: Shard) -> tuple[int, int]:
-    """(query heads, KV heads) on one rank."""
-    return spec.num_heads // shard.world, max(1, spec.num_kv_heads // shard.world)
+    """(query heads, KV heads) on one rank (``ModelSpec.heads_per_rank``)."""
+    return spec.heads_per_rank(shard.world)
 
 
 def shard_dense_tensor(name: str, t: torch.Tensor, spec: ModelSpec, shard: Shard) -> torch.Tensor:

@@ -206,6 +206,11 @@ class ModelSpec:
     def total_expert_bytes(self, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
         return self.num_moe_layers * self.num_experts * self.expert_bytes(dtype, tp)
 
+    def heads_per_rank(self, tp: int = 1) -> tuple[int, int]:
+        """(query heads, KV heads) one of ``tp`` tensor-parallel ranks holds: query heads split ``tp`` ways, KV heads
+        too while there are at least as many as ranks, else one replicated KV head per rank (as vLLM does)."""
+        return self.num_heads // tp, max(1, self.num_kv_heads // tp)
+
     def dense_params(self, tp: int = 1) -> int:
         """Every parameter that is not a routed expert (embeddings, attention, GDN, router, shared expert, norms);
         with ``tp`` > 1 those one tensor-parallel rank holds (rimuru.distributed.sharding): q/o projections, MLPs
@@ -213,9 +218,9 @@ class ModelSpec:
         ranks (else one replicated head per rank); embeddings, LM head, norms, router and gates replicated."""
         d, hd = self.hidden_size, self.head_dim
         n = self.vocab_size * d * (1 if self.tie_word_embeddings else 2) + d  # embed, lm_head, final norm
-        heads = self.num_heads // tp
+        heads, kv_heads = self.heads_per_rank(tp)
         q_out = heads * hd * (2 if self.attn_output_gate else 1)
-        kv_out = max(1, self.num_kv_heads // tp) * hd
+        kv_out = kv_heads * hd
         attn = d * q_out + 2 * d * kv_out + heads * hd * d
         if self.qkv_bias:
             attn += heads * hd + 2 * kv_out
@@ -236,8 +241,7 @@ class ModelSpec:
 
     def kv_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> int:
         """K and V of every full-attention layer (KV heads replicate when tp > kv heads)."""
-        local_kv = max(1, self.num_kv_heads // tp)
-        return len(self.full_attention_layers) * 2 * local_kv * self.head_dim * _dtype_bytes(dtype)
+        return len(self.full_attention_layers) * 2 * self.heads_per_rank(tp)[1] * self.head_dim * _dtype_bytes(dtype)
 
     def ssm_state_shape(self, tp: int = 1) -> tuple[int, int, int]:
         """One request's GDN recurrent state of one layer: ``[value_heads, key_dim, value_dim]``."""

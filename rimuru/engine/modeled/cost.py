@@ -178,7 +178,7 @@ class CostModel:
         self.full_layers = len(spec.full_attention_layers)
         self.linear_layers = len(spec.linear_attention_layers)
         self.heads = max(1, spec.num_heads // tp)
-        self.kv_bytes_per_token_layer = 2 * max(1, spec.num_kv_heads // tp) * spec.head_dim * e
+        self.kv_bytes_per_token_layer = 2 * spec.heads_per_rank(tp)[1] * spec.head_dim * e
         self.attn_flops_factor = 4 * self.heads * spec.head_dim  # QK^T and PV, per (query, key) pair
         vh, kd, vd = spec.ssm_state_shape(tp) if spec.is_hybrid else (0, 0, 0)
         self.state_bytes = vh * kd * vd * 4  # fp32 recurrent state, read and written once per step
