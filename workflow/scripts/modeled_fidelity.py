@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,15 @@ from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.calibration import floor_features, load_floor, predict_steps, timeline_features
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import load_gpu
-from rimuru.engine.modeled.reference import e2e_scaled_budget, parse_run_model, spec_with_layers
+from rimuru.engine.modeled.reference import (
+    ENGINE_FEATURES,
+    command_arg,
+    e2e_scaled_budget,
+    engine_features,
+    hotset_prompts,
+    parse_run_model,
+    spec_with_layers,
+)
 from rimuru.engine.modeled.replay import TraceRequest, arrivals, replay, run_batch
 from rimuru.models.spec import ModelSpec
 from rimuru.units import parse_bytes
@@ -42,11 +49,6 @@ METRICS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "
 GOALS = {"output_throughput": 0.08, "mean_ttft_ms": 0.08, "forward_steps": 0.02, "peak_concurrency": 0.02}
 
 
-def command_arg(command: str, name: str, default=None):
-    args = shlex.split(command)
-    return args[args.index(name) + 1] if name in args else default
-
-
 def draw_arrivals(kind: str, n: int, rate: float | None, seed: int) -> np.ndarray:
     if kind == "legacy":
         return arrivals(n, rate, seed)
@@ -54,12 +56,13 @@ def draw_arrivals(kind: str, n: int, rate: float | None, seed: int) -> np.ndarra
     return np.asarray(arrival_times(spec, n, seed), dtype=float)
 
 
-def graph_caps(items: list[str]) -> dict[str, int]:
+def graph_caps(items: list[str], option: str = "--graph-cap") -> dict[str, int]:
+    """KEY=N words of ``option`` (COMMIT=N, or FEATURE=N for --engine-default)."""
     caps = {}
     for item in items:
         commit, _, cap = item.partition("=")
         if not cap.isdigit():
-            raise SystemExit(f"--graph-cap takes COMMIT=N, got {item!r}")
+            raise SystemExit(f"{option} takes KEY=N words, got {item!r}")
         caps[commit] = int(cap)
     return caps
 
@@ -102,6 +105,9 @@ def main() -> None:
     ap.add_argument("--async-scheduling", nargs="+", default=[],
                     help="COMMIT=0|1: whether the measured commit's async scheduling overlapped a graphed step's host "
                          "work with the step before (the modeled engine's async_scheduling)")
+    ap.add_argument("--engine-default", nargs="*", default=[],
+                    help="graph_cap=N async_scheduling=0|1 next_step_prefetch=0|1: the engine of every measured "
+                         "commit the per-commit options above do not list (without it such a commit is an error)")
     ap.add_argument("--decode-floor", nargs="+", required=True,
                     help="decode-floor segments, newest first, as the calibration read them: figure")
     ap.add_argument("--tp-runs", nargs="*", default=[],
@@ -122,9 +128,10 @@ def main() -> None:
     e2e = pd.concat(frames, ignore_index=True)
     lengths = pd.read_csv(args.lengths)
     caps = graph_caps(args.graph_cap)
-    overlap = {c: bool(n) for c, n in graph_caps(args.async_scheduling).items()}
-    next_step = {c: bool(n) for c, n in graph_caps(args.next_step_prefetch).items()}
+    overlap = {c: bool(n) for c, n in graph_caps(args.async_scheduling, "--async-scheduling").items()}
+    next_step = {c: bool(n) for c, n in graph_caps(args.next_step_prefetch, "--next-step-prefetch").items()}
     fit = fit_names(args.fit)
+    default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
     rows = []
     timelines = Path(args.out_timelines)
     timelines.mkdir(parents=True, exist_ok=True)
@@ -134,12 +141,14 @@ def main() -> None:
         if group["commit"].nunique() != 1 or group["command"].nunique() != 1:
             raise SystemExit(f"{key}: repeats from different commits or commands")
         commit = str(row["commit"])
-        if commit not in caps:
-            raise SystemExit(f"{key}: no --graph-cap for commit {commit} (the decode-graph cap it ran with)")
-        if commit not in next_step:
-            raise SystemExit(f"{key}: no --next-step-prefetch for commit {commit}")
-        if commit not in overlap:
-            raise SystemExit(f"{key}: no --async-scheduling for commit {commit} (did its async scheduling overlap?)")
+        try:
+            engine = engine_features(commit, {"graph_cap": caps, "async_scheduling": overlap,
+                                              "next_step_prefetch": next_step}, default)
+        except ValueError as exc:
+            raise SystemExit(f"{key}: {exc} (--graph-cap, --async-scheduling, --next-step-prefetch or "
+                             f"--engine-default {' '.join(f + '=N' for f in ENGINE_FEATURES)})") from None
+        caps[commit], overlap[commit], next_step[commit] = (engine["graph_cap"], bool(engine["async_scheduling"]),
+                                                            bool(engine["next_step_prefetch"]))
         name, layers = parse_run_model(row["model"])
         full, small = ModelSpec.from_pretrained(name), spec_with_layers(name, layers)
         budget = e2e_scaled_budget(full, small, parse_bytes(f"{row['budget_gib']}GiB"), policy)
@@ -155,6 +164,7 @@ def main() -> None:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
                              f"{row['initial_cache_experts']}: budgets differ")
         n = int(row["num_requests"])
+        cal = hotset_prompts(command, n)
         max_out = int(command_arg(command, "--max-output", 0))  # e2e_gpu.py's output cap (0: none)
         outputs = lengths["output_len"].clip(upper=max_out) if max_out else lengths["output_len"]
         if int(outputs[:n].sum()) != round(row["output_throughput"] * row["duration_s"]):
@@ -178,7 +188,8 @@ def main() -> None:
                          "measured_max": float(measured.max()), "repeats": len(measured), "modeled": modeled,
                          "rel_error": (modeled - med) / med if med else float("nan"),
                          "goal": GOALS.get(m, float("nan")), "graph_cap": caps[commit],
-                         "async_overlap": overlap[commit], "commit": commit})
+                         "async_overlap": overlap[commit], "commit": commit, "hotset_prompts": cal,
+                         "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
         print(f"{key} (cap {caps[commit]}, {len(group)} measured): " + ", ".join(

@@ -50,3 +50,38 @@ def parse_run_model(label: str) -> tuple[str, int]:
     name, _, rest = label.partition(" (")
     layers = int(rest.split("/")[0]) if rest else None
     return name.strip(), layers
+
+
+def command_arg(command: str, name: str, default=None):
+    """The value of option ``name`` in a recorded command line (``default`` when absent)."""
+    import shlex
+
+    args = shlex.split(command)
+    return args[args.index(name) + 1] if name in args else default
+
+
+def hotset_prompts(command: str, num_requests: int, default: int = 256) -> int:
+    """How many calibration prompts ``e2e_gpu.py`` routed for a run's hotset: the trace's first
+    ``min(--calibration-prompts, num_requests)`` — prompts the run itself then served (their first 256 tokens, with
+    1-128 decode tokens each). The hotset is an input of the measured engine (it orders the initial cache), so a
+    replay must use it; it is also a routing measurement of the run's own prompts, so the replay's routing is
+    in-sample for that run (fidelity.csv says so per row: ``hotset_prompts``, ``hotset_in_sample``)."""
+    return min(int(command_arg(command, "--calibration-prompts", default)), int(num_requests))
+
+
+ENGINE_FEATURES = ("graph_cap", "async_scheduling", "next_step_prefetch")
+
+
+def engine_features(commit: str, listed: dict[str, dict[str, int]], default: dict[str, int] | None) -> dict[str, int]:
+    """The engine a measured ``commit`` had (decode-graph cap, whether async scheduling overlapped, whether eager
+    steps prefetched the next step's first layer): ``listed[feature][commit]`` where given, else ``default`` (the
+    current engine's, so that a new run needs no per-commit entry); an error names what is missing."""
+    if default is not None and set(default) != set(ENGINE_FEATURES):
+        raise ValueError(f"the default engine needs exactly {', '.join(ENGINE_FEATURES)}, got {sorted(default)}")
+    out = {}
+    for feature in ENGINE_FEATURES:
+        value = listed.get(feature, {}).get(commit, None if default is None else default[feature])
+        if value is None:
+            raise ValueError(f"no {feature} for commit {commit} and no default engine")
+        out[feature] = int(value)
+    return out
