@@ -23,7 +23,7 @@ Four fits, each on the data that identifies its terms:
    mean sorted popularity curve (against which a served hotset's unseen experts give each layer's effective
    tokens) and the pseudo-token count by which every hotset is shrunk toward uniform, chosen so that small
    profiles sub-sampled from them (32-1024 independent tokens) predict the full profile's expected experts
-   touched per step.
+   touched per step, in all and outside the small profile's own top experts (the cache the engine fills from it).
 6. **Serving steps** (``timeline_features``, jointly with fit 3): every step of the measured per-step
    timelines of the graphed e2e runs named for fitting (prefill, mixed, eager and graphed decode steps),
    with ``token_us`` (per token of an eager step) free. Decode-floor segments alone fit pure decode only;
@@ -154,15 +154,24 @@ def reference_curve(profiles: list[np.ndarray]) -> np.ndarray:
 
 
 def fit_routing_prior(profiles: list[np.ndarray], top_k: int, sizes: tuple[int, ...] = (32, 64, 128, 256, 512, 1024),
-                      draws: int = 16, tokens: np.ndarray | None = None, seed: int = 0) -> dict:
+                      draws: int = 16, tokens: np.ndarray | None = None, seed: int = 0,
+                      cache_fractions: tuple[float, ...] = (0.25, 0.5, 0.75)) -> dict:
     """``routing_prior_tokens`` and ``routing_reference_curve`` (``routing.shrink_to_uniform``,
     ``routing.effective_profile_tokens``) by sub-sampling profiles measured on many prompts.
 
     ``profiles``: [L, E] probabilities of hotsets built from many calibration prompts, each taken as the truth;
     the reference curve is their mean sorted curve. Small profiles of ``n`` independent tokens (each of ``sizes``,
     ``draws`` times: every expert's count binomial) go through the same rule as a served hotset (effective tokens
-    per layer from its unseen experts, then shrinkage); the prior minimises the mean squared log ratio of their
-    expected experts touched per step (all layers; ``tokens`` independent tokens per step) to the full profile's.
+    per layer from its unseen experts, then shrinkage). The prior minimises, over those small profiles and step
+    sizes (``tokens`` independent tokens per step, all layers), the mean squared log ratio to the full profile's of
+
+    * the expected experts touched per step, and
+    * the expected experts touched per step **outside the small profile's own top experts** (per layer the first
+      ``cache_fractions`` of its experts by count: the engine fills its cache in the hotset's order, so the cache is
+      chosen on the same sample whose probabilities the routing model uses; an expert that ranked high by luck is
+      cached and over-weighted at once, and the replay under-counts misses unless the shrinkage undoes it — the
+      winner's curse of an in-sample ranking). Both terms weigh alike.
+
     Pure: the same inputs and seed, the same result."""
     from scipy.optimize import minimize_scalar
 
@@ -170,36 +179,58 @@ def fit_routing_prior(profiles: list[np.ndarray], top_k: int, sizes: tuple[int, 
     curve = reference_curve(profiles)
     rng = np.random.default_rng(seed)
 
-    def touched(pi: np.ndarray) -> np.ndarray:
+    def touched(pi: np.ndarray, masks: list[np.ndarray]) -> np.ndarray:
+        """[1 + masks, tokens]: expected touched per step in all experts, then within each mask."""
         log_miss = np.log1p(-np.minimum(pi, 1 - 1e-12))
-        return np.array([(-np.expm1(log_miss * t)).sum() for t in tokens])
+        p = -np.expm1(log_miss[None] * tokens[:, None, None])  # [T, L, E]
+        return np.stack([p.sum(axis=(1, 2))] + [(p * m).sum(axis=(1, 2)) for m in masks])
 
-    cases = []  # (small profile, its effective tokens per layer, the full profile's touched per step size, n)
+    cases = []  # (small profile, its effective tokens, outside-cache masks, the truth's touched, n)
     for probability in profiles:
         truth = shrink_to_uniform(probability, top_k, 0, 0.0).clip(0, 1)
-        target = touched(truth)
+        experts = truth.shape[1]
         for n in sizes:
             for _ in range(draws):
                 counts = rng.binomial(n, truth).astype(np.float64)
                 counts[counts.sum(axis=1) == 0] = 1.0  # a layer never seen: uniform (shrink_to_uniform needs > 0)
-                cases.append((counts, effective_profile_tokens(counts, n, curve, top_k), target, n))
+                order = np.argsort(-counts, axis=1, kind="stable")
+                masks = []
+                for f in cache_fractions:
+                    outside = np.ones(counts.shape, dtype=bool)
+                    np.put_along_axis(outside, order[:, : int(f * experts)], False, axis=1)
+                    masks.append(outside)
+                cases.append((counts, effective_profile_tokens(counts, n, curve, top_k), masks,
+                              touched(truth, masks), n))
 
     def errors(prior: float) -> np.ndarray:
-        return np.array([np.mean(np.log(touched(shrink_to_uniform(c, top_k, n_eff, prior).clip(0, 1)) / target) ** 2)
-                         for c, n_eff, target, _ in cases])
+        """[cases, 2]: mean squared log error of touched, of touched outside the cache."""
+        out = []
+        for c, n_eff, masks, target, _ in cases:
+            model = touched(shrink_to_uniform(c, top_k, n_eff, prior).clip(0, 1), masks)
+            log = np.log(np.maximum(model, 1e-9) / target) ** 2  # unshrunk: no miss at all outside a full cache
+            out.append((log[0].mean(), log[1:].mean() if masks else 0.0))
+        return np.array(out)
 
-    fit = minimize_scalar(lambda x: errors(np.expm1(x)).mean(), bounds=(0.0, np.log1p(1e4)), method="bounded",
-                          options={"xatol": 1e-3})
+    terms = 2 if cache_fractions else 1  # without cache fractions: touched counts only (the fit before wave 6)
+    fit = minimize_scalar(lambda x: errors(np.expm1(x))[:, :terms].mean(), bounds=(0.0, np.log1p(1e4)),
+                          method="bounded", options={"xatol": 1e-3})
     prior = float(np.expm1(fit.x))
-    n_of = np.array([c[3] for c in cases])
+    n_of = np.array([c[4] for c in cases])
     with_prior, without = errors(prior), errors(0.0)
-    per_size = {int(n): {"rms_log_error": float(np.sqrt(with_prior[n_of == n].mean())),
-                         "rms_log_error_unshrunk": float(np.sqrt(without[n_of == n].mean()))} for n in sizes}
+
+    def rms(e: np.ndarray) -> float:
+        return float(np.sqrt(e.mean()))
+
+    per_size = {int(n): {"rms_log_error": rms(with_prior[n_of == n, 0]),
+                         "rms_log_error_unshrunk": rms(without[n_of == n, 0]),
+                         "rms_log_error_outside_cache": rms(with_prior[n_of == n, 1]),
+                         "rms_log_error_outside_cache_unshrunk": rms(without[n_of == n, 1])} for n in sizes}
     return {"routing_prior_tokens": prior, "routing_reference_curve": curve.tolist(), "profiles": len(profiles),
             "cases": len(cases), "sizes": [int(n) for n in sizes], "draws": draws, "step_tokens": tokens.tolist(),
-            "rms_log_error": float(np.sqrt(with_prior.mean())),
-            "rms_log_error_unshrunk": float(np.sqrt(without.mean())),
-            "per_size": per_size}
+            "cache_fractions": list(cache_fractions),
+            "rms_log_error": rms(with_prior[:, 0]), "rms_log_error_unshrunk": rms(without[:, 0]),
+            "rms_log_error_outside_cache": rms(with_prior[:, 1]),
+            "rms_log_error_outside_cache_unshrunk": rms(without[:, 1]), "per_size": per_size}
 
 
 def prefetch_waste(runs: list[FitRun]) -> float:
