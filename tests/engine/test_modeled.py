@@ -246,6 +246,19 @@ def test_routing_prior_fit_is_deterministic_and_beats_the_unshrunk_profiles():
     assert sum(a["routing_reference_curve"]) == pytest.approx(1.0)
 
 
+def test_routing_prior_fit_counts_the_misses_of_a_cache_chosen_on_the_same_sample():
+    """A small profile both orders the cache and gives the routing probabilities: as measured it under-counts the
+    experts touched outside its own top experts (the winner's curse); the fitted prior predicts them far better,
+    and a prior fitted on touched counts alone (cache_fractions empty) is smaller: the misses need more shrinkage."""
+    from rimuru.engine.modeled.calibration import fit_routing_prior
+
+    truth = np.random.default_rng(2).dirichlet(np.full(64, 0.3), size=2) * 4
+    both = fit_routing_prior([truth], 4, sizes=(32, 128), draws=4)
+    touched_only = fit_routing_prior([truth], 4, sizes=(32, 128), draws=4, cache_fractions=())
+    assert both["rms_log_error_outside_cache"] < both["rms_log_error_outside_cache_unshrunk"] / 2
+    assert both["routing_prior_tokens"] > touched_only["routing_prior_tokens"]
+
+
 def test_chunk_routing_fit_recovers_the_correlation_it_was_drawn_with():
     """fit_chunk_routing on steps whose touched counts follow a known (scale, exponent): it finds them, and the
     independent-token model it replaces is off on the same steps."""
@@ -613,3 +626,26 @@ def test_modeled_next_step_prefetch_follows_the_engine(on):
     else:
         assert ex._carried is None and ex._carried_new == 0
     assert prefetch_next_step(96, 128) and not prefetch_next_step(95, 128)
+
+
+def test_engine_features_of_a_measured_commit_listed_or_default():
+    """A commit listed per feature keeps its values; an unlisted one takes the default engine (a new run needs no
+    per-commit entry); without a default an unlisted commit is an error that names the feature."""
+    from rimuru.engine.modeled.reference import engine_features
+
+    listed = {"graph_cap": {"old": 8}, "async_scheduling": {"old": 0}, "next_step_prefetch": {"old": 0}}
+    default = {"graph_cap": 16, "async_scheduling": 1, "next_step_prefetch": 1}
+    assert engine_features("old", listed, default) == {"graph_cap": 8, "async_scheduling": 0, "next_step_prefetch": 0}
+    assert engine_features("new", listed, default) == default
+    with pytest.raises(ValueError, match="graph_cap for commit new"):
+        engine_features("new", listed, None)
+    with pytest.raises(ValueError, match="default engine needs"):
+        engine_features("new", listed, {"graph_cap": 16})
+
+
+def test_hotset_prompts_are_the_runs_first_served_prompts():
+    from rimuru.engine.modeled.reference import hotset_prompts
+
+    assert hotset_prompts("e2e_gpu.py --num-requests 100 --calibration-prompts 128", 100) == 100
+    assert hotset_prompts("e2e_gpu.py --calibration-prompts 8", 100) == 8
+    assert hotset_prompts("e2e_gpu.py", 400) == 256  # the script's default
