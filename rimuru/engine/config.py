@@ -48,6 +48,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs: every step runs the eager forward
     offload_graph_max_batch: int | None = None  # offloading policies replay decode graphs up to this batch
     # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice
+    kv_compaction: bool = True  # elastic: pack scattered KV pages so that partly used L2 pages return to the expert
+    # cache (rimuru.memory.compaction; one device, plain MoE models)
     async_scheduling: bool = True  # graphed greedy decode of `static`: step n+1 is scheduled and launched while
     # step n runs on the device, its tokens fed on the device (docs/engine.md, "Async scheduling")
 

@@ -5,7 +5,8 @@ block ``b`` occupies one page in each of the ``num_layers`` attention layers. Th
 the only writer of the per-request page arrays; the scheduler asks ``can_allocate`` /
 ``allocate`` (or ``allocate_many`` for a whole decode batch, one allocator call) and receives
 nothing mutable back. Each request's table lives in a buffer with spare block columns (doubled
-when full), so adding a block writes one column instead of copying the table.
+when full), so adding a block writes one column instead of copying the table. ``compact`` moves pages to
+pack them (the allocator's plan) and rewrites the tables; the caller copies the pages' data.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class KVCacheManager:
         self._pages: dict[str, np.ndarray] = {}  # request id -> [num_layers, capacity] page ids
         self._blocks: dict[str, int] = {}  # request id -> blocks in use (columns of _pages)
         self._num_pages = 0
+        self._remap: np.ndarray | None = None  # identity over the KV view's page ids, for compact()
         kv = allocator.layout[KV]
         self.pages_per_l2 = allocator.layout[kv.parent].page_bytes // kv.page_bytes
 
@@ -82,6 +84,27 @@ class KVCacheManager:
             used = self._blocks.pop(request_id)
             self.allocator.free(KV, pages[:, :used].reshape(-1))
             self._num_pages -= used * self.num_layers
+
+    def reclaimable_l2_pages(self) -> int:
+        """L2 pages that :meth:`compact` would return to the pool now."""
+        return self.allocator.reclaimable(KV)
+
+    def compact(self, max_moves: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Pack the KV pages (``MultiLevelAllocator.compact``) and point every table at their new pages. Returns
+        ``(src, dst)``: the caller copies page ``src[i]``'s data to ``dst[i]`` before the next forward pass, with
+        no step in flight (one that read or wrote the old pages)."""
+        src, dst = self.allocator.compact(KV, max_moves)
+        if len(src) == 0:
+            return src, dst
+        if self._remap is None:
+            self._remap = np.arange(self.allocator.num_pages(KV), dtype=np.int64)
+        remap = self._remap
+        remap[src] = dst
+        for rid, pages in self._pages.items():
+            used = pages[:, : self._blocks[rid]]
+            used[...] = remap[used]
+        remap[src] = src
+        return src, dst
 
     def pages(self, request_id: str) -> np.ndarray:
         """[num_layers, num_blocks] page ids (a read-only view)."""

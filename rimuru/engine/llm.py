@@ -64,15 +64,18 @@ log = logging.getLogger("rimuru.engine")
 __all__ = ["LLM", "MemoryBudgetError", "activation_estimate", "may_pipeline"]
 
 
-def may_pipeline(*, enabled: bool, graphs_ready: bool, evictions_pending: bool, decode_fits: bool) -> bool:
+def may_pipeline(*, enabled: bool, graphs_ready: bool, evictions_pending: bool, decode_fits: bool,
+                 compaction_due: bool = False) -> bool:
     """Whether the next step is launched before the step in flight (if any) is read (async scheduling,
     docs/engine.md): the option on, decode graphs captured with replay on (with tensor parallelism on every rank),
     no expert eviction pending (experts the step in flight shrank are freed at its commit, with nothing else in
     flight), and the scheduler's next batch a greedy pure decode that the graphs cover and whose
     KV fits without preemption (``Scheduler.pipelinable``). Every policy: the graphs read a miss in place from
     pinned host memory, so no page moves around a pipelined forward; expansion copies wait for the compute
-    stream (``ExpertLoader.copy_expert``) and enter the page table only after their event."""
-    return enabled and graphs_ready and not evictions_pending and decode_fits
+    stream (``ExpertLoader.copy_expert``) and enter the page table only after their event. A KV compaction due
+    (``rimuru.experts.adjuster.compaction_due``) also waits for a step with nothing in flight: it moves pages that
+    step reads and writes."""
+    return enabled and graphs_ready and not evictions_pending and decode_fits and not compaction_due
 
 
 class LLM:
@@ -181,6 +184,10 @@ class LLM:
             self.kv = kv_cls(self.allocator, len(spec.full_attention_layers), config.block_tokens)
         sched_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(sched_config, self.kv, policy.releasable_l2_pages)
+        # KV compaction: where freed L2 pages can grow the cache (elastic), on one device (tensor parallelism would
+        # replay the moves on every rank) and without GDN states (their manager keeps its own tables)
+        self._compacts = config.kv_compaction and policy.compacts_kv and tp == 1 and not spec.is_hybrid
+        self.kv_pages_moved = 0
         if config.modeled:
             from rimuru.engine.modeled import build_modeled_executor
 
@@ -349,7 +356,20 @@ class LLM:
         graphs_ready = executor is not None and executor.launches_decode
         return may_pipeline(
             enabled=self._async, graphs_ready=graphs_ready, evictions_pending=self.cache.num_evicting > 0,
-            decode_fits=graphs_ready and self.scheduler.pipelinable(executor.graphs.bmax))
+            decode_fits=graphs_ready and self.scheduler.pipelinable(executor.graphs.bmax),
+            compaction_due=self._compaction_due())
+
+    def _compaction_due(self) -> bool:
+        return self._compacts and self.policy.kv_compaction_due(self.kv.reclaimable_l2_pages())
+
+    def _compact_kv(self) -> None:
+        """Pack the KV pages when due (nothing in flight: called by a synchronous step before it schedules); the
+        copies are queued on the compute stream ahead of the step's forward and of any expansion into the freed
+        pages (``ExpertLoader.copy_expert`` waits for that stream)."""
+        if self._compaction_due():
+            src, dst = self.kv.compact()
+            self.pool.view(KV).move(src, dst)
+            self.kv_pages_moved += len(src)
 
     def _step_async(self, t0: float, compiles_before: int) -> list[RequestOutput]:
         """Schedule and launch a graphed decode step, then read the tokens of the step launched before it."""
@@ -398,6 +418,7 @@ class LLM:
         """Schedule, execute, postprocess: the step whose tokens are read before it returns."""
         replays_before = self.graphs.replays if self.graphs is not None else 0
         self.policy.begin_step()
+        self._compact_kv()
         before = self._io_counters()
         out = self.scheduler.schedule()  # asks policy.releasable_l2_pages() when KV runs short
         change = 0

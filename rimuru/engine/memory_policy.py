@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from rimuru.engine.state_manager import state_l2_pages
-from rimuru.experts.adjuster import AdjusterConfig, decide
+from rimuru.experts.adjuster import AdjusterConfig, compaction_due, decide
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.hotset import Hotset
 from rimuru.experts.loader import ExpertLoader
@@ -96,6 +96,7 @@ class MemoryPolicy:
     name: ClassVar[str]
     stands_for: ClassVar[str]
     adjusts: ClassVar[bool] = False  # the workload-aware adjuster resizes the expert cache
+    compacts_kv: ClassVar[bool] = False  # L2 pages that KV compaction frees grow the cache (kv_compaction_due)
     all_experts_resident: ClassVar[bool] = False
     loads_experts: ClassVar[bool] = True  # misses are copied into two per-layer loading buffers
     cache_cls: type[ExpertCache] = ExpertCache  # tensor parallelism's rank 0 sets one that logs its calls
@@ -217,6 +218,10 @@ class MemoryPolicy:
         """After scheduling, before the forward pass: resize the cache; returns experts added (< 0: removed)."""
         return 0
 
+    def kv_compaction_due(self, reclaimable_l2_pages: int) -> bool:
+        """Before a synchronous step: whether to pack the KV pages, which would free ``reclaimable_l2_pages``."""
+        return False
+
     def after_forward(self) -> None:
         """After the forward pass: free the pages of experts shrunk this step."""
         self.cache.reclaim()
@@ -257,6 +262,7 @@ class ElasticPolicy(MemoryPolicy):
     name = "elastic"
     stands_for = "Rimuru: experts and KV share the pool; the adjuster moves pages with the load"
     adjusts = True
+    compacts_kv = True
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -269,6 +275,10 @@ class ElasticPolicy(MemoryPolicy):
 
     def releasable_l2_pages(self) -> int:
         return self.cache.releasable_l2_pages(self.plan_.min_cache_experts)
+
+    def kv_compaction_due(self, reclaimable_l2_pages: int) -> bool:
+        cache = self.cache
+        return compaction_due(self.adjuster, reclaimable_l2_pages, cache.num_cached, cache.total)
 
     def after_schedule(self, out: SchedulerOutput, free_l2_pages: int) -> int:
         cache = self.cache

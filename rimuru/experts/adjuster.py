@@ -2,7 +2,8 @@
 
 A pure policy: once per scheduler step, from the scheduler's shortfall R_b and the free L2
 pages F_b, decide how many experts to shrink (negative) or expand (positive). The cache
-applies the decision; this module owns no state.
+applies the decision; this module owns no state. ``compaction_due`` decides when the KV pages are packed
+so that partly used L2 pages return to the pool (the KV manager and the engine apply it).
 """
 
 from __future__ import annotations
@@ -43,3 +44,10 @@ def decide(config: AdjusterConfig, r_b: int, f_b: int, cached: int, total: int) 
     if change < 0:
         return max(change, min(0, floor - cached))  # never offload more than EOL experts
     return min(change, total - cached)
+
+
+def compaction_due(config: AdjusterConfig, reclaimable_l2: int, cached: int, total: int) -> bool:
+    """Whether to pack the KV pages before this step: compaction would return at least one expert's pages
+    (``reclaimable_l2``: ``MultiLevelAllocator.reclaimable``) and the cache has room for them. A burst's survivors
+    leave their KV scattered over partly used L2 pages as the others finish (docs/e2e.md)."""
+    return reclaimable_l2 >= config.pages_per_expert and cached < total

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rimuru.memory.compaction import plan_compaction, reclaimable_parents
 from rimuru.memory.free_stack import FreeStack
 from rimuru.memory.layout import PoolLayout
 
@@ -268,6 +269,47 @@ class MultiLevelAllocator:
         c.state[slots] = ALLOC
         self._classes[c.parent].live[pids] += count
         return slots
+
+    # ------------------------------------------------------------------ compaction
+    def reclaimable(self, cls: str) -> int:
+        """Parents (L2 pages) of L3 class ``cls`` that :meth:`compact` would empty now (``reclaimable_parents``)."""
+        c = self._l3(cls)
+        parent = self._classes[c.parent]
+        split = parent.state == SPLIT_BASE + c.index  # over the parents, not the (many more) L3 slots
+        return reclaimable_parents(int(np.count_nonzero(split)), int(parent.live[split].sum()), c.per_parent)
+
+    def compact(self, cls: str, max_moves: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Move the units of the emptiest partly used parents of L3 class ``cls`` into free slots of the fullest
+        ones (``plan_compaction``; best fit, as new units are placed), so that the emptied parents merge back.
+
+        Returns ``(src, dst)`` page ids: the unit at ``src[i]`` now lives at ``dst[i]``. The allocator only moves
+        the bookkeeping: the caller copies the data before anything can write the freed pages, and rewrites its
+        tables. Nothing changes when no parent can be emptied within ``max_moves``."""
+        c = self._l3(cls)
+        if c.run != 1:
+            raise ValueError(f"{cls!r} allocates runs of {c.run} pages: compaction moves single pages only")
+        per, live = c.per_parent, self._classes[c.parent].live
+        open_ = np.fromiter((p for level in range(1, per) for p in c.buckets[level]), dtype=np.int64)
+        sources = open_[plan_compaction(live[open_], per, max_moves)]
+        if len(sources) == 0:
+            empty = np.empty(0, dtype=np.int64)
+            return empty, empty
+        for p in sources.tolist():  # out of the fill buckets: nothing is placed into a parent being emptied
+            level = int(live[p])
+            c.buckets[level].discard(p)
+            if not c.buckets[level]:
+                c.levels &= ~(1 << level)
+        kids = (np.sort(sources)[:, None] * per + np.arange(per)).ravel()
+        src = kids[c.state[kids] == ALLOC]
+        dst = self._take_fullest(c, len(src))
+        self._free(c, src)  # the sources' live counts reach 0: they merge back into free L2 pages
+        return c.slots_to_ids(src), c.slots_to_ids(dst)
+
+    def _l3(self, cls: str) -> _ClassState:
+        c = self._by_name(cls)
+        if not self._is_l3(c):
+            raise ValueError(f"{cls!r} is not an L3 class")
+        return c
 
     # ------------------------------------------------------------------ free
     def free(self, cls: str, ids) -> None:

@@ -32,6 +32,15 @@ class MemoryView:
     def num_pages(self) -> int:
         return self.tensor.shape[0]
 
+    def move(self, src, dst) -> None:
+        """Copy pages ``src[i]`` to ``dst[i]`` (disjoint id sets; numpy or host ids), queued on the current stream."""
+        device = self.tensor.device
+        if len(src) == 0 or device.type == "meta":  # a modeled pool holds no bytes to copy
+            return
+        src_t = torch.as_tensor(src, dtype=torch.int64).to(device, non_blocking=True)
+        dst_t = torch.as_tensor(dst, dtype=torch.int64).to(device, non_blocking=True)
+        self.tensor.index_copy_(0, dst_t, self.tensor.index_select(0, src_t))
+
 
 class PagePool:
     """Owns the device bytes and the allocator that hands them out."""

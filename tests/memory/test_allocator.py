@@ -82,6 +82,25 @@ class AllocatorMachine(RuleBasedStateMachine):
             ids.clear()
         assert self.alloc.free_huge_pages() == NUM_HUGE
 
+    @rule(max_moves=st.one_of(st.none(), st.integers(0, 40)))
+    def compact_kv(self, max_moves):
+        """Compaction moves live KV pages onto free ones and frees exactly the parents it promised."""
+        reclaimable = self.alloc.reclaimable(KV)
+        free_l2 = self.alloc.free_l2_pages(EXPERT)
+        src, dst = self.alloc.compact(KV, max_moves)
+        assert len(src) == len(dst)
+        assert set(src.tolist()) <= self.live[KV], "moved a page that was not live"
+        assert not set(dst.tolist()) & (self.live[KV] - set(src.tolist())), "moved onto a live page"
+        if max_moves is not None:
+            assert len(src) <= max_moves
+        self.live[KV].difference_update(src.tolist())
+        self.live[KV].update(dst.tolist())
+        gained = self.alloc.free_l2_pages(EXPERT) - free_l2
+        if max_moves is None:
+            assert gained == reclaimable and self.alloc.reclaimable(KV) == 0
+        assert gained == reclaimable - self.alloc.reclaimable(KV)
+        assert (len(src) == 0) == (gained == 0)
+
     @invariant()
     def integrity_and_no_overlap(self):
         STEPS_RUN["count"] += 1
@@ -196,3 +215,42 @@ def test_best_fit_placement_cost_does_not_grow_with_the_number_of_split_parents(
     # and it is still best fit: the 5 pages went to 5 distinct parents at the top fill level
     assert len(set((np.asarray(fullest) // 6).tolist())) == 5
     alloc.check_integrity()
+
+
+def test_compaction_empties_the_sparsest_parents_into_the_fullest():
+    alloc = MultiLevelAllocator(QWEN3_30B_A3B, 4)
+    per = QWEN3_30B_A3B.page_bytes(EXPERT) // QWEN3_30B_A3B.page_bytes(KV)
+    pages = [alloc.allocate(KV, per) for _ in range(4)]  # four full parents
+    keep = {0: per // 2, 1: 3, 2: per - 5, 3: per - 1}  # live pages left in each
+    for i, k in keep.items():
+        alloc.free(KV, pages[i][k:])
+    assert alloc.reclaimable(KV) == 1  # 2.5 parents' worth of pages + 6 spread over 4
+    free_l2 = alloc.free_l2_pages(EXPERT)
+    src, dst = alloc.compact(KV)
+    assert sorted(src.tolist()) == sorted(pages[1][:3].tolist()), "the sparsest parent is emptied"
+    assert set((dst // per).tolist()) <= {pages[3][0] // per, pages[2][0] // per}, "into the fullest"
+    assert alloc.free_l2_pages(EXPERT) == free_l2 + 1 and alloc.reclaimable(KV) == 0
+    alloc.check_integrity()
+    assert alloc.compact(KV)[0].size == 0  # nothing left to empty: nothing moves
+
+
+def test_compaction_moves_single_pages_only():
+    from rimuru.memory import CONV
+
+    alloc = MultiLevelAllocator(TINY, 2)
+    with pytest.raises(ValueError, match="runs"):
+        alloc.compact(CONV)
+    with pytest.raises(ValueError, match="not an L3 class"):
+        alloc.compact(EXPERT)
+
+
+def test_plan_compaction_is_sparsest_first_within_room_and_moves():
+    from rimuru.memory.compaction import plan_compaction, reclaimable_parents
+
+    live = np.array([5, 1, 9, 2])  # 10 per parent: 17 live units fill 2 parents when packed
+    assert plan_compaction(live, 10).tolist() == [1, 3]  # the 1 and the 2 go into the others' 6 + 8 free slots
+    assert reclaimable_parents(4, 17, 10) == 2
+    assert plan_compaction(live, 10, max_moves=2).tolist() == [1]
+    assert plan_compaction(np.array([9, 9]), 10).size == 0  # 9 units do not fit into 1 free slot
+    with pytest.raises(ValueError, match="partly used"):
+        plan_compaction(np.array([10]), 10)
