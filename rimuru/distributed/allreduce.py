@@ -13,6 +13,15 @@
   (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, never the ``multimem`` operations).
 * ``symm_mem_two_shot`` — the same buffer, PyTorch's two-shot kernel (reduce-scatter then all-gather over peer
   memory; a copy into the buffer first).
+* ``symm_mem_fused`` — 2 ranks: the model's all-reduce *and* the residual add + RMSNorm after it in one Triton
+  launch over peer memory (rimuru/kernels/allreduce_norm.py: each rank pushes its partial rows into the peer's
+  receive buffer, a per-row flag handshake, then sum, add, norm), and the MoE's sum over its expert rows folded into
+  the same launch: one kernel per sub-layer where the others take four (sum, cast, all-reduce, add + norm). Its
+  plain ``all_reduce`` (anything else that sums) is ``symm_mem``'s.
+
+Every backend answers ``add_rms_norm`` (the fused sub-layer end): ``None`` where it does not fuse it, and the
+communicator then composes :func:`rimuru.kernels.allreduce_norm.combine_partial`, ``all_reduce`` and
+``add_rms_norm`` (three launches).
 
 A symmetric-memory backend sends what it should not take to the process group (NCCL): tensors over its buffer
 (``max_bytes``, prefill's large sums), other dtypes, non-contiguous or misaligned tensors. The decision is a pure
@@ -48,7 +57,8 @@ SYMM_MEM_DTYPES = (torch.bfloat16, torch.float32)  # what PyTorch's symmetric-me
 SYMM_MEM_ALIGN = 16  # bytes: the kernels' widest vector; the buffer view and the input must agree on alignment
 MULTICAST_OFF = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 # ALL_REDUCE_BACKENDS' names, auto and the one fallback order
-ALL_REDUCE_CHOICES = (AUTO, "nccl", "gloo", "symm_mem", "symm_mem_two_shot", SYMM_MEM_OR_NCCL)
+FUSED_MAX_ROWS = 4096  # rows (tokens) one fused call takes: one int32 flag per row and peer
+ALL_REDUCE_CHOICES = (AUTO, "nccl", "gloo", "symm_mem", "symm_mem_two_shot", "symm_mem_fused", SYMM_MEM_OR_NCCL)
 
 
 class AllReduceUnavailable(RuntimeError):
@@ -72,6 +82,11 @@ class AllReduceBackend(Protocol):
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks; returns the sum (in ``t`` itself)."""
 
+    def add_rms_norm(self, h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float,
+                     extra: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``add_rms_norm(h, all_reduce(partial), weight, eps)`` with ``partial`` = ``addend`` (``[T, d]`` or
+        ``[T, k, d]`` summed) + ``extra``, fused; None: not fused here (the communicator composes it)."""
+
     def release_peers(self, dead: list[int]) -> None:
         """A peer died: let kernels of this rank that wait for it finish (garbage), so the device drains."""
 
@@ -89,6 +104,9 @@ class ProcessGroupAllReduce:
 
         dist.all_reduce(t)
         return t
+
+    def add_rms_norm(self, h, addend, weight, eps, extra):
+        return None
 
     def release_peers(self, dead: list[int]) -> None:
         pass  # the group's abort unblocks NCCL's kernels (rimuru/distributed/group.py)
@@ -120,7 +138,8 @@ def all_reduce_candidates(requested: str, device_type: str) -> tuple[str, ...]:
     if requested == SYMM_MEM_OR_NCCL:
         return ("symm_mem", "nccl")
     if requested == "gloo":
-        raise ValueError("all_reduce='gloo' is the CPU backend; on GPUs use auto, nccl, symm_mem or symm_mem_two_shot")
+        raise ValueError("all_reduce='gloo' is the CPU backend; on GPUs use auto, nccl, symm_mem, symm_mem_two_shot "
+                         "or symm_mem_fused")
     return (requested,)
 
 
@@ -178,6 +197,9 @@ class SymmMemAllReduce:
         buf.copy_(t)
         return self._two_shot(buf, "sum", self.group_name, t)
 
+    def add_rms_norm(self, h, addend, weight, eps, extra):
+        return None
+
     def release_peers(self, dead: list[int], timeout_s: float = 30.0) -> None:
         """Called on rank 0's monitor thread when a rank died: a kernel of this rank spinning at a barrier for the
         dead rank never ends by itself (PyTorch's barriers have no timeout), and a device that never drains hangs
@@ -187,19 +209,28 @@ class SymmMemAllReduce:
         garbage; the engine is ending with the error)."""
         if not dead:
             return
-        me = self.ctx.rank
         with self._release_lock, torch.cuda.device(self.ctx.device):
-            mine, theirs = self._pad(me), [self._pad(r) for r in dead]
+            unblock = self._unblocker(dead)
             side = torch.cuda.Stream(self.ctx.device)
             probe = torch.cuda.Event()
             probe.record(torch.cuda.default_stream(self.ctx.device))
             deadline = time.monotonic() + timeout_s
             while not probe.query() and time.monotonic() < deadline:
                 with torch.cuda.stream(side):
-                    for r, pad in zip(dead, theirs):
-                        mine[:, r].fill_(1)
-                        pad[:, me].fill_(0)
+                    unblock()
                 side.synchronize()
+
+    def _unblocker(self, dead: list[int]) -> Callable[[], None]:
+        """What one round of :meth:`release_peers` writes: the dead ranks' arrival flags in this rank's signal pad
+        raised, this rank's flags in theirs cleared."""
+        me = self.ctx.rank
+        mine, theirs = self._pad(me), [self._pad(r) for r in dead]
+
+        def unblock() -> None:
+            for r, pad in zip(dead, theirs):
+                mine[:, r].fill_(1)
+                pad[:, me].fill_(0)
+        return unblock
 
     def _pad(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s signal pad as ``[blocks, world]`` int32 flags: flag ``[b, r]`` is rank ``r``'s arrival at
@@ -210,6 +241,68 @@ class SymmMemAllReduce:
 
     def close(self) -> None:
         self.handle = None
+
+
+class SymmMemFusedAllReduce(SymmMemAllReduce):
+    """2 ranks: the sub-layer's all-reduce fused with the residual add + RMSNorm after it (one Triton launch over
+    peer memory, rimuru/kernels/allreduce_norm.py); plain all-reduces are ``symm_mem``'s one-shot. Its own
+    symmetric buffers: a receive buffer of two halves of ``max_bytes`` (consecutive calls alternate, the host
+    counts: every forward makes an even number of calls, so captured graphs replay the same sequence) and one int32
+    flag per row."""
+
+    def __init__(self, ctx: AllReduceContext, fallback: AllReduceBackend, max_bytes: int = SYMM_MEM_MAX_BYTES) -> None:
+        if ctx.world != 2:
+            raise AllReduceUnavailable(f"symm_mem_fused is written for 2 ranks, not {ctx.world}")
+        super().__init__(ctx, fallback, max_bytes=max_bytes)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.name = "symm_mem_fused"
+        self.half = max_bytes // ctx.dtype.itemsize  # elements per half of the receive buffer
+        self.recv = symm_mem.empty(2 * self.half, dtype=ctx.dtype, device=ctx.device)
+        self.recv_handle = _rendezvous(self.recv, ctx.group_name)
+        self.flags = symm_mem.empty(FUSED_MAX_ROWS, dtype=torch.int32, device=ctx.device)
+        self.flags.zero_()  # before the collective that ends the set-up (build_backend's agreement): no peer
+        torch.cuda.synchronize(ctx.device)  # raises a flag here before it is zero
+        self.flags_handle = _rendezvous(self.flags, ctx.group_name)
+        peer = 1 - ctx.rank
+        self.peer_recv = self.recv_handle.get_buffer(peer, (2 * self.half,), ctx.dtype)
+        self.peer_flags = self.flags_handle.get_buffer(peer, (FUSED_MAX_ROWS,), torch.int32)
+        self.parity = 0  # the half the next fused call uses (host-side; captured into graphs)
+
+    def add_rms_norm(self, h, addend, weight, eps, extra):
+        T, d = h.shape
+        if not (fused_takes(T, d, self.dtype, self.max_bytes) and h.dtype == addend.dtype == weight.dtype == self.dtype
+                and (extra is None or extra.dtype == self.dtype) and h.is_cuda):
+            return None
+        from rimuru.kernels.allreduce_norm import one_shot_add_rms_norm
+
+        lo = self.parity * self.half
+        self.parity ^= 1
+        n = T * d
+        return one_shot_add_rms_norm(h, addend, weight, eps, extra, self.peer_recv[lo:lo + n], self.recv[lo:lo + n],
+                                     self.peer_flags, self.flags)
+
+    def _unblocker(self, dead: list[int]) -> Callable[[], None]:
+        """Also this backend's flags: this rank's raised (its waits pass), the dead peer's cleared (its pushes
+        pass)."""
+        pads = super()._unblocker(dead)
+
+        def unblock() -> None:
+            pads()
+            self.flags.fill_(1)
+            self.peer_flags.fill_(0)
+        return unblock
+
+    def close(self) -> None:
+        super().close()
+        self.recv_handle = self.flags_handle = None
+
+
+def fused_takes(rows: int, cols: int, dtype: torch.dtype, max_bytes: int) -> bool:
+    """Whether ``symm_mem_fused`` fuses a ``[rows, cols]`` sub-layer end (else the communicator composes it): at
+    most ``FUSED_MAX_ROWS`` rows and ``max_bytes``. A pure function of the shape: every rank, every call of a
+    forward decides the same (the halves' alternation relies on it)."""
+    return 0 < rows <= FUSED_MAX_ROWS and rows * cols * dtype.itemsize <= max_bytes
 
 
 def symm_mem_unavailable(ctx: AllReduceContext) -> str | None:
@@ -243,6 +336,13 @@ def symm_mem_unavailable(ctx: AllReduceContext) -> str | None:
     return None
 
 
+def fused_unavailable(ctx: AllReduceContext) -> str | None:
+    """Why ``symm_mem_fused`` cannot run on this rank (None: it can): ``symm_mem``'s reasons, and 2 ranks."""
+    if ctx.world != 2:
+        return f"symm_mem_fused is written for 2 ranks, not {ctx.world}"
+    return symm_mem_unavailable(ctx)
+
+
 @dataclass(frozen=True)
 class BackendEntry:
     """A registry entry: a local check (why this rank cannot run the backend, or None), then the build (which may be
@@ -266,6 +366,8 @@ ALL_REDUCE_BACKENDS: dict[str, BackendEntry] = {
     "symm_mem": BackendEntry(symm_mem_unavailable, lambda ctx, group: SymmMemAllReduce(ctx, group)),
     "symm_mem_two_shot": BackendEntry(symm_mem_unavailable,
                                       lambda ctx, group: SymmMemAllReduce(ctx, group, two_shot=True)),
+    "symm_mem_fused": BackendEntry(lambda ctx: fused_unavailable(ctx),
+                                   lambda ctx, group: SymmMemFusedAllReduce(ctx, group)),
 }
 
 

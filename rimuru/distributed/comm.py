@@ -46,6 +46,12 @@ class Communicator(Protocol):
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place; returns ``t``."""
 
+    def reduce_add_rms_norm(self, h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float,
+                            extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sub-layer's end: this rank's partial (``addend`` ``[T, d]`` or ``[T, k, d]`` summed, ``+ extra``)
+        summed over ranks, added to the residual ``h``, and the next RMSNorm: ``(h_new, normed)``
+        (``rimuru.kernels.norm_rope.add_rms_norm`` after the all-reduce)."""
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over ranks (agreeing on one memory decision)."""
 
@@ -61,6 +67,11 @@ class SingleProcess:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def reduce_add_rms_norm(self, h, addend, weight, eps, extra=None):
+        from rimuru.kernels.norm_rope import add_rms_norm
+
+        return add_rms_norm(h, addend, weight, eps, extra=extra)
 
     def min_int(self, value: int) -> int:
         return value
@@ -159,6 +170,26 @@ class TorchDistributed:
             self._events.append((start, end))
             return t
         return self.backend.all_reduce(t)
+
+    def reduce_add_rms_norm(self, h, addend, weight, eps, extra=None):
+        """The backend's fused launch where it has one (``symm_mem_fused``; timed as an all-reduce, the add + norm
+        included), else the partial combined in one launch, all-reduced, then ``add_rms_norm``."""
+        from rimuru.kernels.allreduce_norm import combine_partial
+        from rimuru.kernels.norm_rope import add_rms_norm
+
+        self._check_alive()
+        timed = self.timing and h.is_cuda
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        fused = self.backend.add_rms_norm(h, addend, weight, eps, extra)
+        if timed and fused is not None:
+            end.record()
+            self._events.append((start, end))
+        if fused is not None:
+            self.calls += 1
+            return fused
+        return add_rms_norm(h, self.all_reduce(combine_partial(addend, extra)), weight, eps)
 
     def min_int(self, value: int) -> int:
         import torch.distributed as dist

@@ -16,7 +16,6 @@ from rimuru.distributed.comm import SINGLE, Communicator
 from rimuru.experts.moe_block import MoeLayerWeights, moe_forward, moe_forward_parts, route_layer
 from rimuru.experts.provider import ExpertProvider
 from rimuru.kernels.linear_cpu import projection
-from rimuru.kernels.norm_rope import add_rms_norm
 from rimuru.models.attention_layer import Attention, AttentionConfig, AttentionMetadata
 from rimuru.models.rms_norm import rms_norm
 from rimuru.models.rope import RotaryEmbedding
@@ -54,7 +53,7 @@ class QwenMoeModel:
         rope = RotaryEmbedding.from_spec(spec, device=device)
         cfg = AttentionConfig.from_spec(spec, comm.shard)
         self.attention_config = cfg
-        self._reduce = comm.all_reduce if comm.world_size > 1 else _identity
+        self.comm = comm
         self.attn = [Attention(cfg, dense, i, rope, impl=attention_impl) for i in range(spec.num_layers)]
         self.moe_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
         self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
@@ -101,22 +100,15 @@ class QwenMoeModel:
 
     def _moe_parts(self, layer: int, x: torch.Tensor, experts: ExpertProvider, expert_view: torch.Tensor,
                    row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decoder layer ``layer``'s MoE block as (routed, shared) parts (``moe_forward_parts``), or its summed and
-        all-reduced output and None under tensor parallelism. ``row_valid`` [T, 1]: padding rows of a captured
-        batch take row 0's experts, so they read no extra expert weights."""
+        """Decoder layer ``layer``'s MoE block as (routed, shared) parts (``moe_forward_parts``), this rank's
+        partial under tensor parallelism (the communicator sums them over ranks with the residual add and the next
+        norm). ``row_valid`` [T, 1]: padding rows of a captured batch take row 0's experts, so they read no extra
+        expert weights."""
         m = self.moe_index[layer]
         lw = self.moe[m]
         topk_weights, topk_ids = route_layer(x, lw, row_valid)
         self._record(m, topk_ids)
-        routed, shared = moe_forward_parts(x, lw, expert_view, experts, m, routing=(topk_weights, topk_ids),
-                                           impl=self.moe_impl)
-        if self._reduce is _identity:
-            return routed, shared
-        if routed.dim() == 3:
-            routed = routed.sum(dim=1, dtype=torch.float32).to(x.dtype)
-        if shared is not None:
-            routed = routed + shared
-        return self._reduce(routed), None
+        return moe_forward_parts(x, lw, expert_view, experts, m, routing=(topk_weights, topk_ids), impl=self.moe_impl)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_view, expert_view: torch.Tensor,
@@ -127,19 +119,21 @@ class QwenMoeModel:
         ``row_valid`` [T, 1] bool marks real tokens of a padded (captured) batch; padding rows are computed
         but routed like row 0 so that they read no extra experts."""
         eps = self.spec.rms_norm_eps
+        end = self.comm.reduce_add_rms_norm  # one rank: add_rms_norm itself
         h = F.embedding(input_ids, self.embed)  # [T, d]
         cos_sin = self.rope.cos_sin(meta.positions)  # once per step, shared by every layer
         x = rms_norm(h, self.layers[0].input_norm, eps)
         last = len(self.layers) - 1
         for layer, lw in enumerate(self.layers):
-            # each residual add is fused with the RMSNorm after it (and the MoE's sum over experts with both)
-            h, x = add_rms_norm(h, self._reduce(self.attn[layer](x, meta, kv_view, cos_sin)), lw.post_norm, eps)
+            # each residual add is fused with the RMSNorm after it (and the MoE's sum over experts with both); under
+            # tensor parallelism the all-reduce of the rank's partial comes first (one launch with symm_mem_fused)
+            h, x = end(h, self.attn[layer](x, meta, kv_view, cos_sin), lw.post_norm, eps)
             following = self.layers[layer + 1].input_norm if layer < last else self.final_norm
             if lw.moe is not None:
                 routed, shared = self._moe_parts(layer, x, experts, expert_view, row_valid)
-                h, x = add_rms_norm(h, routed, following, eps, extra=shared)
+                h, x = end(h, routed, following, eps, extra=shared)
             else:
-                h, x = add_rms_norm(h, self._reduce(self._dense_mlp(lw.mlp, x)), following, eps)
+                h, x = end(h, self._dense_mlp(lw.mlp, x), following, eps)
         if sample_index is not None:
             x = x[sample_index]  # the final norm is per row: normalising first gives the same rows
         return self._lm_head(x).float()

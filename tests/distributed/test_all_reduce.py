@@ -10,6 +10,7 @@ import torch
 
 from rimuru.distributed.allreduce import (
     ALL_REDUCE_CHOICES,
+    FUSED_MAX_ROWS,
     SYMM_MEM_MAX_BYTES,
     AllReduceContext,
     AllReduceUnavailable,
@@ -17,6 +18,8 @@ from rimuru.distributed.allreduce import (
     ProcessGroupAllReduce,
     all_reduce_candidates,
     build_backend,
+    fused_takes,
+    fused_unavailable,
     select_all_reduce,
     symm_mem_takes,
     symm_mem_unavailable,
@@ -35,7 +38,7 @@ def test_candidates_per_device_and_clear_errors():
     assert all_reduce_candidates("gloo", "cpu") == ("gloo",)
     assert all_reduce_candidates("nccl", "cuda") == ("nccl",)
     assert all_reduce_candidates("symm_mem_two_shot", "cuda") == ("symm_mem_two_shot",)  # explicit: no fallback
-    for name in ("nccl", "symm_mem", "symm_mem_two_shot"):
+    for name in ("nccl", "symm_mem", "symm_mem_two_shot", "symm_mem_fused"):
         with pytest.raises(ValueError, match="needs GPUs"):
             all_reduce_candidates(name, "cpu")
     with pytest.raises(ValueError, match="CPU backend"):
@@ -61,6 +64,19 @@ def test_size_dtype_and_layout_route():
     assert not symm_mem_takes(decode, 2, bf16, True, bf16, SYMM_MEM_MAX_BYTES)  # misaligned view
     assert not symm_mem_takes(6, 0, bf16, True, bf16, SYMM_MEM_MAX_BYTES)  # 3 elements: not 16-byte aligned
     assert not symm_mem_takes(0, 0, bf16, True, bf16, SYMM_MEM_MAX_BYTES)
+
+
+def test_fused_backend_takes_two_ranks_and_bounded_rows():
+    """symm_mem_fused: 2 ranks only (one peer buffer, one flag per row), rows within its flags and buffer; a pure
+    function of the shape, so every call of a forward takes the same path (its buffer halves alternate per call)."""
+    four = AllReduceContext(torch.device("cuda", 0), 0, 4, torch.bfloat16, "0")
+    assert "2 ranks" in fused_unavailable(four)
+    assert "CUDA" in fused_unavailable(CPU_CTX)
+    bf16 = torch.bfloat16
+    assert fused_takes(128, 2048, bf16, SYMM_MEM_MAX_BYTES) and fused_takes(512, 2048, bf16, SYMM_MEM_MAX_BYTES)
+    assert not fused_takes(513, 2048, bf16, SYMM_MEM_MAX_BYTES)  # over the buffer: composed (NCCL)
+    assert not fused_takes(FUSED_MAX_ROWS + 1, 8, bf16, SYMM_MEM_MAX_BYTES)  # more rows than flags
+    assert not fused_takes(0, 2048, bf16, SYMM_MEM_MAX_BYTES)
 
 
 def test_symm_mem_is_refused_with_a_reason_where_it_cannot_run(monkeypatch):

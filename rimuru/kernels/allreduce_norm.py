@@ -1,0 +1,149 @@
+"""Tensor parallelism's all-reduce fused with the residual add and the RMSNorm that follow it (2 ranks).
+
+A tensor-parallel decoder layer ends each sub-layer with a partial sum per rank (attention's output projection, the
+MoE's routed rows ``[T, k, d]`` and shared expert), an all-reduce of it, then ``add_rms_norm`` (the residual update
+and the next norm). Unfused that is, per sub-layer: the sum over the k expert rows and its cast (two launches), the
+all-reduce (one), the add + norm (one). :func:`one_shot_add_rms_norm` does all of it in one launch, one program per
+token row, over peer memory (NVLink, PyTorch's symmetric memory: rimuru/distributed/allreduce.py,
+``symm_mem_fused``):
+
+1. this rank's partial row ``s`` (the k rows summed in fp32 and rounded, the shared expert added and rounded:
+   exactly ``add_rms_norm``'s order) is *pushed* into the peer's receive buffer (remote stores over NVLink);
+2. the CTA synchronises, then one thread raises the peer's flag for this row (a compare-and-swap 0 -> 1 at system
+   scope with release semantics; it waits while the flag is still 1, i.e. while the peer has not consumed the
+   previous call's signal) and waits for its own flag for this row (1 -> 0, acquire): the peer's row has landed in
+   this rank's receive buffer;
+3. ``s + peer`` in fp32, rounded (what an all-reduce returns), ``h + that`` rounded, the RMSNorm — the same
+   roundings as ``add_rms_norm`` after an all-reduce. The sum of two is commutative, so both ranks compute the
+   same bits.
+
+The receive buffer has two halves used alternately by consecutive calls (the caller passes the parity): a rank can
+start call n+1 only after its call n saw the peer's flag of call n, which the peer raised in its call n, after its
+call n-1 finished reading — so a push of call n+1 never lands in a half the peer still reads. A forward makes an
+even number of calls (two per layer), so every forward, graphed or not, starts on half 0 of the parity sequence it
+was captured with. The flags are per row, so a program waits only for the same row of the peer, never for the
+whole grid.
+
+:func:`combine_partial` is step 1 alone (one launch instead of the torch sum and cast), the partial sum that an
+unfused all-reduce (NCCL, PyTorch's one-shot) then reduces.
+
+Both run under ``TRITON_INTERPRET=1`` on the CPU (tests/kernels/test_allreduce_norm.py simulates the peer with a
+second set of buffers); on GPUs the peer's buffers are its symmetric-memory tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt: tl.constexpr,
+                 NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr):
+    """This rank's partial row: the ``NUM_ADDENDS`` rows summed in fp32, rounded; ``+ extra`` rounded (fp32 out)."""
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(NUM_ADDENDS):
+        s += tl.load(a_ptr + row * stride_a + j * stride_ak + offs, mask=mask, other=0.0).to(tl.float32)
+    s = s.to(dt).to(tl.float32)
+    if HAS_EXTRA:
+        s = (s + tl.load(extra_ptr + row * stride_e + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        s = s.to(tl.float32)
+    return s
+
+
+@triton.jit
+def combine_kernel(a_ptr, extra_ptr, out_ptr, n_cols, stride_a, stride_ak, stride_e, stride_o,
+                   NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dt = out_ptr.dtype.element_ty
+    s = _partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
+                     BLOCK)
+    tl.store(out_ptr + row * stride_o + offs, s.to(dt), mask=mask)
+
+
+@triton.jit
+def one_shot_add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_ptr, peer_recv_ptr, my_recv_ptr,
+                                 peer_flag_ptr, my_flag_ptr, n_cols, stride_h, stride_a, stride_ak, stride_e,
+                                 stride_ho, stride_o, eps, NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                                 BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dt = h_out_ptr.dtype.element_ty
+    s = _partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
+                     BLOCK)
+    tl.store(peer_recv_ptr + row * n_cols + offs, s.to(dt), mask=mask)  # pushed over NVLink
+    tl.debug_barrier()  # every thread's stores precede the release below (cumulative at system scope)
+    while tl.atomic_cas(peer_flag_ptr + row, 0, 1, sem="release", scope="sys") != 0:
+        pass
+    while tl.atomic_cas(my_flag_ptr + row, 1, 0, sem="acquire", scope="sys") != 1:
+        pass
+    tl.debug_barrier()  # every thread's loads below follow the acquire
+    p = tl.load(my_recv_ptr + row * n_cols + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    total = (s + p).to(dt).to(tl.float32)
+    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (h + total).to(dt)
+    tl.store(h_out_ptr + row * stride_ho + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    r = tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
+    normed = (hf * r).to(dt)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(dt), mask=mask)
+
+
+def _rows(addend: torch.Tensor, d: int) -> torch.Tensor:
+    """``addend`` as ``[T, k, d]`` with unit stride along d (k = 1 for a sub-layer's output)."""
+    a = addend if addend.dim() == 3 else addend.view(addend.shape[0], 1, d)
+    return a if a.stride(2) == 1 else a.contiguous()
+
+
+def _warps(d: int) -> int:
+    return 4 if d <= 1024 else 8
+
+
+def combine_partial(addend: torch.Tensor, extra: torch.Tensor | None = None,
+                    triton_kernel: bool | None = None) -> torch.Tensor:
+    """A rank's partial sum ``[T, d]``: ``addend`` (``[T, d]``, or ``[T, k, d]`` summed in fp32 and rounded) plus
+    ``extra`` (rounded), in ``addend``'s dtype — one launch on CUDA, the torch ops elsewhere (``triton_kernel``
+    forces either)."""
+    if addend.dim() == 2 and extra is None:
+        return addend
+    if triton_kernel is None:
+        triton_kernel = addend.is_cuda
+    if not triton_kernel:
+        s = addend if addend.dim() == 2 else addend.sum(dim=1, dtype=torch.float32).to(addend.dtype)
+        return s if extra is None else s + extra
+    T, d = addend.shape[0], addend.shape[-1]
+    a = _rows(addend, d)
+    out = torch.empty(T, d, dtype=addend.dtype, device=addend.device)
+    if T:
+        e = extra if extra is not None else out
+        combine_kernel[(T,)](a, e, out, d, a.stride(0), a.stride(1), e.stride(0), out.stride(0),
+                             NUM_ADDENDS=a.shape[1], HAS_EXTRA=extra is not None, BLOCK=triton.next_power_of_2(d),
+                             num_warps=_warps(d))
+    return out
+
+
+def one_shot_add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float,
+                          extra: torch.Tensor | None, peer_recv: torch.Tensor, my_recv: torch.Tensor,
+                          peer_flags: torch.Tensor, my_flags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm(h, all_reduce(combine_partial(addend, extra)), weight, eps)`` for 2 ranks in one launch.
+
+    ``peer_recv`` / ``my_recv``: this call's half of the peer's / this rank's receive buffer, at least ``T * d``
+    elements of h's dtype (row-major ``[T, d]``); ``peer_flags`` / ``my_flags``: int32, at least ``T``, 0 between
+    calls (the flags handshake leaves them so). Returns ``(h_new, normed)``."""
+    T, d = h.shape
+    a = _rows(addend, d)
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    h_out, out = torch.empty_like(h), torch.empty_like(h)
+    if T:
+        e = extra if extra is not None else h
+        one_shot_add_rms_norm_kernel[(T,)](
+            h, a, e, weight, h_out, out, peer_recv, my_recv, peer_flags, my_flags, d, h.stride(0), a.stride(0),
+            a.stride(1), e.stride(0), h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1],
+            HAS_EXTRA=extra is not None, BLOCK=triton.next_power_of_2(d), num_warps=_warps(d))
+    return h_out, out
