@@ -96,6 +96,20 @@ rule modeled_fidelity:
         "--figure {output.figure} > {log} 2>&1"
 
 
+rule modeled_tp_steps:
+    input:
+        calibration="results/modeled/calibration.json",
+        timeline=f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv",
+        runs=f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv",
+    output: "results/modeled/tp_steps.csv"
+    params: runs=f"{REF}/{MODELED['tp_fit']['timelines']}"
+    log: "results/logs/modeled/tp_steps.log"
+    shell:
+        CPU + "results/logs/modeled/cpu/tp_steps.json -- "
+        "{PY} {SCRIPTS}/modeled_tp_steps.py --runs {params.runs} --cost-params {input.calibration} "
+        "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
+
+
 # ---- the paper's configurations at full scale (MODELED) -----------------------------------------------
 PAPER = MODELED["paper"]
 SPLITS = MODELED["splits"]
@@ -242,5 +256,6 @@ rule modeled_all:
     input:
         rules.modeled_calibrate.output,
         rules.modeled_fidelity.output,
+        rules.modeled_tp_steps.output,
         rules.modeled_paper_tables.output,
         rules.modeled_case_eol_tables.output,
