@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # One nvidia-h200-x2 call for issue 13 (tensor parallelism), everything under $OUT:
-#   1. the 48-layer static decode step, TP=1 vs TP=2, async scheduling on and off, NCCL and symm_mem (ABBA);
+#   0. (FUSED=1, the default) the fused all-reduce + add + RMSNorm kernel's test on one GPU (a simulated peer), then
+#      the killed-rank check with symm_mem_fused (tiny fp32 engine, graphed, async; its greedy vs TP=1 first): if
+#      either fails, symm_mem_fused is left out of the decode A/B (a hang there would cost the whole A/B);
+#   1. the 48-layer static decode step, TP=1 vs TP=2 with each all-reduce of AB (ABBA; async scheduling on, or on
+#      and off with ASYNC_AB=1), rank 0's per-kernel profile at 64 running, and the fused-MoE tile sweep at the rank's
+#      expert slice (MOE_SWEEP token counts);
 #   2. the killed-rank check on GPUs: a tiny fp32 engine whose steps are async-scheduled graph replays, rank 1
 #      SIGKILLed — with NCCL, then with symm_mem ('auto'), then (time allowing) a `fixed` engine with NCCL; each in
 #      its own process under its own timeout, so that one hang cannot hide another (a stack dump lands in its log
 #      20 s after a kill without an error; the engine's last resort exits the process 30 s after it).
 # Usage on the device: RIMURU_COMMIT=<sha> bash workflow/scripts/device_tp2.sh   (BUDGET_S: stop starting parts;
 # DEVICE=cpu: a dry run of the kill checks with gloo, no decode A/B; SKIP_STEP=1: no decode A/B; CHECKS: the kill
-# checks as all_reduce:policy words; PY: the interpreter)
+# checks as all_reduce:policy words; PY: the interpreter; FUSED=0: no step 0; AB: the A/B's all-reduces after nccl)
 set -u
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
@@ -21,21 +26,10 @@ mkdir -p "$OUT"
 echo "start $(date -u +%FT%TZ) commit ${RIMURU_COMMIT:-unknown}" | tee "$OUT/driver.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/driver.log" 2>&1
 
-T=$(( $(left) - 120 )); [ "$T" -gt 150 ] && T=150
-if [ "$DEVICE" = cuda ] && [ -z "${SKIP_STEP:-}" ]; then
-echo "[$(( $(date +%s) - START ))s] decode A/B (timeout $T s)" | tee -a "$OUT/driver.log"
-timeout "$T" $PY workflow/scripts/e2e_tp_gpu.py --model qwen3-30b-a3b --layers 4 --static-layers 48 --skew 0.7 \
-  --tp 2 --static-budget-tp1 72GiB --static-budget 44GiB --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz \
-  --num-requests 48 --batches 64,128 --decode-steps 30 --repeats 2 --all-reduce symm_mem --ab-all-reduce nccl \
-  --ar-rows 1 --skip-serving --deadline-s $(( T - 25 )) --out "$OUT/step" > "$OUT/step.log" 2>&1
-echo "[$(( $(date +%s) - START ))s] decode A/B rc=$?" | tee -a "$OUT/driver.log"
-fi
-
-for spec in ${CHECKS:-nccl:static symm_mem:static nccl:fixed}; do
-  set -- ${spec/:/ }
-  [ "$DEVICE" = cpu ] && set -- gloo "$2"
+kill_check() {  # $1 all_reduce, $2 policy: one check in its own session under its own timeout
+  local L T graphs pid rc left_over
   L=$(left)
-  if [ "$L" -lt 45 ]; then echo "not started (time): kill check $1 $2" | tee -a "$OUT/driver.log"; continue; fi
+  if [ "$L" -lt 45 ]; then echo "not started (time): kill check $1 $2" | tee -a "$OUT/driver.log"; return 1; fi
   T=$(( L < 75 ? L : 75 ))
   graphs=$([ "$2" = static ] && echo "--graphs --impl auto" || echo)  # graphs need the Triton kernels on GPUs
   echo "[$(( $(date +%s) - START ))s] kill check all_reduce=$1 policy=$2 (timeout $T s)" | tee -a "$OUT/driver.log"
@@ -50,5 +44,39 @@ for spec in ${CHECKS:-nccl:static symm_mem:static nccl:fixed}; do
   echo "[$(( $(date +%s) - START ))s] kill check $1 $2 rc=$rc, processes left 5 s after: [${left_over}]" \
     | tee -a "$OUT/driver.log"
   for p in $left_over; do echo "  left: $p $(tr '\0' ' ' < /proc/$p/cmdline)" | tee -a "$OUT/driver.log"; kill -9 "$p"; done
+  return $rc
+}
+
+AB=${AB-symm_mem,symm_mem_fused}
+if [ "$DEVICE" = cuda ] && [ "${FUSED:-1}" = 1 ]; then
+  echo "[$(( $(date +%s) - START ))s] fused kernel test on one GPU (timeout 60 s)" | tee -a "$OUT/driver.log"
+  timeout 60 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_allreduce_norm.py > "$OUT/fused_kernel_test.log" 2>&1
+  rc=$?
+  echo "[$(( $(date +%s) - START ))s] fused kernel test rc=$rc" | tee -a "$OUT/driver.log"
+  ok=0
+  if [ $rc = 0 ] && kill_check symm_mem_fused static \
+     && grep -q '"greedy_identical": true' "$OUT/kill_symm_mem_fused_static/checks.json" 2>/dev/null; then ok=1; fi
+  if [ $ok = 0 ]; then
+    AB=$(echo "$AB" | tr ',' '\n' | grep -v '^symm_mem_fused$' | paste -sd, -)
+    echo "symm_mem_fused left out of the decode A/B (kernel test or engine check failed)" | tee -a "$OUT/driver.log"
+  fi
+fi
+
+T=$(( $(left) - 100 )); [ "$T" -gt 220 ] && T=220
+if [ "$DEVICE" = cuda ] && [ -z "${SKIP_STEP:-}" ]; then
+echo "[$(( $(date +%s) - START ))s] decode A/B nccl,$AB (timeout $T s)" | tee -a "$OUT/driver.log"
+async=$([ -n "${ASYNC_AB:-}" ] && echo --async-ab || echo --no-async-ab)
+timeout "$T" $PY workflow/scripts/e2e_tp_gpu.py --model qwen3-30b-a3b --layers 4 --static-layers 48 --skew 0.7 \
+  --tp 2 --static-budget-tp1 72GiB --static-budget 44GiB --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz \
+  --num-requests 48 --batches 64,128 --decode-steps 30 --repeats 4 --all-reduce nccl --ab-all-reduce "$AB" $async \
+  --ar-rows 1 --profile-batches 64 --moe-sweep "${MOE_SWEEP-64,128}" --skip-serving --deadline-s $(( T - 45 )) \
+  --out "$OUT/step" > "$OUT/step.log" 2>&1
+echo "[$(( $(date +%s) - START ))s] decode A/B rc=$?" | tee -a "$OUT/driver.log"
+fi
+
+for spec in ${CHECKS:-nccl:static symm_mem:static nccl:fixed}; do
+  set -- ${spec/:/ }
+  [ "$DEVICE" = cpu ] && set -- gloo "$2"
+  kill_check "$1" "$2"
 done
 echo "[$(( $(date +%s) - START ))s] done $(date -u +%FT%TZ)" | tee -a "$OUT/driver.log"

@@ -57,6 +57,7 @@ T0 = time.perf_counter()
 NVLINK_GBPS = 450.0  # H200 NVLink 4: 900 GB/s bidirectional, 450 GB/s each way
 PCIE_GBPS = 55.4  # the PCIe Gen5 x16 rate the 1-GPU floor uses
 ALLREDUCE_LATENCY_US = 8.0  # a small NCCL all-reduce on one NVLink host: the floor of one call
+AR_KERNELS = ("nccl", "one_shot", "two_shot", "allreduce", "all_reduce")  # the profile's all-reduce class
 
 
 def log(msg: str) -> None:
@@ -175,7 +176,12 @@ def main() -> None:
     ap.add_argument("--ar-iters", type=int, default=50, help="graph replays timed per all-reduce measurement")
     ap.add_argument("--ar-rows", default="1,16,256,512,1024", help="more rows for the all-reduce size sweep")
     ap.add_argument("--all-reduce", default="auto", help="the TP engines' all-reduce (rimuru/distributed/allreduce.py)")
-    ap.add_argument("--ab-all-reduce", default="nccl", help="a second all-reduce for the static step's A/B ('': none)")
+    ap.add_argument("--ab-all-reduce", default="nccl", help="more all-reduces for the static step's A/B, comma "
+                    "separated ('': none); one that cannot be built is dropped (logged)")
+    ap.add_argument("--profile-batches", default="", help="per-kernel device time of rank 0 (torch.profiler over a few "
+                    "decode steps) for TP=1 and each TP all-reduce at these batches (profile_tp.csv)")
+    ap.add_argument("--moe-sweep", default="", help="token counts: the fused-MoE tile sweep at rank 0's expert slice "
+                    "(intermediate / tp), profile_decode_gpu.moe_sweep (moe_sweep_tp.csv)")
     ap.add_argument("--serving-all-reduce", default="nccl",
                     help="the all-reduce of the hybrid and serving engines: the same for every engine of the A/B (one "
                     "engine per process can use symm_mem; the static part's engine is that one)")
@@ -260,10 +266,10 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                **engine_opts)
     warmn = many.warmup(1024)
     first = many.comm.backend.name
-    # the second backend of the A/B; the CPU dry run (gloo only) runs the same sequence with gloo twice
-    other = args.ab_all_reduce if args.ab_all_reduce and (args.ab_all_reduce != first or args.device == "cpu") else None
+    # the other backends of the A/B; the CPU dry run (gloo only) runs the same sequence with gloo again
+    others = [n for n in args.ab_all_reduce.split(",") if n and (n != first or args.device == "cpu")]
     log(f"static engines ready: TP=1 {warm1}, TP={tp} {warmn}, all-reduce {many.memory_report['all_reduce']} "
-        f"(skipped: {many.memory_report['all_reduce_skipped']}); A/B against {other}")
+        f"(skipped: {many.memory_report['all_reduce_skipped']}); A/B against {others}")
     try:
         greedy_prompts = token_ids(trace, 16, 64)
         greedy_params = SamplingParams(max_tokens=32, ignore_eos=True)
@@ -307,8 +313,51 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
             many.tp_group.use_all_reduce(many, name)
             log(f"all-reduce -> {name}: graphs recaptured on every rank in {time.perf_counter() - t:.1f} s")
 
+        def profile(name: str, engine: LLM) -> None:  # rank 0's kernels over a few steps, by class
+            from profile_decode_gpu import kernel_class
+
+            cuda = args.device == "cuda"  # the CPU dry run profiles the CPU ops instead
+            activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+            kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+            for b in profile_batches:
+                with torch.profiler.profile(activities=[activity]) as prof:
+                    seg = decode_steps(engine, per_batch[b], 6)
+                    if cuda:
+                        torch.cuda.synchronize()
+                per: dict[str, list[float]] = {}
+                for ev in prof.events():
+                    us = (getattr(ev, "device_time_total", 0) or getattr(ev, "device_time", 0)) if cuda else \
+                        getattr(ev, "self_cpu_time_total", 0)
+                    if ev.device_type == kind and us > 0:
+                        per.setdefault(ev.name, []).append(us)
+                steps = len(seg["step_ms"])
+                for kname, ts in per.items():
+                    cls = "allreduce" if any(x in kname.lower() for x in AR_KERNELS) else kernel_class(kname)
+                    prof_rows.append({"batch": b, "engine": name, "class": cls, "kernel": kname[:120],
+                                      "calls_per_step": len(ts) / steps, "us_per_step": sum(ts) / steps,
+                                      "steps": steps, "model": label, **prov})
+                frame = pd.DataFrame([r for r in prof_rows if r["engine"] == name and r["batch"] == b])
+                log(f"profile {name} b={b}: " + json.dumps(
+                    frame.groupby("class")["us_per_step"].sum().round(0).to_dict()) + f" total "
+                    f"{frame['us_per_step'].sum():.0f} us/step; step median {statistics.median(seg['step_ms']):.2f} ms")
+            pd.DataFrame(prof_rows).to_csv(out / "profile_tp.csv", index=False)
+
+        profile_batches = [int(b) for b in args.profile_batches.split(",") if b]
+        prof_rows: list[dict] = []
+        # every other backend built now (each rank at once); one that fails is dropped, the A/B goes on
+        usable = []
+        for name in others:
+            try:
+                switch(name)
+                usable.append(name)
+            except Exception as exc:  # noqa: BLE001 - logged, the variant is left out
+                log(f"all-reduce {name} left out of the A/B: {type(exc).__name__}: {exc}"[:400])
+        others = usable
+        if others and others[-1] != first:
+            switch(first)
+
         # the all-reduces of one step alone, each backend, at the decode buckets and a sweep of sizes
-        names = [first] + ([other] if other else [])
+        names = [first] + [n for n in others if n != first]
         buckets = many.graphs.buckets if many.graphs else ()
         rows = sorted({next((x for x in buckets if x >= b), b) for b in batches} | set(args.ar_rows))
         for name in names:
@@ -327,20 +376,23 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
         # reverse (ABBA for every pair), ``--repeats // 2`` rounds, after a warm-up pass of every engine and mode.
         tp_name = f"tp{tp}"
         modes = (True, False) if args.async_ab else (True,)
-        tp_order = ([other] if other else []) + [first]
+        tp_order = others + ([first] if first not in others else [])
         variants = [("tp1" + ("-async" if m else "-sync"), one, None, m) for m in modes]
-        for name in tp_order:
-            for m in (modes[::-1] if name == tp_order[0] else modes):
+        for i, name in enumerate(tp_order):
+            for m in (modes[::-1] if i % 2 == 0 else modes):
                 variants.append((f"{tp_name}-{name}" + ("-async" if m else "-sync"), many, name, m))
         warm(one)
-        warm(many)
-        if other:
-            switch(other)
+        current = first
+        for name in others:  # greedy vs TP=1 and a warm-up pass with every backend
+            if name != current:
+                switch(name)
+                current = name
             greedy.append(greedy_check(one, many, greedy_prompts, greedy_params, label, tp, common["dtype"], prov))
-            log(f"greedy ({other}): {greedy[-1]['identical_sequences']}/{greedy[-1]['prompts']} sequences identical")
+            log(f"greedy ({name}): {greedy[-1]['identical_sequences']}/{greedy[-1]['prompts']} sequences identical")
             (out / "greedy.json").write_text(json.dumps(greedy, indent=1))
             warm(many)
-        current = other or first
+        if not others:
+            warm(many)
         for rnd in range(max(1, args.repeats // 2)):
             if time.perf_counter() - T0 > args.deadline_s:
                 log(f"deadline: round {rnd} of the decode A/B not started")
@@ -351,6 +403,19 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                         switch(backend)
                         current = backend
                     segment(name, engine, 2 * rnd + half, pipelined)
+        if profile_batches and time.perf_counter() - T0 < args.deadline_s:
+            profile("tp1", one)
+            for name in [current] + [n for n in tp_order if n != current]:
+                if name != current:
+                    switch(name)
+                    current = name
+                profile(f"{tp_name}-{name}", many)
+        if args.moe_sweep and time.perf_counter() - T0 < args.deadline_s:
+            from profile_decode_gpu import moe_sweep
+
+            sweep = moe_sweep(many, [int(t) for t in args.moe_sweep.split(",")], shard=tp)
+            pd.DataFrame([{**r, "tensor_parallel_size": tp, "model": label, **prov} for r in sweep]).to_csv(
+                out / "moe_sweep_tp.csv", index=False)
         if current != first:
             switch(first)  # the engine closes on the backend it started with
     finally:

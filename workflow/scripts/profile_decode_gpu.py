@@ -111,15 +111,17 @@ def _moe_layers(view, tables, x, w, ids, aligns, cfgs, y, h) -> None:
                           intermediate=h)
 
 
-def moe_sweep(llm: LLM, tokens: list[int], replays: int = 5) -> list[dict]:
+def moe_sweep(llm: LLM, tokens: list[int], replays: int = 5, shard: int = 1) -> list[dict]:
     """The fused MoE alone over every layer's experts (one CUDA graph of 2 launches per layer, so weights stream
-    from HBM, not L2), at the tuned tiles and at alternatives for one pass at a time: small-batch occupancy."""
+    from HBM, not L2), at the tuned tiles and at alternatives for one pass at a time: small-batch occupancy.
+    ``shard``: the engine is rank 0 of that many tensor-parallel ranks (its experts' intermediate width / shard;
+    e2e_tp_gpu.py --moe-sweep)."""
     from rimuru.kernels.fused_moe import MoeConfigs, MoeKernelConfig, pick_configs
     from rimuru.kernels.moe_align import moe_align
     from rimuru.memory import EXPERT
 
     spec = llm.spec
-    E, k, d, f = spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size
+    E, k, d, f = spec.num_experts, spec.top_k, spec.hidden_size, spec.moe_intermediate_size // shard
     tables = llm.graphs.experts.tables  # [L, E, 3] device page tables (static: every expert resident)
     view = llm.pool.view(EXPERT).tensor
     L = tables.shape[0]
@@ -128,6 +130,11 @@ def moe_sweep(llm: LLM, tokens: list[int], replays: int = 5) -> list[dict]:
                   ((32, 128, 4, 4), (32, 256, 4, 3), (16, 256, 4, 3), (64, 256, 4, 3), (32, 128, 2, 5))]
     candidates += [("down", MoeKernelConfig(16, bn, bk, 1, w, st)) for bn, bk, w, st in
                    ((32, 64, 4, 4), (32, 128, 4, 4), (64, 128, 4, 3), (128, 128, 4, 3), (32, 256, 4, 3))]
+    if shard > 1:  # a narrower slice: wider gate/up tiles and shorter down-projection K loops too
+        candidates += [("gate_up", MoeKernelConfig(16, bn, bk, 1, w, st)) for bn, bk, w, st in
+                       ((128, 128, 4, 3), (64, 128, 4, 3), (128, 64, 4, 4))]
+        candidates += [("down", MoeKernelConfig(16, bn, bk, 1, w, st)) for bn, bk, w, st in
+                       ((64, 64, 4, 4), (128, 64, 4, 4), (256, 64, 4, 3), (128, 128, 8, 3))]
     rows = []
     for T in tokens:
         x = torch.randn(T, d, device="cuda", dtype=torch.bfloat16)
@@ -163,7 +170,7 @@ def moe_sweep(llm: LLM, tokens: list[int], replays: int = 5) -> list[dict]:
                 end.synchronize()
                 times.append(start.elapsed_time(end))
             us = float(np.median(times)) * 1e3 / L
-            floor_us = touched / L * spec.expert_bytes(torch.bfloat16) / HBM_BPS * 1e6
+            floor_us = touched / L * spec.expert_bytes(torch.bfloat16) / shard / HBM_BPS * 1e6
             rows.append({"tokens": T, "pass": which, "config": str(cfg) if cfg else str(base), "us_per_layer": us,
                          "floor_us_per_layer": floor_us, "ratio": us / floor_us})
             print(json.dumps(rows[-1]), flush=True)
