@@ -122,3 +122,38 @@ def test_compaction_is_due_for_a_whole_expert_and_a_cache_with_room():
     assert compaction_due(config, 3, 100, 128)
     assert not compaction_due(config, 2, 100, 128)  # less than one expert's pages
     assert not compaction_due(config, 9, 128, 128)  # every expert cached already
+
+
+def _gpu_drain(device: str, dtype: torch.dtype, compaction: bool):
+    """The drain of ``test_elastic_engine_compacts_kv_and_greedy_output_is_unchanged`` on ``device`` with the decode
+    graphs captured by warm-up (CUDA) and async scheduling on: (pages moved, tokens, compiles, graphed steps)."""
+    from rimuru.bench import pressure
+    from rimuru.engine.llm import LLM
+    from rimuru.models.synthetic_memory import synthetic_checkpoint_in_memory
+
+    ckpt = synthetic_checkpoint_in_memory("tiny-qwen3-moe", seed=0, dtype=dtype, device=device, routing_skew=0.7,
+                                          progress=False)
+    base = dict(device=device, dtype=dtype, activation_reserve="64MiB")
+    budget = pressure.tight_budget(ckpt, experts=6, kv_pages=40, **base)
+    llm = LLM(ckpt, gpu_memory_budget=budget, policy="elastic", kv_reserve=0.6, max_num_seqs=24, block_tokens=4,
+              max_num_batched_tokens=256, kv_compaction=compaction, **base)  # 4-token blocks: 8 KV pages per L2
+    llm.warmup()
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 150000, int(n)).tolist() for n in rng.integers(3, 120, 24)]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True) for m in rng.integers(2, 60, 24)]
+    tokens = [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.check_integrity()
+    assert llm.allocator.num_allocated(KV) == 0
+    frame = llm.timeline.frame()
+    return llm.kv_pages_moved, tokens, int(frame["compiles"].sum()), int(frame["cuda_graph"].sum())
+
+
+@pytest.mark.gpu
+def test_gpu_compaction_keeps_the_greedy_tokens_with_graphs_and_async_scheduling():
+    """On the device the pages' data moves with the tables (a device copy queued before the step) while graphed
+    steps run pipelined: the tokens equal the run without compaction's, and nothing compiles after warm-up."""
+    moved, tokens, compiles, graphed = _gpu_drain("cuda", torch.bfloat16, True)
+    plain_moved, plain_tokens, _, _ = _gpu_drain("cuda", torch.bfloat16, False)
+    assert moved > 0 and plain_moved == 0
+    assert tokens == plain_tokens
+    assert graphed > 0 and compiles == 0

@@ -154,7 +154,9 @@ def main() -> None:
             host_profile(llm, trace, args.cprofile_steps)
             llm.timeline.records.clear()
             base = llm.stats()
+        moved_before = llm.kv_pages_moved
         metrics, duration = serve(llm, trace, rate, args.seed)
+        llm.check_integrity()  # the allocator's and the cache's invariants after the run (KV compaction moved pages)
         # pages a finished run still holds (a hybrid's SSM and conv states, KV): 0 unless a request leaked them
         left = sum(llm.allocator.num_allocated(cls) for cls in ((SSM, CONV, KV) if llm.spec.is_hybrid else (KV,)))
         stats = llm.stats()
@@ -180,7 +182,7 @@ def main() -> None:
             "total_experts": llm.memory_report["total_experts"], "top32_share": round(top32, 4),
             "duration_s": duration, "repeat": repeat, "order": order, "stalls": stalls,
             "compiles": int(frame["compiles"].sum()), "cuda_graph_steps": int(frame["cuda_graph"].sum()),
-            "pages_left_after_run": left,
+            "pages_left_after_run": left, "kv_pages_moved": llm.kv_pages_moved - moved_before,
             **provenance(),
         })
         print(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "order", "request_throughput",
