@@ -27,14 +27,15 @@ A symmetric-memory backend sends what it should not take to the process group (N
 (``max_bytes``, prefill's large sums), other dtypes, non-contiguous or misaligned tensors. The decision is a pure
 function of the tensor's size, dtype and layout (:func:`symm_mem_takes`), so every rank takes the same path.
 
-``auto`` (the default) is ``nccl`` on GPUs and ``gloo`` on CPUs; ``symm_mem_or_nccl`` tries ``symm_mem`` then
-``nccl``. ``auto`` took ``symm_mem`` first until the 2x H200 runs of wave 5 (results/reference/e2e_tp2/async_48L/):
-with async scheduling the one-shot saves only ~0.2 ms of a 10.5 ms 48-layer decode step (2%), while a killed rank
-of a graphed ``symm_mem`` engine was not reported within 75 s (its release of the spinning kernels and NCCL's abort
-both blocked), where NCCL reported it in 30 s. Every rank checks a candidate locally, then the ranks agree (a MIN
-all-reduce over the group) before the collective set-up and again after it; the first candidate every rank could
-build is used by all (:func:`select_all_reduce`). A single name asked for explicitly gets no fallback: it works on
-every rank or the engine does not start, with the reason.
+``auto`` (the default) is ``symm_mem_fused`` then ``nccl`` on GPUs (``nccl`` wherever the fused backend cannot run:
+not 2 ranks, no peer access, another dtype) and ``gloo`` on CPUs; ``symm_mem_or_nccl`` tries ``symm_mem`` then
+``nccl``. History: ``auto`` took ``symm_mem`` first until wave 5, then ``nccl`` (a killed rank of a graphed
+``symm_mem`` engine was not reported within 75 s, results/reference/e2e_tp2/async_48L/); since wave 6 the fused
+backend (results/reference/e2e_tp2/fused_48L/, 2x H200, 48-layer decode, async: 9.37 vs 10.27 ms NCCL at 64
+running, a killed rank reported in 5.2 s, as NCCL and ``symm_mem``). Every rank checks a candidate locally, then
+the ranks agree (a MIN all-reduce over the group) before the collective set-up and again after it; the first
+candidate every rank could build is used by all (:func:`select_all_reduce`). A single name asked for explicitly
+gets no fallback: it works on every rank or the engine does not start, with the reason.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def all_reduce_candidates(requested: str, device_type: str) -> tuple[str, ...]:
             raise ValueError(f"all_reduce={requested!r} needs GPUs; on {device_type} the all-reduce is gloo")
         return ("gloo",)
     if requested == AUTO:
-        return ("nccl",)
+        return ("symm_mem_fused", "nccl")
     if requested == SYMM_MEM_OR_NCCL:
         return ("symm_mem", "nccl")
     if requested == "gloo":
