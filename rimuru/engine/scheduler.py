@@ -7,7 +7,9 @@ policy how many L2 pages it can release after this step (the adjuster shrinking 
 cache); if that covers the shortfall the request waits one step holding its pages, otherwise
 the newest running request is preempted (its KV freed, recomputed later; a chunk it already has in this step
 is taken back out). The total shortfall
-goes out as ``kv_short_l2`` — the adjuster's R_b.
+goes out as ``kv_short_l2`` — the adjuster's R_b. Its waiting part looks one step ahead: what the queue lacks
+for the next step's token budget, since the pages the adjuster frees after this step serve the next one (a
+step that admitted up to its budget used to report nothing, and a burst's admission stalled every other step).
 """
 
 from __future__ import annotations
@@ -183,7 +185,6 @@ class Scheduler:
             if not self.config.chunked_prefill and n < request.num_uncomputed_tokens:
                 break
             if not fit(request, n):  # FCFS: later requests wait behind the head
-                short_kv_pages += self._unmet_demand(budget, len(self.running))
                 break
             self.waiting.popleft()
             self.kv.allocate(request.request_id, request.num_computed_tokens + n)
@@ -192,6 +193,9 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
 
+        if self.waiting:  # what the queue lacks for the next step's budget: pages released after this step serve it
+            next_budget = self.config.max_num_batched_tokens - len(self.running)  # one decode token per running request
+            short_kv_pages += self._unmet_demand(max(budget, next_budget), len(self.running))
         self.peak_concurrency = max(self.peak_concurrency, len(self.running))
         if chunks:
             self.forward_steps += 1

@@ -149,3 +149,16 @@ def test_allocate_many_is_one_call_and_all_or_nothing():
     kv.free("b")
     assert kv.num_allocated_pages == 0 and alloc.free_huge_pages() == 2
     alloc.check_integrity()
+
+
+@pytest.mark.parametrize("max_num_seqs,expected", [(4, 1), (1, 0)])
+def test_r_b_looks_ahead_to_the_waiting_queues_next_step(max_num_seqs, expected):
+    """A step that used its whole token budget still reports what the waiting queue will lack next step (pages the
+    adjuster frees after this step serve the next one), so a burst's admission does not stall every other step;
+    nothing when no seat is free for the queue."""
+    alloc, kv, sched = make(huge_pages=1, max_num_batched_tokens=8, max_num_seqs=max_num_seqs)  # 4 KV pages
+    sched.add(request(0, prompt_len=8))  # 2 blocks x 2 layers: the whole pool, and the whole budget
+    sched.add(request(1, prompt_len=8))
+    out = sched.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["r0"] and kv.free_pages() == 0
+    assert out.kv_short_l2 == expected  # r1's next 7 tokens need 2 blocks x 2 layers = one L2 page
