@@ -26,6 +26,7 @@ from the same scheduled arrival, token times at sampling inside the step, numpy 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -79,10 +80,11 @@ def token_ids(trace: list[TraceRequest], n: int | None = None, first: int | None
     return [list(r.prompt_token_ids[:first]) for r in trace[:n]]
 
 
-def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> dict:
+def decode_steps(llm: LLM, prompts: list[list[int]], steps: int, around=contextlib.nullcontext) -> dict:
     """B requests prefilled, then ``steps`` pure decode steps: step ms, graphed steps, running requests and, at
     TP > 1, rank 1's lateness per step (message received / forward launched after rank 0's) and, for eager steps,
-    the all-reduce time per step (CUDA events on rank 0: the wait for a late rank included)."""
+    the all-reduce time per step (CUDA events on rank 0: the wait for a late rank included). ``around()``: a context
+    entered around the decode steps only (a profiler: the prefills stay out of it)."""
     comm = llm.comm
     for i, p in enumerate(prompts):
         llm.add_request(f"d{time.perf_counter_ns()}-{i}", p, SamplingParams(max_tokens=steps + 64, ignore_eos=True))
@@ -92,12 +94,14 @@ def decode_steps(llm: LLM, prompts: list[list[int]], steps: int) -> dict:
     step_ms, ar_ms = [], []
     running = len(llm.scheduler.running)
     first = len(llm.timeline.records)
-    with llm.collective_timing():
+    with llm.collective_timing(), around():
         for _ in range(steps):
             t = time.perf_counter()
             llm.step()
             step_ms.append((time.perf_counter() - t) * 1e3)
             ar_ms.append(comm.pop_all_reduce_ms() if tp else 0.0)
+        if llm.device.type == "cuda":
+            torch.cuda.synchronize()  # the last launched step's kernels inside ``around``
         late = llm.executor.pop_lateness() if tp else []
     graphed = sum(r.cuda_graph for r in list(llm.timeline.records)[first:])
     for rid in [r.request_id for r in list(llm.scheduler.running) + list(llm.scheduler.waiting)]:
@@ -320,10 +324,8 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
             activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
             kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
             for b in profile_batches:
-                with torch.profiler.profile(activities=[activity]) as prof:
-                    seg = decode_steps(engine, per_batch[b], 6)
-                    if cuda:
-                        torch.cuda.synchronize()
+                prof = torch.profiler.profile(activities=[activity])
+                seg = decode_steps(engine, per_batch[b], 6, around=lambda p=prof: p)  # the decode steps only
                 per: dict[str, list[float]] = {}
                 for ev in prof.events():
                     us = (getattr(ev, "device_time_total", 0) or getattr(ev, "device_time", 0)) if cuda else \
