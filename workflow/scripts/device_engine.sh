@@ -32,7 +32,7 @@ DEVICE=${DEVICE:-cuda}
   date -u +%Y-%m-%dT%H:%M:%SZ
 } 2>&1 | tee "$RES/env.log"
 gpu_tests() {
-  timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
+  timeout -s INT -k 15 "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
     ${TEST_PATHS:-tests} 2>&1 | grep -v Warning > "$RES/pytest_gpu.log"
   tail -6 "$RES/pytest_gpu.log"
 }

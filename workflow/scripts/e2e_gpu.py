@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--trace", required=True, help="JSONL with prompt_token_ids and output_len")
     ap.add_argument("--num-requests", type=int, default=200)
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson rate for the second workload")
+    ap.add_argument("--poisson-requests", type=int, default=0,
+                    help="Poisson runs serve the trace's first N requests (0: --num-requests), so that one call "
+                         "runs a burst and a shorter Poisson A/B over one model and hotset")
     ap.add_argument("--max-output", type=int, default=0, help="cap each request's output length (0: the trace's)")
     ap.add_argument("--runs", default="elastic:burst,fixed:burst,elastic:poisson,fixed:poisson,static:burst")
     ap.add_argument("--out", required=True)
@@ -155,7 +158,8 @@ def main() -> None:
             llm.timeline.records.clear()
             base = llm.stats()
         moved_before = llm.kv_pages_moved
-        metrics, duration = serve(llm, trace, rate, args.seed)
+        served = trace[: args.poisson_requests] if workload == "poisson" and args.poisson_requests else trace
+        metrics, duration = serve(llm, served, rate, args.seed)
         llm.check_integrity()  # the allocator's and the cache's invariants after the run (KV compaction moved pages)
         # pages a finished run still holds (a hybrid's SSM and conv states, KV): 0 unless a request leaked them
         left = sum(llm.allocator.num_allocated(cls) for cls in ((SSM, CONV, KV) if llm.spec.is_hybrid else (KV,)))
@@ -171,7 +175,7 @@ def main() -> None:
         rows.append({
             "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew}{cap})", "policy": policy,
             "budget_gib": budget_full / 2**30, "scaled_budget_gib": round(budget / 2**30, 3), "workload": workload,
-            "request_rate": rate if rate else float("inf"), "num_requests": len(trace),
+            "request_rate": rate if rate else float("inf"), "num_requests": len(served),
             "request_throughput": metrics["request_throughput"], "output_throughput": metrics["output_throughput"],
             "mean_ttft_ms": metrics["mean_ttft_ms"], "p99_ttft_ms": metrics["p99_ttft_ms"],
             "mean_tpot_ms": metrics["mean_tpot_ms"], "p99_tpot_ms": metrics["p99_tpot_ms"],
