@@ -96,11 +96,55 @@ class FakeBackend:
     def all_reduce(self, t):
         return t
 
+    def add_rms_norm(self, h, addend, weight, eps, extra):
+        return None
+
     def release_peers(self, dead):
         pass
 
     def close(self):
         self.log.append(("close", self.name))
+
+
+class TwinRanks(FakeBackend):
+    """Two ranks holding the same partial: the sum is twice it; ``fused`` answers the sub-layer end itself."""
+
+    def __init__(self, fused=None):
+        super().__init__("twin", [])
+        self.fused, self.reduced = fused, []
+
+    def all_reduce(self, t):
+        self.reduced.append(t.clone())
+        return t.mul_(2)
+
+    def add_rms_norm(self, h, addend, weight, eps, extra):
+        return self.fused
+
+
+def test_sub_layer_end_composes_combine_all_reduce_add_norm_unless_the_backend_fuses_it():
+    """TorchDistributed.reduce_add_rms_norm: the partial (k expert rows summed, + a shared expert) all-reduced, then
+    add + RMSNorm — what the model did before the fused backend; a backend that fuses it returns its own result."""
+    from rimuru.distributed.comm import Shard, TorchDistributed
+    from rimuru.kernels.norm_rope import add_rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    T, k, d = 3, 4, 16
+    h, shared = torch.randn(T, d, generator=gen), torch.randn(T, d, generator=gen)
+    routed, w = torch.randn(T, k, d, generator=gen), torch.rand(d, generator=gen) + 0.5
+    comm = TorchDistributed(Shard(0, 2), torch.device("cpu"))
+    comm.backend = twin = TwinRanks()
+    got = comm.reduce_add_rms_norm(h, routed, w, 1e-6, extra=shared)
+    partial = routed.sum(dim=1) + shared
+    assert torch.allclose(twin.reduced[0], partial, atol=1e-6)  # one all-reduce, of the combined partial
+    want = add_rms_norm(h, 2 * partial, w, 1e-6)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+    h_new, x = comm.reduce_add_rms_norm(h, torch.ones(T, d), w, 1e-6)  # a sub-layer's [T, d] output, no extra
+    assert torch.allclose(h_new, h + 2)
+    comm.backend = TwinRanks(fused=("h", "x"))
+    assert comm.reduce_add_rms_norm(h, routed, w, 1e-6, extra=shared) == ("h", "x")  # taken whole
+    comm.mark_dead([1])
+    with pytest.raises(Exception, match="died"):
+        comm.reduce_add_rms_norm(h, routed, w, 1e-6)
 
 
 def fake_registry(log, check=None, build_fails=False):
