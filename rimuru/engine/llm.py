@@ -362,14 +362,16 @@ class LLM:
     def _compaction_due(self) -> bool:
         return self._compacts and self.policy.kv_compaction_due(self.kv.reclaimable_l2_pages())
 
-    def _compact_kv(self) -> None:
+    def _compact_kv(self) -> int:
         """Pack the KV pages when due (nothing in flight: called by a synchronous step before it schedules); the
         copies are queued on the compute stream ahead of the step's forward and of any expansion into the freed
         pages (``ExpertLoader.copy_expert`` waits for that stream)."""
-        if self._compaction_due():
-            src, dst = self.kv.compact()
-            self.pool.view(KV).move(src, dst)
-            self.kv_pages_moved += len(src)
+        if not self._compaction_due():
+            return 0
+        src, dst = self.kv.compact()
+        self.pool.view(KV).move(src, dst)
+        self.kv_pages_moved += len(src)
+        return len(src)
 
     def _step_async(self, t0: float, compiles_before: int) -> list[RequestOutput]:
         """Schedule and launch a graphed decode step, then read the tokens of the step launched before it."""
@@ -418,7 +420,7 @@ class LLM:
         """Schedule, execute, postprocess: the step whose tokens are read before it returns."""
         replays_before = self.graphs.replays if self.graphs is not None else 0
         self.policy.begin_step()
-        self._compact_kv()
+        moved = self._compact_kv()
         before = self._io_counters()
         out = self.scheduler.schedule()  # asks policy.releasable_l2_pages() when KV runs short
         change = 0
@@ -432,7 +434,8 @@ class LLM:
             self.policy.after_forward()  # shrunk experts go back to the pool even when the step failed
         if not out.is_empty:
             graphed = self.graphs is not None and self.graphs.replays > replays_before
-            self._record(out, t0, change, before, decode_tokens, compile_count() - compiles_before, graphed)
+            self._record(out, t0, change, before, decode_tokens, compile_count() - compiles_before, graphed,
+                         moved=moved)
         return outputs
 
     def _execute_and_postprocess(self, out: SchedulerOutput) -> list[RequestOutput]:
@@ -541,7 +544,7 @@ class LLM:
                              req.token_times, num_output_tokens=len(req.output_token_ids))
 
     def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int], decode: int,
-                compiles: int = 0, graphed: bool = False, number: int | None = None) -> None:
+                compiles: int = 0, graphed: bool = False, number: int | None = None, moved: int = 0) -> None:
         now = self.clock.now()
         loaded = self._io_counters()
         kv_pages = self.kv.num_allocated_pages
@@ -555,7 +558,7 @@ class LLM:
             context_tokens=sum(c.start + c.num_tokens for c in out.chunks),
             experts_touched=loaded[2] - loaded_before[2], expert_bytes_loaded=loaded[0] - loaded_before[0],
             experts_loaded=loaded[1] - loaded_before[1], r_b=out.kv_short_l2, adjust=change,
-            preempted=len(out.preempted), compiles=compiles, cuda_graph=int(graphed)))
+            preempted=len(out.preempted), compiles=compiles, cuda_graph=int(graphed), kv_pages_moved=moved))
 
     def stats(self) -> EngineStats:
         kv_pages = self.kv.num_allocated_pages

@@ -32,6 +32,7 @@ class StepRecord:
     preempted: int
     compiles: int = 0  # Triton JIT compilations during the step (0 after a complete warm-up)
     cuda_graph: int = 0  # 1: the step was one CUDA-graph replay
+    kv_pages_moved: int = 0  # KV pages compaction moved before the step (rimuru.memory.compaction)
 
 
 class Timeline:

@@ -102,6 +102,7 @@ def test_elastic_engine_compacts_kv_and_greedy_output_is_unchanged(drain, async_
     llm.check_integrity()
     assert llm.allocator.num_allocated(KV) == 0
     assert llm.kv_pages_moved > 0
+    assert llm.timeline.frame()["kv_pages_moved"].sum() == llm.kv_pages_moved  # recorded on the steps they preceded
     assert [done[k] for k in sorted(done)] == tokens
     assert llm.timeline.frame()["cached_experts"].sum() > cached
     assert (pipelined > 0) == async_scheduling
