@@ -70,6 +70,23 @@ def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:
         llm.step()
 
 
+class GcPauses:
+    """Python's cyclic garbage collections during a run (gc.callbacks): how many per generation and the longest
+    pause, so that a stall can be told apart from a collection."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.max_ms = 0.0
+        self._t = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.counts[info["generation"]] += 1
+            self.max_ms = max(self.max_ms, (time.perf_counter() - self._t) * 1e3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b")
@@ -159,7 +176,18 @@ def main() -> None:
             base = llm.stats()
         moved_before = llm.kv_pages_moved
         served = trace[: args.poisson_requests] if workload == "poisson" and args.poisson_requests else trace
-        metrics, duration = serve(llm, served, rate, args.seed)
+        # the heap built so far (model, engine, trace) is frozen out of the cyclic collector for the run, as vLLM's
+        # engine does after start-up, so a collection does not walk it inside a step; unfrozen after the run so that
+        # the engine can be collected
+        gc.collect()
+        gc.freeze()
+        pauses = GcPauses()
+        gc.callbacks.append(pauses)
+        try:
+            metrics, duration = serve(llm, served, rate, args.seed)
+        finally:
+            gc.callbacks.remove(pauses)
+            gc.unfreeze()
         llm.check_integrity()  # the allocator's and the cache's invariants after the run (KV compaction moved pages)
         # pages a finished run still holds (a hybrid's SSM and conv states, KV): 0 unless a request leaked them
         left = sum(llm.allocator.num_allocated(cls) for cls in ((SSM, CONV, KV) if llm.spec.is_hybrid else (KV,)))
@@ -187,6 +215,7 @@ def main() -> None:
             "duration_s": duration, "repeat": repeat, "order": order, "stalls": stalls,
             "compiles": int(frame["compiles"].sum()), "cuda_graph_steps": int(frame["cuda_graph"].sum()),
             "pages_left_after_run": left, "kv_pages_moved": llm.kv_pages_moved - moved_before,
+            "gc_collections": "/".join(map(str, pauses.counts)), "gc_max_pause_ms": round(pauses.max_ms, 3),
             **provenance(),
         })
         print(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "order", "request_throughput",
