@@ -18,6 +18,9 @@
   receive buffer, a per-row flag handshake, then sum, add, norm), and the MoE's sum over its expert rows folded into
   the same launch: one kernel per sub-layer where the others take four (sum, cast, all-reduce, add + norm). Its
   plain ``all_reduce`` (anything else that sums) is ``symm_mem``'s.
+* ``symm_mem_lamport`` — ``symm_mem_fused`` without the flags: the receive buffer holds an empty value (-0.0) where
+  no row is pending, and a reader polls the pushed row itself (no fence, no atomic per call; the partial is never
+  sent as -0.0). Explicit only: measured against ``symm_mem_fused`` before it could become the default.
 
 Every backend answers ``add_rms_norm`` (the fused sub-layer end): ``None`` where it does not fuse it, and the
 communicator then composes :func:`rimuru.kernels.allreduce_norm.combine_partial`, ``all_reduce`` and
@@ -59,7 +62,8 @@ SYMM_MEM_ALIGN = 16  # bytes: the kernels' widest vector; the buffer view and th
 MULTICAST_OFF = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 # ALL_REDUCE_BACKENDS' names, auto and the one fallback order
 FUSED_MAX_ROWS = 4096  # rows (tokens) one fused call takes: one int32 flag per row and peer
-ALL_REDUCE_CHOICES = (AUTO, "nccl", "gloo", "symm_mem", "symm_mem_two_shot", "symm_mem_fused", SYMM_MEM_OR_NCCL)
+ALL_REDUCE_CHOICES = (AUTO, "nccl", "gloo", "symm_mem", "symm_mem_two_shot", "symm_mem_fused", "symm_mem_lamport",
+                      SYMM_MEM_OR_NCCL)
 
 
 class AllReduceUnavailable(RuntimeError):
@@ -299,6 +303,40 @@ class SymmMemFusedAllReduce(SymmMemAllReduce):
         self.recv_handle = self.flags_handle = None
 
 
+class SymmMemLamportAllReduce(SymmMemFusedAllReduce):
+    """``symm_mem_fused`` with the flag-free exchange (rimuru/kernels/allreduce_norm.py,
+    ``lamport_add_rms_norm``): the receive buffer starts empty (-0.0) and each reader empties its half again."""
+
+    def __init__(self, ctx: AllReduceContext, fallback: AllReduceBackend, max_bytes: int = SYMM_MEM_MAX_BYTES) -> None:
+        super().__init__(ctx, fallback, max_bytes=max_bytes)
+        from rimuru.kernels.allreduce_norm import empty_value_fill
+
+        self.name = "symm_mem_lamport"
+        empty_value_fill(self.recv)  # before the set-up's closing agreement: no peer pushes before it is empty
+        torch.cuda.synchronize(ctx.device)
+
+    def add_rms_norm(self, h, addend, weight, eps, extra):
+        T, d = h.shape
+        if not (fused_takes(T, d, self.dtype, self.max_bytes) and h.dtype == addend.dtype == weight.dtype == self.dtype
+                and (extra is None or extra.dtype == self.dtype) and h.is_cuda):
+            return None
+        from rimuru.kernels.allreduce_norm import lamport_add_rms_norm
+
+        lo = self.parity * self.half
+        self.parity ^= 1
+        n = T * d
+        return lamport_add_rms_norm(h, addend, weight, eps, extra, self.peer_recv[lo:lo + n], self.recv[lo:lo + n])
+
+    def _unblocker(self, dead: list[int]) -> Callable[[], None]:
+        """This rank's receive buffer filled with zeros (not the empty value): every pending poll passes."""
+        pads = super()._unblocker(dead)
+
+        def unblock() -> None:
+            pads()
+            self.recv.zero_()
+        return unblock
+
+
 def fused_takes(rows: int, cols: int, dtype: torch.dtype, max_bytes: int) -> bool:
     """Whether ``symm_mem_fused`` fuses a ``[rows, cols]`` sub-layer end (else the communicator composes it): at
     most ``FUSED_MAX_ROWS`` rows and ``max_bytes``. A pure function of the shape: every rank, every call of a
@@ -369,6 +407,8 @@ ALL_REDUCE_BACKENDS: dict[str, BackendEntry] = {
                                       lambda ctx, group: SymmMemAllReduce(ctx, group, two_shot=True)),
     "symm_mem_fused": BackendEntry(lambda ctx: fused_unavailable(ctx),
                                    lambda ctx, group: SymmMemFusedAllReduce(ctx, group)),
+    "symm_mem_lamport": BackendEntry(lambda ctx: fused_unavailable(ctx),
+                                     lambda ctx, group: SymmMemLamportAllReduce(ctx, group)),
 }
 
 

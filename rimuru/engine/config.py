@@ -45,7 +45,8 @@ class EngineConfig:
     tp_timeout_s: float = 300.0  # a rank silent this long in a collective ends the engine
     all_reduce: str = "auto"  # tensor parallelism's all-reduce (rimuru/distributed/allreduce.py): auto (symm_mem_fused
     # then nccl on GPUs, gloo on CPUs) | nccl | symm_mem (a one-shot over NVLink peer memory) | symm_mem_two_shot |
-    # symm_mem_fused (2 ranks: all-reduce + residual add + RMSNorm in one launch) | symm_mem_or_nccl | gloo
+    # symm_mem_fused (2 ranks: all-reduce + residual add + RMSNorm in one launch) | symm_mem_lamport (the same,
+    # flag-free) | symm_mem_or_nccl | gloo
     enforce_eager: bool = False  # no CUDA graphs: every step runs the eager forward
     offload_graph_max_batch: int | None = None  # offloading policies replay decode graphs up to this batch
     # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice

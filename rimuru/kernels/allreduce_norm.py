@@ -147,3 +147,79 @@ def one_shot_add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.T
             a.stride(1), e.stride(0), h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1],
             HAS_EXTRA=extra is not None, BLOCK=triton.next_power_of_2(d), num_warps=_warps(d))
     return h_out, out
+
+
+# ---------------------------------------------------------------------------------------------- flag-free variant
+@triton.jit
+def lamport_add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_ptr, peer_recv_ptr, my_recv_ptr,
+                                n_cols, stride_h, stride_a, stride_ak, stride_e, stride_ho, stride_o, eps,
+                                NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr):
+    """:func:`one_shot_add_rms_norm_kernel` without flags: the receive buffers hold an *empty* value (negative zero)
+    wherever no row has landed; the pushed partial never holds it (a -0.0 is sent as +0.0: the same sum), so a row
+    has arrived when none of its elements is empty any more. The reader then writes the empty value back (the half
+    is refilled two calls later, after this kernel ended). No fence, no atomic: the peer's stores themselves are the
+    signal (the "Lamport" one-shot of TensorRT-LLM's all-reduce kernels)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    dt = h_out_ptr.dtype.element_ty
+    s = _partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
+                     BLOCK)
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0: never the empty value
+    tl.store(peer_recv_ptr + row * n_cols + offs, s.to(dt), mask=mask)
+    empty = _empty_row(dt, BLOCK)
+    p = tl.load(my_recv_ptr + row * n_cols + offs, mask=mask, other=1.0, volatile=True)
+    while tl.sum(_is_empty(p).to(tl.int32), 0) > 0:
+        p = tl.load(my_recv_ptr + row * n_cols + offs, mask=mask, other=1.0, volatile=True)
+    tl.store(my_recv_ptr + row * n_cols + offs, empty, mask=mask)  # empty again for the call after next
+    p = tl.where(mask, p.to(tl.float32), 0.0)  # lanes past the row were read as 1.0 (never empty): out of the sum
+    total = (s + p).to(dt).to(tl.float32)
+    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
+    h = (h + total).to(dt)
+    tl.store(h_out_ptr + row * stride_ho + offs, h, mask=mask)
+    hf = h.to(tl.float32)
+    r = tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
+    normed = (hf * r).to(dt)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(dt), mask=mask)
+
+
+@triton.jit
+def _empty_row(dt: tl.constexpr, BLOCK: tl.constexpr):
+    """``BLOCK`` negative zeros of ``dt``, built from their bits (a -0.0 literal could fold to +0.0)."""
+    if dt == tl.float32:
+        return tl.full([BLOCK], -2147483648, tl.int32).to(tl.float32, bitcast=True)
+    return tl.full([BLOCK], -32768, tl.int16).to(dt, bitcast=True)
+
+
+@triton.jit
+def _is_empty(p):
+    """Elements holding exactly negative zero (the sign bit alone): compared as bits, since -0.0 == 0.0."""
+    if p.dtype == tl.float32:
+        return p.to(tl.int32, bitcast=True) == -2147483648
+    return p.to(tl.int16, bitcast=True) == -32768
+
+
+def empty_value_fill(buf: torch.Tensor) -> torch.Tensor:
+    """Fill a receive buffer with the flag-free variant's empty value (negative zero)."""
+    return buf.fill_(-0.0)
+
+
+def lamport_add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float,
+                         extra: torch.Tensor | None, peer_recv: torch.Tensor,
+                         my_recv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`one_shot_add_rms_norm` with the flag-free exchange (:func:`lamport_add_rms_norm_kernel`):
+    ``peer_recv`` / ``my_recv`` this call's half of the receive buffers (bf16 or fp32), empty
+    (:func:`empty_value_fill`) where no row is pending."""
+    T, d = h.shape
+    a = _rows(addend, d)
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    h_out, out = torch.empty_like(h), torch.empty_like(h)
+    if T:
+        e = extra if extra is not None else h
+        lamport_add_rms_norm_kernel[(T,)](
+            h, a, e, weight, h_out, out, peer_recv, my_recv, d, h.stride(0), a.stride(0), a.stride(1), e.stride(0),
+            h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1], HAS_EXTRA=extra is not None,
+            BLOCK=triton.next_power_of_2(d), num_warps=_warps(d))
+    return h_out, out

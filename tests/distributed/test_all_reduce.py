@@ -38,7 +38,7 @@ def test_candidates_per_device_and_clear_errors():
     assert all_reduce_candidates("gloo", "cpu") == ("gloo",)
     assert all_reduce_candidates("nccl", "cuda") == ("nccl",)
     assert all_reduce_candidates("symm_mem_two_shot", "cuda") == ("symm_mem_two_shot",)  # explicit: no fallback
-    for name in ("nccl", "symm_mem", "symm_mem_two_shot", "symm_mem_fused"):
+    for name in ("nccl", "symm_mem", "symm_mem_two_shot", "symm_mem_fused", "symm_mem_lamport"):
         with pytest.raises(ValueError, match="needs GPUs"):
             all_reduce_candidates(name, "cpu")
     with pytest.raises(ValueError, match="CPU backend"):

@@ -6,7 +6,12 @@ waits for a program that is not running. Interpreted on the CPU; the same test r
 import pytest
 import torch
 
-from rimuru.kernels.allreduce_norm import combine_partial, one_shot_add_rms_norm
+from rimuru.kernels.allreduce_norm import (
+    combine_partial,
+    empty_value_fill,
+    lamport_add_rms_norm,
+    one_shot_add_rms_norm,
+)
 from rimuru.kernels.norm_rope import add_rms_norm
 from tests.markers import needs_triton
 
@@ -73,3 +78,42 @@ def test_two_ranks_one_launch_each_equal_all_reduce_then_add_norm(dtype, k, extr
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     for got, want in ((h0, h_want), (x0, x_want)):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() <= tol
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,extra,parity", [(1, False, 1), (4, True, 0)])
+def test_flag_free_variant_two_ranks(dtype, k, extra, parity):
+    """The flag-free exchange: a row has arrived when none of its elements is the empty value (-0.0); a partial that
+    is -0.0 (row 0 here) is pushed as +0.0, so no reader waits forever; each reader empties its half after use."""
+    gen = torch.Generator().manual_seed(5 * k + extra)
+    T, d, rows = 5, 96, 8
+    h = torch.randn(T, d, generator=gen).to(dtype).to(DEVICE)
+    w = (torch.rand(d, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    parts = [_inputs(gen, T, k, d, dtype, extra) for _ in range(2)]
+    for a, e in parts:  # row 0's partial is exactly -0.0 on both ranks
+        a[0] = -0.0
+        if e is not None:
+            e[0] = -0.0
+    recv = [empty_value_fill(torch.empty(2, rows * d, dtype=dtype, device=DEVICE)) for _ in range(2)]
+    pushed = [combine_partial(a, e, triton_kernel=True) for a, e in parts]
+    if k == 1 and not extra:  # (a sum in fp32 from +0.0 turns -0.0 into +0.0 by itself)
+        assert torch.signbit(pushed[0][0]).all() and (pushed[0][0] == 0).all()  # the empty value's bits
+    sent = [torch.where(x == 0, torch.zeros_like(x), x) for x in pushed]  # as a launch pushes it: -0.0 -> +0.0
+    recv[0][parity, : T * d] = sent[1].reshape(-1)  # rank 1's push, so that rank 0's launch finds it
+    outs = []
+    for rank in (0, 1):
+        a, e = parts[rank]
+        outs.append(lamport_add_rms_norm(h, a, w, 1e-6, e, recv[1 - rank][parity], recv[rank][parity]))
+    (h0, x0), (h1, x1) = outs
+    assert torch.equal(h0, h1) and torch.equal(x0, x1)
+    scratch = torch.empty(rows * d, dtype=dtype, device=DEVICE)  # the flag variant: the peer's row and flag pre-set
+    a0, e0 = parts[0]
+    flag_h, flag_x = one_shot_add_rms_norm(h, a0, w, 1e-6, e0, scratch, sent[1].reshape(-1).contiguous(),
+                                           torch.zeros(rows, dtype=torch.int32, device=DEVICE),
+                                           torch.ones(rows, dtype=torch.int32, device=DEVICE))
+    assert torch.equal(h0, flag_h) and torch.equal(x0, flag_x)  # the same bits as the flag variant
+    assert torch.signbit(recv[1][parity]).all() and (recv[1][parity] == 0).all()  # rank 1 emptied its half
+    got = recv[0][parity, : T * d].view(T, d)  # rank 1's real push landed in rank 0's half (emptied before)
+    assert torch.equal(got, sent[1]) and not torch.signbit(got[0]).any()
+    assert torch.signbit(recv[0][1 - parity]).all()  # the other half untouched

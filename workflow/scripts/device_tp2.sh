@@ -12,7 +12,9 @@
 #      20 s after a kill without an error; the engine's last resort exits the process 30 s after it).
 # Usage on the device: RIMURU_COMMIT=<sha> bash workflow/scripts/device_tp2.sh   (BUDGET_S: stop starting parts;
 # DEVICE=cpu: a dry run of the kill checks with gloo, no decode A/B; SKIP_STEP=1: no decode A/B; CHECKS: the kill
-# checks as all_reduce:policy words; PY: the interpreter; FUSED=0: no step 0; AB: the A/B's all-reduces after nccl)
+# checks as all_reduce:policy words, '' for none; PY: the interpreter; FUSED=0: no step 0; FUSED_CHECK=0: step 0's
+# kernel test only; FIRST: the TP engine's first all-reduce (nccl); AB: the A/B's other all-reduces; SKIP_TP1=1: no
+# TP=1 engine (the A/B among the TP all-reduces); BATCHES, PROFILE, MOE_SWEEP: e2e_tp_gpu.py's lists)
 set -u
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
@@ -54,27 +56,29 @@ if [ "$DEVICE" = cuda ] && [ "${FUSED:-1}" = 1 ]; then
   rc=$?
   echo "[$(( $(date +%s) - START ))s] fused kernel test rc=$rc" | tee -a "$OUT/driver.log"
   ok=0
-  if [ $rc = 0 ] && kill_check symm_mem_fused static \
-     && grep -q '"greedy_identical": true' "$OUT/kill_symm_mem_fused_static/checks.json" 2>/dev/null; then ok=1; fi
+  if [ $rc = 0 ] && { [ "${FUSED_CHECK:-1}" = 0 ] || { kill_check symm_mem_fused static \
+     && grep -q '"greedy_identical": true' "$OUT/kill_symm_mem_fused_static/checks.json" 2>/dev/null; }; }; then ok=1; fi
   if [ $ok = 0 ]; then
-    AB=$(echo "$AB" | tr ',' '\n' | grep -v '^symm_mem_fused$' | paste -sd, -)
-    echo "symm_mem_fused left out of the decode A/B (kernel test or engine check failed)" | tee -a "$OUT/driver.log"
+    AB=$(echo "$AB" | tr ',' '\n' | grep -v '^symm_mem_\(fused\|lamport\)$' | paste -sd, -)
+    echo "symm_mem_fused/lamport left out of the decode A/B (kernel test or engine check failed)" | tee -a "$OUT/driver.log"
   fi
 fi
 
-T=$(( $(left) - 100 )); [ "$T" -gt 220 ] && T=220
+T=$(( $(left) - ${CHECK_RESERVE:-100} )); [ "$T" -gt 220 ] && T=220  # CHECK_RESERVE: seconds kept for the checks
 if [ "$DEVICE" = cuda ] && [ -z "${SKIP_STEP:-}" ]; then
-echo "[$(( $(date +%s) - START ))s] decode A/B nccl,$AB (timeout $T s)" | tee -a "$OUT/driver.log"
+FIRST=${FIRST:-nccl}
+echo "[$(( $(date +%s) - START ))s] decode A/B $FIRST,$AB (timeout $T s)" | tee -a "$OUT/driver.log"
 async=$([ -n "${ASYNC_AB:-}" ] && echo --async-ab || echo --no-async-ab)
 timeout "$T" $PY workflow/scripts/e2e_tp_gpu.py --model qwen3-30b-a3b --layers 4 --static-layers 48 --skew 0.7 \
   --tp 2 --static-budget-tp1 72GiB --static-budget 44GiB --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz \
-  --num-requests 48 --batches 64,128 --decode-steps 30 --repeats 4 --all-reduce nccl --ab-all-reduce "$AB" $async \
-  --ar-rows 1 --profile-batches 64 --moe-sweep "${MOE_SWEEP-64,128}" --skip-serving --deadline-s $(( T - 45 )) \
+  --num-requests 48 --batches "${BATCHES:-64,128}" --decode-steps 30 --repeats 4 --all-reduce "$FIRST" --ab-all-reduce "$AB" \
+  $async ${SKIP_TP1:+--skip-tp1} --ar-rows 1 --profile-batches "${PROFILE-64}" --moe-sweep "${MOE_SWEEP-64,128}" --skip-serving \
+  --deadline-s $(( T - ${DEADLINE_MARGIN:-45} )) \
   --out "$OUT/step" > "$OUT/step.log" 2>&1
 echo "[$(( $(date +%s) - START ))s] decode A/B rc=$?" | tee -a "$OUT/driver.log"
 fi
 
-for spec in ${CHECKS:-nccl:static symm_mem:static nccl:fixed}; do
+for spec in ${CHECKS-nccl:static symm_mem:static nccl:fixed}; do
   set -- ${spec/:/ }
   [ "$DEVICE" = cpu ] && set -- gloo "$2"
   kill_check "$1" "$2"

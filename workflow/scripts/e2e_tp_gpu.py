@@ -204,6 +204,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script (gloo, fp32)")
     ap.add_argument("--skip-static", action="store_true", help="no decode-step A/B")
     ap.add_argument("--skip-serving", action="store_true", help="no elastic vs fixed")
+    ap.add_argument("--skip-tp1", action="store_true", help="no TP=1 engine: the A/B and greedy among the TP "
+                    "all-reduces only (greedy against the first one's tokens)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -240,11 +242,14 @@ def main() -> None:
     log("done")
 
 
-def greedy_check(one: LLM, many: LLM, prompts, params, label: str, tp: int, dtype, prov: dict) -> dict:
-    ref = [o.output_token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+def greedy_check(one, many: LLM, prompts, params, label: str, tp: int, dtype, prov: dict) -> dict:
+    """``many``'s greedy tokens against ``one``'s: an engine (TP=1), or a (name, tokens) reference (--skip-tp1: the
+    TP engine's first backend)."""
+    ref_name, ref = ("tp1", [o.output_token_ids for o in one.generate(prompts, params, use_tqdm=False)]) \
+        if isinstance(one, LLM) else one
     got = [o.output_token_ids for o in many.generate(prompts, params, use_tqdm=False)]
     many.check_integrity()
-    return {"model": label, "all_reduce": many.comm.backend.name, "prompts": len(ref),
+    return {"model": label, "all_reduce": many.comm.backend.name, "reference": ref_name, "prompts": len(ref),
             "identical_sequences": sum(x == y for x, y in zip(ref, got)), "tokens": sum(map(len, ref)),
             "identical_tokens_position_wise": sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)),
             "first_divergence": [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
@@ -264,8 +269,8 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
     label = f"{args.model} ({args.static_layers}/{full.num_layers} layers: layer 0 repeated, skew {args.skew})"
     batches = [int(b) for b in args.batches.split(",")]
     engine_opts = dict(policy="static", max_num_seqs=max(batches), **common)
-    one = LLM(recipe, gpu_memory_budget=args.static_budget_tp1, **engine_opts)
-    warm1 = one.warmup(1024)
+    one = None if args.skip_tp1 else LLM(recipe, gpu_memory_budget=args.static_budget_tp1, **engine_opts)
+    warm1 = one.warmup(1024) if one is not None else "skipped"
     many = LLM(recipe, gpu_memory_budget=args.static_budget, tensor_parallel_size=tp, all_reduce=args.all_reduce,
                **engine_opts)
     warmn = many.warmup(1024)
@@ -277,6 +282,9 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
     try:
         greedy_prompts = token_ids(trace, 16, 64)
         greedy_params = SamplingParams(max_tokens=32, ignore_eos=True)
+        if one is None:  # the reference: the TP engine's first backend (the others must give its tokens)
+            one = (f"tp{tp}-{first}", [o.output_token_ids for o in many.generate(greedy_prompts, greedy_params,
+                                                                                   use_tqdm=False)])
         greedy = [greedy_check(one, many, greedy_prompts, greedy_params, label, tp, common["dtype"], prov)]
         log(f"greedy ({first}): {greedy[-1]['identical_sequences']}/{greedy[-1]['prompts']} sequences identical")
         (out / "greedy.json").write_text(json.dumps(greedy, indent=1))
@@ -379,11 +387,12 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
         tp_name = f"tp{tp}"
         modes = (True, False) if args.async_ab else (True,)
         tp_order = others + ([first] if first not in others else [])
-        variants = [("tp1" + ("-async" if m else "-sync"), one, None, m) for m in modes]
+        variants = [] if args.skip_tp1 else [("tp1" + ("-async" if m else "-sync"), one, None, m) for m in modes]
         for i, name in enumerate(tp_order):
             for m in (modes[::-1] if i % 2 == 0 else modes):
                 variants.append((f"{tp_name}-{name}" + ("-async" if m else "-sync"), many, name, m))
-        warm(one)
+        if not args.skip_tp1:
+            warm(one)
         current = first
         for name in others:  # greedy vs TP=1 and a warm-up pass with every backend
             if name != current:
@@ -406,7 +415,8 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                         current = backend
                     segment(name, engine, 2 * rnd + half, pipelined)
         if profile_batches and time.perf_counter() - T0 < args.deadline_s:
-            profile("tp1", one)
+            if not args.skip_tp1:
+                profile("tp1", one)
             for name in [current] + [n for n in tp_order if n != current]:
                 if name != current:
                     switch(name)
