@@ -82,6 +82,7 @@ rule modeled_fidelity:
         fit=" ".join(MODELED["fit_timelines"]),
         overlap=" ".join(f"{c}={int(n)}" for c, n in FIDELITY["async_scheduling"].items()),
         next_step=" ".join(f"{c}={int(n)}" for c, n in FIDELITY["next_step_prefetch"].items()),
+        compaction=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("kv_compaction", {}).items()),
         engine_default=" ".join(f"{k}={int(n)}" for k, n in FIDELITY.get("engine_default", {}).items()),
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
     log: "results/logs/modeled/fidelity.log"
@@ -90,7 +91,8 @@ rule modeled_fidelity:
         "{PY} {SCRIPTS}/modeled_fidelity.py --reference {params.refs} "
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
         "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --async-scheduling {params.overlap} "
-        "--next-step-prefetch {params.next_step} --engine-default {params.engine_default} "
+        "--next-step-prefetch {params.next_step} --kv-compaction {params.compaction} "
+        "--engine-default {params.engine_default} "
         "--fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
