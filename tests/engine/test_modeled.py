@@ -498,6 +498,19 @@ def test_pipelined_decides_as_the_async_engine():
     assert not pipelined(True, graphed=True, waiting=3)  # the engine finishes the step first: a prefill is due
     assert not pipelined(True, graphed=False, waiting=0)
     assert not pipelined(False, graphed=True, waiting=0)
+    assert not pipelined(True, graphed=True, waiting=0, compacted=True)  # may_pipeline: a compaction due -> sync
+
+
+def test_modeled_step_after_a_kv_compaction_is_not_overlapped(monkeypatch):
+    """A graphed decode step that a KV compaction preceded is synchronous (rimuru.engine.llm.may_pipeline): the same
+    run with a compaction before every step overlaps none of its steps."""
+    trace = [TraceRequest(50 + 37 * i % 200, 20 + 13 * i % 60, 0.0) for i in range(12)]
+    llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="80GiB", policy="elastic", max_num_seqs=64,
+              async_scheduling=True)
+    moves = iter(range(1, 10**6))
+    monkeypatch.setattr(llm.executor, "kv_pages_moved", lambda: next(moves))
+    replay(llm, trace)
+    assert llm.executor.graph_steps > 0 and llm.executor.overlapped_steps == 0
 
 
 def test_modeled_async_scheduling_overlaps_graphed_decode_steps():

@@ -50,12 +50,14 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     graphs = decode_graphs_allowed(config, policy.name) and not llm.spec.is_hybrid
     max_batch = graph_max_batch(config.max_num_seqs, policy.all_experts_resident, config.offload_graph_max_batch)
     # async scheduling as rimuru.engine.llm.may_pipeline allows it (every policy since a98ef5f, TP ranks too): the
-    # option on, decode graphs; its "no eviction pending" (a shrink in the step in flight) is not modeled
+    # option on, decode graphs, no KV compaction before the step; its "no eviction pending" (a shrink in the step in
+    # flight) is not modeled
     overlap = config.async_scheduling
     scheduler = llm.scheduler
     return ModeledExecutor(cost, routing, llm.cache, llm.loader, llm.clock, experts_mode=mode,
                            prefetch=config.prefetch == "predict", fixed_step_ms=config.modeled_step_ms,
                            graph_max_batch=max_batch if graphs else None, max_model_len=llm.max_model_len,
                            async_scheduling=overlap and graphs, waiting=lambda: len(scheduler.waiting),
-                           next_step_prefetch=config.modeled_next_step_prefetch)
+                           next_step_prefetch=config.modeled_next_step_prefetch,
+                           kv_pages_moved=lambda: llm.kv_pages_moved)
 

@@ -33,24 +33,27 @@ from rimuru.experts.provider import prefetch_next_step
 _FIELDS = tuple(f.name for f in fields(StepTime))
 
 
-def pipelined(async_scheduling: bool, graphed: bool, waiting: int) -> bool:
+def pipelined(async_scheduling: bool, graphed: bool, waiting: int, compacted: bool = False) -> bool:
     """Whether the engine launches this step without waiting for the one before (``rimuru.engine.llm.may_pipeline``):
     async scheduling on for the engine, a decode-graph step, nothing waiting (a
-    graphed pure decode step admitted nobody, so the queue after scheduling is the queue the engine checked).
-    A pipelined step after a pipelined step overlaps it: the host schedules and launches it while the device
-    runs the one before."""
-    return async_scheduling and graphed and waiting == 0
+    graphed pure decode step admitted nobody, so the queue after scheduling is the queue the engine checked), and
+    no KV compaction before it (``compacted``: a compaction due makes the engine take a synchronous step, which packs
+    the pages first). A pipelined step after a pipelined step overlaps it: the host schedules and launches it while
+    the device runs the one before."""
+    return async_scheduling and graphed and waiting == 0 and not compacted
 
 
 class ModeledExecutor:
     def __init__(self, cost: CostModel | None, routing: RoutingModel, cache: ExpertCache, loader: ExpertLoader,
                  clock: VirtualClock, *, experts_mode: str, prefetch: bool, fixed_step_ms: float | None = None,
                  graph_max_batch: int | None = None, max_model_len: int = 0, async_scheduling: bool = False,
-                 waiting: Callable[[], int] = lambda: 0, next_step_prefetch: bool = True) -> None:
+                 waiting: Callable[[], int] = lambda: 0, next_step_prefetch: bool = True,
+                 kv_pages_moved: Callable[[], int] = lambda: 0) -> None:
         """``experts_mode``: ``paged`` (cache + loading buffers), ``resident`` (static) or ``cpu``;
         ``graph_max_batch``: decode steps of at most this many requests replay a CUDA graph (None: none do);
         ``async_scheduling``: the engine launches a graphed decode step while the one before runs (``pipelined``);
         ``waiting``: the scheduler's waiting requests (a step is pipelined only with none);
+        ``kv_pages_moved``: the engine's count of KV pages compaction moved (a step after a compaction is synchronous);
         ``next_step_prefetch``: an eager paged step whose first MoE layer touched >= 3/4 of its experts copies that
         layer's misses into its buffer at the step's end for the next step (``PagedExperts.layer_done``, since
         ``a98ef5f``; False models an engine from before)."""
@@ -70,6 +73,8 @@ class ModeledExecutor:
         self.max_model_len = max_model_len
         self.async_scheduling = async_scheduling
         self.waiting = waiting
+        self.kv_pages_moved = kv_pages_moved
+        self._moved_seen = kv_pages_moved()
         self._pipelined = False  # the step before was launched without waiting for its predecessor
         self.next_step_prefetch = next_step_prefetch and self.prefetch
         self._carried: np.ndarray | None = None  # [E] first-layer experts copied at the end of an eager step
@@ -95,7 +100,9 @@ class ModeledExecutor:
         demand, prefetched, in_place = zeros, zeros, None
         graphed = self.graph_max_batch is not None and replays_graph(out, self.graph_max_batch, self.max_model_len)
         self.graph_steps += graphed
-        now_pipelined = pipelined(self.async_scheduling, graphed, self.waiting())
+        moved = self.kv_pages_moved()
+        compacted, self._moved_seen = moved != self._moved_seen, moved
+        now_pipelined = pipelined(self.async_scheduling, graphed, self.waiting(), compacted)
         overlapped = now_pipelined and self._pipelined
         self._pipelined = now_pipelined
         self.overlapped_steps += overlapped
