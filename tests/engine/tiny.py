@@ -18,16 +18,31 @@ MODELS = ("tiny-qwen3-moe", "tiny-qwen3.5-moe", "tiny-qwen3-next")  # a plain Mo
 # gated attention; Qwen3-Next stores its GDN input projections fused per key-head group)
 
 
+_WRITTEN: dict[str, Path] = {}  # name -> its checkpoint, written once per session (read only by the tests)
+_GREEDY: dict[tuple[str, str], list[list[int]]] = {}  # (checkpoint, device) -> transformers' greedy outputs
+
+
 def write_tiny(tmp_path_factory, name: str) -> Path:
+    """The synthetic checkpoint ``name`` (seed 0, fp32): written once per session, shared by every module."""
     from rimuru.models.checkpoint import write_synthetic_checkpoint
 
-    out = tmp_path_factory.mktemp("ckpt") / name
-    write_synthetic_checkpoint(name, out, seed=0, dtype=torch.float32)
-    return out
+    if name not in _WRITTEN:
+        out = tmp_path_factory.mktemp("ckpt") / name
+        write_synthetic_checkpoint(name, out, seed=0, dtype=torch.float32)
+        _WRITTEN[name] = out
+    return _WRITTEN[name]
 
 
 def transformers_greedy(model_dir: Path, device: str = "cpu") -> list[list[int]]:
-    """transformers' own greedy continuation of each of ``PROMPTS`` (``MAX_TOKENS`` tokens) on ``device``."""
+    """transformers' own greedy continuation of each of ``PROMPTS`` (``MAX_TOKENS`` tokens) on ``device``; run
+    once per checkpoint and device in a session (a fresh copy each call)."""
+    key = (str(model_dir), device)
+    if key not in _GREEDY:
+        _GREEDY[key] = _transformers_greedy(model_dir, device)
+    return [list(o) for o in _GREEDY[key]]
+
+
+def _transformers_greedy(model_dir: Path, device: str) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval().to(device)
