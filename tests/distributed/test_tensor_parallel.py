@@ -58,6 +58,8 @@ POLICIES = {
 
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_greedy_identical_to_one_process(model_dir, policy):
+    if model_dir.name == "tiny-qwen3-moe" and policy != "static":
+        pytest.skip("tiny-qwen2-moe runs it; on tiny-qwen3-moe the async test runs the same engines and prompts")
     # static and fixed: a shorter run (the 2-core CI machine); elastic: the full set, to reach the pressure
     run = (lambda llm: generate(llm)) if policy == "elastic" else (lambda llm: generate(llm, PROMPTS[:5], 8))
     single = LLM(model_dir, **BASE, **POLICIES[policy](model_dir, 1))
