@@ -52,6 +52,8 @@ class EngineConfig:
     # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice
     kv_compaction: bool = True  # elastic: pack scattered KV pages so that partly used L2 pages return to the expert
     # cache (rimuru.memory.compaction; one device, plain MoE models)
+    short_lookahead: bool = True  # the scheduler's R_b counts what the waiting queue lacks for the next step's token
+    # budget (rimuru.engine.scheduler, 9a2935b); False: the engine before (the modeled fidelity of older runs)
     async_scheduling: bool = True  # graphed greedy decode of `static`: step n+1 is scheduled and launched while
     # step n runs on the device, its tokens fed on the device (docs/engine.md, "Async scheduling")
 

@@ -29,6 +29,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     chunked_prefill: bool = True
+    short_lookahead: bool = True  # R_b's waiting part: what the queue lacks for the next step's budget (9a2935b);
+    # False: what the head request lacked when this step's admission stopped (the engine before; the modeled
+    # fidelity replays engines measured before it)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -185,6 +188,8 @@ class Scheduler:
             if not self.config.chunked_prefill and n < request.num_uncomputed_tokens:
                 break
             if not fit(request, n):  # FCFS: later requests wait behind the head
+                if not self.config.short_lookahead:
+                    short_kv_pages += self._unmet_demand(budget, len(self.running))
                 break
             self.waiting.popleft()
             self.kv.allocate(request.request_id, request.num_computed_tokens + n)
@@ -193,7 +198,8 @@ class Scheduler:
             chunks.append(ScheduledChunk(request, request.num_computed_tokens, n))
             budget -= n
 
-        if self.waiting:  # what the queue lacks for the next step's budget: pages released after this step serve it
+        if self.waiting and self.config.short_lookahead:  # what the queue lacks for the next step's budget: pages
+            # released after this step serve it
             next_budget = self.config.max_num_batched_tokens - len(self.running)  # one decode token per running request
             short_kv_pages += self._unmet_demand(max(budget, next_budget), len(self.running))
         self.peak_concurrency = max(self.peak_concurrency, len(self.running))

@@ -162,3 +162,19 @@ def test_r_b_looks_ahead_to_the_waiting_queues_next_step(max_num_seqs, expected)
     out = sched.schedule()
     assert [c.request.request_id for c in out.chunks] == ["r0"] and kv.free_pages() == 0
     assert out.kv_short_l2 == expected  # r1's next 7 tokens need 2 blocks x 2 layers = one L2 page
+
+
+def test_r_b_without_the_look_ahead_reports_only_the_stopped_head():
+    """short_lookahead=False is the scheduler before 9a2935b (the modeled fidelity replays runs measured with it): a
+    step that admitted up to its budget reports nothing; one whose admission stopped at a head that does not fit
+    reports that head's unmet demand."""
+    alloc, kv, sched = make(huge_pages=1, max_num_batched_tokens=8, max_num_seqs=4, short_lookahead=False)
+    sched.add(request(0, prompt_len=8))
+    sched.add(request(1, prompt_len=8))
+    out = sched.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["r0"] and out.kv_short_l2 == 0
+    alloc, kv, sched = make(huge_pages=1, max_num_batched_tokens=16, max_num_seqs=4, short_lookahead=False)
+    sched.add(request(0, prompt_len=8))
+    sched.add(request(1, prompt_len=8))
+    out = sched.schedule()
+    assert [c.request.request_id for c in out.chunks] == ["r0"] and out.kv_short_l2 == 1
