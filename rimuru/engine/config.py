@@ -38,6 +38,9 @@ class EngineConfig:
     host: str = "host-xeon-amx"  # modeled, cpu policy: host CPU profile of the CPU-computed experts
     cost_params: str | None = None  # modeled: fitted CostParams JSON (default: uncalibrated defaults)
     modeled_step_ms: float | None = None  # modeled: a constant step time instead of the cost model
+    modeled_routing_profile: str | None = None  # modeled: a hotset JSON whose probabilities the routing model draws
+    # from instead of the served hotset's (whose order still fills the cache): a better routing measurement of the
+    # same model (e.g. more calibration prompts) for a run served with a hotset of few prompts
     modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
     # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
     tensor_parallel_size: int = 1  # ranks (one process and one device each; modeled: one process) the layers are
@@ -85,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
         if self.modeled_step_ms is not None and (self.executor != "modeled" or self.modeled_step_ms <= 0):
             raise ValueError("modeled_step_ms is a positive step time of the modeled executor (executor='modeled')")
+        if self.modeled_routing_profile is not None and self.executor != "modeled":
+            raise ValueError("modeled_routing_profile is the modeled executor's routing profile (executor='modeled')")
 
     @property
     def modeled(self) -> bool:

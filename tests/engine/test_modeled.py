@@ -665,3 +665,25 @@ def test_hotset_prompts_are_the_runs_first_served_prompts():
     assert hotset_prompts("e2e_gpu.py --num-requests 100 --calibration-prompts 128", 100) == 100
     assert hotset_prompts("e2e_gpu.py --calibration-prompts 8", 100) == 8
     assert hotset_prompts("e2e_gpu.py", 400) == 256  # the script's default
+
+
+def test_modeled_routing_profile_replaces_the_routing_not_the_cache_order(tmp_path):
+    """modeled_routing_profile: the routing model draws from that profile's probabilities while the cache is still
+    filled in the served hotset's order; the torch executor refuses the option."""
+    from rimuru.engine.config import EngineConfig
+    from rimuru.experts.hotset import Hotset
+
+    spec = ModelSpec.from_pretrained("qwen3-30b-a3b")
+    layers, experts, k = spec.num_moe_layers, spec.num_experts, spec.top_k
+    served = np.tile(np.linspace(2.0, 1.0, experts), (layers, 1))  # expert 0 hottest
+    other = served[:, ::-1].copy()  # expert 0 coldest
+    Hotset(served / served.sum(axis=1, keepdims=True) * k, 10**6).save(tmp_path / "served.json")
+    Hotset(other / other.sum(axis=1, keepdims=True) * k, 10**6).save(tmp_path / "other.json")
+    common = dict(executor="modeled", gpu_memory_budget="24GiB", policy="fixed", hotset=str(tmp_path / "served.json"))
+    plain = LLM("qwen3-30b-a3b", **common)
+    swapped = LLM("qwen3-30b-a3b", **common, modeled_routing_profile=str(tmp_path / "other.json"))
+    assert np.array_equal(plain.cache.page_table[:, :, 0] >= 0, swapped.cache.page_table[:, :, 0] >= 0)
+    assert plain.executor.routing.pi[0, 0] > plain.executor.routing.pi[0, -1]
+    assert swapped.executor.routing.pi[0, 0] < swapped.executor.routing.pi[0, -1]
+    with pytest.raises(ValueError, match="modeled_routing_profile"):
+        EngineConfig(modeled_routing_profile=str(tmp_path / "other.json"))

@@ -122,6 +122,10 @@ def main() -> None:
                          "hotset (--tp-trace, --tp-hotset); split fit for the runs the calibration's TP fit used")
     ap.add_argument("--tp-trace", default="results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz")
     ap.add_argument("--tp-hotset", default="results/reference/e2e_tp2/hotset.json")
+    ap.add_argument("--routing-ablation", nargs="*", default=[],
+                    help="FOLDER=HOTSET: replay FOLDER's runs once more with the routing model drawing from HOTSET's "
+                         "probabilities (the cache still filled in the served hotset's order: "
+                         "modeled_routing_profile); rows split `ablation`, named RUN routing:<HOTSET's folder>")
     ap.add_argument("--out-csv", required=True)
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
     ap.add_argument("--figure", required=True)
@@ -131,7 +135,14 @@ def main() -> None:
         frame = pd.read_csv(ref / "e2e.csv")
         if "run" not in frame:  # one run per folder (e.g. e2e/static_c56c229): the folder names it
             frame.insert(0, "run", folder_run(ref))
-        frames.append(frame.assign(hotset=str(ref / "hotset.json")))
+        frames.append(frame.assign(hotset=str(ref / "hotset.json"), routing_profile=""))
+    for item in args.routing_ablation:
+        folder, _, profile = item.partition("=")
+        matches = [f for f, ref in zip(frames, args.reference) if Path(ref) == Path(folder)]
+        if not profile or len(matches) != 1:
+            raise SystemExit(f"--routing-ablation takes FOLDER=HOTSET with FOLDER one of --reference, got {item!r}")
+        frames.append(matches[0].assign(run=matches[0]["run"] + f" routing:{Path(profile).parent.name}",
+                                        routing_profile=profile))
     e2e = pd.concat(frames, ignore_index=True)
     lengths = pd.read_csv(args.lengths)
     caps = graph_caps(args.graph_cap)
@@ -171,7 +182,7 @@ def main() -> None:
                   hotset=row["hotset"], hardware=args.hardware, cost_params=args.cost_params, seed=seed,
                   offload_graph_max_batch=caps[commit], async_scheduling=overlap[commit],
                   modeled_next_step_prefetch=next_step[commit], kv_compaction=compaction[commit],
-                  short_lookahead=lookahead[commit])
+                  short_lookahead=lookahead[commit], modeled_routing_profile=row["routing_profile"] or None)
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
@@ -195,7 +206,7 @@ def main() -> None:
         for m in METRICS:
             measured = group[m].astype(float)
             med, modeled = float(measured.median()), float(metrics[m])
-            split = "fit" if f"{run}/{policy}" in fit else "validate"
+            split = "ablation" if row["routing_profile"] else "fit" if f"{run}/{policy}" in fit else "validate"
             rows.append({"run": key, "split": split, "metric": m, "measured": med,
                          "measured_min": float(measured.min()),
                          "measured_max": float(measured.max()), "repeats": len(measured), "modeled": modeled,

@@ -33,7 +33,10 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     policy = llm.policy
     mode = "resident" if policy.all_experts_resident else "paged" if policy.loads_experts else "cpu"
     params = CostParams.load(config.cost_params) if config.cost_params else CostParams()
-    routing = RoutingModel.from_hotset(llm.hotset, llm.spec.top_k, seed=config.seed,
+    from rimuru.experts.hotset import Hotset
+
+    profile = Hotset.load(config.modeled_routing_profile) if config.modeled_routing_profile else llm.hotset
+    routing = RoutingModel.from_hotset(profile, llm.spec.top_k, seed=config.seed,
                                        chunk_scale=params.routing_chunk_scale,
                                        chunk_exponent=params.routing_chunk_exponent,
                                        prior_tokens=params.routing_prior_tokens,
