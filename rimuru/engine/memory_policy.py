@@ -16,7 +16,7 @@ The policy object is the only caller of ``ExpertCache.expand``/``shrink``/``recl
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
@@ -58,6 +58,7 @@ class MemoryPlan:
     min_cache_experts: int  # the smallest the cache can ever get: KV capacity is sized against it
     kv_capacity_tokens: int  # tokens of KV (all layers) that fit beside the minimum cache
     max_model_len: int  # the engine's context limit: model limit, KV capacity, the user's cap
+    step_kv_l2_pages: int = 0  # L2 pages of KV one step's full token budget writes (all attention layers)
 
     @property
     def buffer_pages(self) -> int:
@@ -170,8 +171,9 @@ class MemoryPolicy:
         max_len = min(limit, c.max_model_len) if c.max_model_len else limit
         if max_len < 2:
             raise MemoryBudgetError(f"KV capacity of {kv_tokens} tokens is below one request's minimum")
+        step_kv_l2 = -(-(-(-c.max_num_batched_tokens // c.block_tokens) * attn_layers) // kv_per_l2)
         return MemoryPlan(self.name, c.budget_bytes, dense, act, pool, pool_l2, buffer_experts, total, initial,
-                          min_cache, kv_tokens, max_len)
+                          min_cache, kv_tokens, max_len, step_kv_l2)
 
     # ------------------------------------------------------------------ build
     def build(self, plan: MemoryPlan, ckpt: LoadedCheckpoint | None, pool: PagePool, hotset: Hotset,
@@ -275,6 +277,18 @@ class ElasticPolicy(MemoryPolicy):
 
     def releasable_l2_pages(self) -> int:
         return self.cache.releasable_l2_pages(self.plan_.min_cache_experts)
+
+    def build(self, plan: MemoryPlan, ckpt: LoadedCheckpoint | None, pool: PagePool, hotset: Hotset,
+              device: torch.device, spec: ModelSpec | None = None,
+              ) -> tuple[ExpertLoader, ExpertCache, ExpertProvider | None]:
+        # the cache expands only past one step's worth of free KV pages (at most the KV share the plan started with),
+        # so that a request arriving at low load starts its first chunk at once instead of a step later behind a
+        # shrink (KV compaction would otherwise hand the partly used pages' free slots, that headroom, to the cache);
+        # the constant threshold is the floor
+        kv_share = plan.free_l2_pages - PAGES_PER_EXPERT * plan.initial_cache_experts
+        headroom = min(plan.step_kv_l2_pages, kv_share)
+        self.adjuster = replace(self.adjuster, expand_free_above=max(self.adjuster.expand_free_above, headroom))
+        return super().build(plan, ckpt, pool, hotset, device, spec)
 
     def kv_compaction_due(self, reclaimable_l2_pages: int) -> bool:
         cache = self.cache

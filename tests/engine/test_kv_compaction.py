@@ -158,3 +158,20 @@ def test_gpu_compaction_keeps_the_greedy_tokens_with_graphs_and_async_scheduling
     assert moved > 0 and plain_moved == 0
     assert tokens == plain_tokens
     assert graphed > 0 and compiles == 0
+
+
+@pytest.mark.parametrize("layers,step_pages,threshold", [(4, 6, 9), (48, 64, 64)])
+def test_elastic_keeps_one_steps_kv_free_before_expanding(layers, step_pages, threshold):
+    """The cache expands only past one full token budget's KV (2048 tokens: 128 blocks per layer, 96 KV pages per L2
+    page), never below the constant threshold: at 48 layers that headroom is what KV compaction would otherwise give
+    to the cache, and an arriving request would wait a step behind a shrink."""
+    from rimuru.engine.llm import LLM
+    from rimuru.engine.modeled.reference import spec_with_layers
+
+    llm = LLM(spec_with_layers("qwen3-30b-a3b", layers), executor="modeled", gpu_memory_budget="32GiB",
+              policy="elastic", modeled_step_ms=1.0)
+    assert llm.plan.step_kv_l2_pages == step_pages
+    assert llm.policy.adjuster.expand_free_above == threshold
+    fixed = LLM(spec_with_layers("qwen3-30b-a3b", layers), executor="modeled", gpu_memory_budget="32GiB",
+                policy="fixed", modeled_step_ms=1.0)
+    assert fixed.plan.step_kv_l2_pages == step_pages  # the plan's, whatever the policy
