@@ -57,6 +57,7 @@ class EngineConfig:
     # cache (rimuru.memory.compaction; one device, plain MoE models)
     short_lookahead: bool = True  # the scheduler's R_b counts what the waiting queue lacks for the next step's token
     # budget (rimuru.engine.scheduler, 9a2935b); False: the engine before (the modeled fidelity of older runs)
+    gc_freeze: bool = True  # LLM.warmup() freezes the live heap out of Python's cyclic GC (LLM.close() unfreezes)
     async_scheduling: bool = True  # graphed greedy decode of `static`: step n+1 is scheduled and launched while
     # step n runs on the device, its tokens fed on the device (docs/engine.md, "Async scheduling")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import time
 from pathlib import Path
@@ -89,6 +90,7 @@ class LLM:
         are loaded and no process is started: ``model`` may also be a bundled config name (``qwen3-30b-a3b``),
         a config.json path or a ``ModelSpec`` (``rimuru.engine.modeled``)."""
         self.tp_group: TensorParallelGroup | None = None
+        self._froze_heap = False  # warmup() froze the heap out of the cyclic GC; close() unfreezes it
         try:
             self._build(model, _tp_rank, _tp_port, options)
         except BaseException:
@@ -240,7 +242,11 @@ class LLM:
     def close(self) -> None:
         """Stop the tensor-parallel workers (a no-op on one device). The decode graphs are destroyed first: with
         tensor parallelism they hold captured collectives of the group being closed, and an NCCL communicator
-        torn down while a graph still holds its collectives can hang (PyTorch issue 115388)."""
+        torn down while a graph still holds its collectives can hang (PyTorch issue 115388). A heap that
+        ``warmup`` froze is unfrozen, so that the engine can be collected."""
+        if self._froze_heap:
+            gc.unfreeze()
+            self._froze_heap = False
         if self.tp_group is not None:
             inflight, self._inflight = self._inflight, None
             if inflight is not None and self.tp_group.error is None:  # the graphs below may still be running it
@@ -685,6 +691,7 @@ class LLM:
         pages as dummy inputs and discards the results; writes no KV. Returns what it did (compiles, graphs).
         ``max_seq_len`` is accepted for compatibility; every split count shares two kernel variants now."""
         if self.device.type != "cuda" or self.model is None:
+            self._freeze_heap()
             return {"compiles": 0, "graphs": 0}
         from rimuru.kernels.fused_moe import fused_moe, warmup_token_counts
         from rimuru.kernels.paged_attention import MIN_TOKENS_PER_SPLIT, decode_attention, prefill_attention, write_kv
@@ -740,7 +747,20 @@ class LLM:
         torch.cuda.synchronize(dev)
         if self.tp_group is not None:
             self.tp_group.gather("warm")
+        self._freeze_heap()
         return {"compiles": compile_count() - before, "graphs": len(self.graphs.graphs) if self.graphs else 0}
+
+    def _freeze_heap(self) -> None:
+        """After warm-up the live heap (model, engine, graphs, queued requests) leaves Python's cyclic collector
+        (``gc.freeze``, as vLLM's engine does after start-up), so that a collection inside a serving step does not walk
+        it (a host pause in a 2 ms graphed step is a stall). Unfrozen first, so that an engine discarded before this one
+        is collected; :meth:`close` unfreezes. ``EngineConfig.gc_freeze`` switches it (process-wide, as ``gc`` is)."""
+        if not self.config.gc_freeze:
+            return
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        self._froze_heap = True
 
     def check_integrity(self) -> None:
         """Allocator and cache invariants; with tensor parallelism on every rank, and every rank's allocator

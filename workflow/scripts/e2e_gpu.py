@@ -176,18 +176,12 @@ def main() -> None:
             base = llm.stats()
         moved_before = llm.kv_pages_moved
         served = trace[: args.poisson_requests] if workload == "poisson" and args.poisson_requests else trace
-        # the heap built so far (model, engine, trace) is frozen out of the cyclic collector for the run, as vLLM's
-        # engine does after start-up, so a collection does not walk it inside a step; unfrozen after the run so that
-        # the engine can be collected
-        gc.collect()
-        gc.freeze()
-        pauses = GcPauses()
+        pauses = GcPauses()  # the engine froze its heap at warm-up (EngineConfig.gc_freeze): what still collects
         gc.callbacks.append(pauses)
         try:
             metrics, duration = serve(llm, served, rate, args.seed)
         finally:
             gc.callbacks.remove(pauses)
-            gc.unfreeze()
         llm.check_integrity()  # the allocator's and the cache's invariants after the run (KV compaction moved pages)
         # pages a finished run still holds (a hybrid's SSM and conv states, KV): 0 unless a request leaked them
         left = sum(llm.allocator.num_allocated(cls) for cls in ((SSM, CONV, KV) if llm.spec.is_hybrid else (KV,)))
@@ -228,6 +222,7 @@ def main() -> None:
         summary = summarize([{**r, "variant": f"{r['policy']}:{r['workload']}", "duration": r["duration_s"]}
                              for r in rows])  # per policy:workload: median, min-max spread, stalls, compiles
         (out / "ab_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        llm.close()  # unfreezes the heap warm-up froze, so that the engine is collected
         del llm
         gc.collect()
         torch.cuda.empty_cache()
