@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--calibration-prompts", type=int, default=256)
     ap.add_argument("--cprofile-steps", type=int, default=0, help="host-profile this many steps of the first run")
     ap.add_argument("--repeats", type=int, default=2,
-                    help="runs of each policy:workload, in ABBA order over --runs (A B B A ...)")
+                    help="runs of each policy:workload, in ABBA order (A B B A ...) within each workload")
     ap.add_argument("--warmup-requests", type=int, default=32,
                     help="a discarded pass of the trace's first N requests through each engine before measuring")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (today's eager path)")
@@ -154,7 +154,11 @@ def main() -> None:
 
     rows, floors = [], []
     (out / "timelines.csv").unlink(missing_ok=True)
-    schedule = abba_order(args.runs.split(","), args.repeats)  # A B B A ...
+    runs = args.runs.split(",")
+    # A B B A ... within each workload, the workloads one after the other in --runs order (a cut call keeps the first
+    # workload's A/B whole)
+    workloads = list(dict.fromkeys(r.split(":")[1] for r in runs))
+    schedule = [item for w in workloads for item in abba_order([r for r in runs if r.split(":")[1] == w], args.repeats)]
     for order, (run, repeat) in enumerate(schedule):
         policy, workload = run.split(":")
         budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
