@@ -8,6 +8,7 @@ and executor. ``step`` is schedule -> execute -> postprocess with the policy's h
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -761,6 +762,7 @@ class LLM:
         gc.collect()
         gc.freeze()
         self._froze_heap = True
+        _unfreeze_at_exit()
 
     def check_integrity(self) -> None:
         """Allocator and cache invariants; with tensor parallelism on every rank, and every rank's allocator
@@ -788,3 +790,15 @@ def _logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLog
     else:
         tops = [()] * len(token_ids)
     return [TokenLogprob(t, c, top) for t, c, top in zip(token_ids, chosen, tops)]
+
+
+def _unfreeze_at_exit() -> None:
+    """Once per process: unfreeze before the interpreter's final collection, so that frozen objects are finalized
+    (extension types report instances still alive at exit as leaks)."""
+    global _UNFREEZE_REGISTERED
+    if not _UNFREEZE_REGISTERED:
+        atexit.register(gc.unfreeze)
+        _UNFREEZE_REGISTERED = True
+
+
+_UNFREEZE_REGISTERED = False
