@@ -55,6 +55,8 @@ class EngineConfig:
     # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice
     kv_compaction: bool = True  # elastic: pack scattered KV pages so that partly used L2 pages return to the expert
     # cache (rimuru.memory.compaction; one device, plain MoE models)
+    expand_headroom: bool = True  # elastic expands its cache only past one step's worth of free KV pages (03fa546);
+    # False: the engine before (the modeled fidelity of older runs)
     short_lookahead: bool = True  # the scheduler's R_b counts what the waiting queue lacks for the next step's token
     # budget (rimuru.engine.scheduler, 9a2935b); False: the engine before (the modeled fidelity of older runs)
     gc_freeze: bool = True  # LLM.warmup() freezes the live heap out of Python's cyclic GC (LLM.close() unfreezes)

@@ -285,9 +285,10 @@ class ElasticPolicy(MemoryPolicy):
         # so that a request arriving at low load starts its first chunk at once instead of a step later behind a
         # shrink (KV compaction would otherwise hand the partly used pages' free slots, that headroom, to the cache);
         # the constant threshold is the floor
-        kv_share = plan.free_l2_pages - PAGES_PER_EXPERT * plan.initial_cache_experts
-        headroom = min(plan.step_kv_l2_pages, kv_share)
-        self.adjuster = replace(self.adjuster, expand_free_above=max(self.adjuster.expand_free_above, headroom))
+        if self.config.expand_headroom:  # off: the engine before 03fa546 (the modeled fidelity of older runs)
+            kv_share = plan.free_l2_pages - PAGES_PER_EXPERT * plan.initial_cache_experts
+            headroom = min(plan.step_kv_l2_pages, kv_share)
+            self.adjuster = replace(self.adjuster, expand_free_above=max(self.adjuster.expand_free_above, headroom))
         return super().build(plan, ckpt, pool, hotset, device, spec)
 
     def kv_compaction_due(self, reclaimable_l2_pages: int) -> bool:

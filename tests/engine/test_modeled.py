@@ -647,11 +647,11 @@ def test_engine_features_of_a_measured_commit_listed_or_default():
     from rimuru.engine.modeled.reference import engine_features
 
     listed = {"graph_cap": {"old": 8}, "async_scheduling": {"old": 0}, "next_step_prefetch": {"old": 0},
-              "kv_compaction": {"old": 0}, "short_lookahead": {"old": 0}}
+              "kv_compaction": {"old": 0}, "short_lookahead": {"old": 0}, "expand_headroom": {"old": 0}}
     default = {"graph_cap": 16, "async_scheduling": 1, "next_step_prefetch": 1, "kv_compaction": 1,
-               "short_lookahead": 1}
+               "short_lookahead": 1, "expand_headroom": 1}
     assert engine_features("old", listed, default) == {"graph_cap": 8, "async_scheduling": 0, "next_step_prefetch": 0,
-                                                      "kv_compaction": 0, "short_lookahead": 0}
+                                                      "kv_compaction": 0, "short_lookahead": 0, "expand_headroom": 0}
     assert engine_features("new", listed, default) == default
     with pytest.raises(ValueError, match="graph_cap for commit new"):
         engine_features("new", listed, None)
@@ -687,3 +687,15 @@ def test_modeled_routing_profile_replaces_the_routing_not_the_cache_order(tmp_pa
     assert swapped.executor.routing.pi[0, 0] < swapped.executor.routing.pi[0, -1]
     with pytest.raises(ValueError, match="modeled_routing_profile"):
         EngineConfig(modeled_routing_profile=str(tmp_path / "other.json"))
+
+
+def test_expand_headroom_off_is_the_elastic_engine_before_it():
+    """expand_headroom=False (the modeled fidelity of runs measured before 03fa546) keeps the adjuster's constant
+    expansion threshold; on, a 48-layer elastic engine keeps one step's KV (64 L2 pages) free."""
+    from rimuru.engine.modeled.reference import spec_with_layers
+
+    spec = spec_with_layers("qwen3-30b-a3b", 48)
+    on = LLM(spec, executor="modeled", gpu_memory_budget="32GiB", policy="elastic", modeled_step_ms=1.0)
+    off = LLM(spec, executor="modeled", gpu_memory_budget="32GiB", policy="elastic", modeled_step_ms=1.0,
+              expand_headroom=False)
+    assert on.policy.adjuster.expand_free_above == 64 > off.policy.adjuster.expand_free_above

@@ -84,6 +84,7 @@ rule modeled_fidelity:
         next_step=" ".join(f"{c}={int(n)}" for c, n in FIDELITY["next_step_prefetch"].items()),
         compaction=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("kv_compaction", {}).items()),
         ablation=" ".join(f"{k}={v}" for k, v in FIDELITY.get("routing_ablation", {}).items()),
+        headroom=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("expand_headroom", {}).items()),
         lookahead=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("short_lookahead", {}).items()),
         engine_default=" ".join(f"{k}={int(n)}" for k, n in FIDELITY.get("engine_default", {}).items()),
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
@@ -94,7 +95,8 @@ rule modeled_fidelity:
         "--lengths {input.lengths} --cost-params {input.calibration} --hardware {MODELED[calibration_hardware]} "
         "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --async-scheduling {params.overlap} "
         "--next-step-prefetch {params.next_step} --kv-compaction {params.compaction} "
-        "--short-lookahead {params.lookahead} --routing-ablation {params.ablation} "
+        "--short-lookahead {params.lookahead} --expand-headroom {params.headroom} "
+        "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
         "--fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "

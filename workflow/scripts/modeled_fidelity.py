@@ -111,9 +111,12 @@ def main() -> None:
     ap.add_argument("--short-lookahead", nargs="*", default=[],
                     help="COMMIT=0|1: whether the measured commit's scheduler counted the waiting queue's next-step "
                          "demand in R_b (9a2935b and later; the modeled engine's short_lookahead)")
+    ap.add_argument("--expand-headroom", nargs="*", default=[],
+                    help="COMMIT=0|1: whether the measured commit's elastic engine kept one step's KV free before "
+                         "expanding (03fa546 and later; the modeled engine's expand_headroom)")
     ap.add_argument("--engine-default", nargs="*", default=[],
                     help="graph_cap=N async_scheduling=0|1 next_step_prefetch=0|1 kv_compaction=0|1 "
-                         "short_lookahead=0|1: the engine of every measured "
+                         "short_lookahead=0|1 expand_headroom=0|1: the engine of every measured "
                          "commit the per-commit options above do not list (without it such a commit is an error)")
     ap.add_argument("--decode-floor", nargs="+", required=True,
                     help="decode-floor segments, newest first, as the calibration read them: figure")
@@ -150,6 +153,7 @@ def main() -> None:
     next_step = {c: bool(n) for c, n in graph_caps(args.next_step_prefetch, "--next-step-prefetch").items()}
     compaction = {c: bool(n) for c, n in graph_caps(args.kv_compaction, "--kv-compaction").items()}
     lookahead = {c: bool(n) for c, n in graph_caps(args.short_lookahead, "--short-lookahead").items()}
+    headroom = {c: bool(n) for c, n in graph_caps(args.expand_headroom, "--expand-headroom").items()}
     fit = fit_names(args.fit)
     default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
     rows = []
@@ -164,14 +168,14 @@ def main() -> None:
         try:
             engine = engine_features(commit, {"graph_cap": caps, "async_scheduling": overlap,
                                               "next_step_prefetch": next_step, "kv_compaction": compaction,
-                                              "short_lookahead": lookahead}, default)
+                                              "short_lookahead": lookahead, "expand_headroom": headroom}, default)
         except ValueError as exc:
             raise SystemExit(f"{key}: {exc} (--graph-cap, --async-scheduling, --next-step-prefetch, --kv-compaction, "
-                             f"--short-lookahead or "
+                             f"--short-lookahead, --expand-headroom or "
                              f"--engine-default {' '.join(f + '=N' for f in ENGINE_FEATURES)})") from None
-        caps[commit], overlap[commit], next_step[commit], compaction[commit], lookahead[commit] = (
+        caps[commit], overlap[commit], next_step[commit], compaction[commit], lookahead[commit], headroom[commit] = (
             engine["graph_cap"], bool(engine["async_scheduling"]), bool(engine["next_step_prefetch"]),
-            bool(engine["kv_compaction"]), bool(engine["short_lookahead"]))
+            bool(engine["kv_compaction"]), bool(engine["short_lookahead"]), bool(engine["expand_headroom"]))
         name, layers = parse_run_model(row["model"])
         full, small = ModelSpec.from_pretrained(name), spec_with_layers(name, layers)
         budget = e2e_scaled_budget(full, small, parse_bytes(f"{row['budget_gib']}GiB"), policy)
@@ -182,7 +186,8 @@ def main() -> None:
                   hotset=row["hotset"], hardware=args.hardware, cost_params=args.cost_params, seed=seed,
                   offload_graph_max_batch=caps[commit], async_scheduling=overlap[commit],
                   modeled_next_step_prefetch=next_step[commit], kv_compaction=compaction[commit],
-                  short_lookahead=lookahead[commit], modeled_routing_profile=row["routing_profile"] or None)
+                  short_lookahead=lookahead[commit], expand_headroom=headroom[commit],
+                  modeled_routing_profile=row["routing_profile"] or None)
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
@@ -213,6 +218,7 @@ def main() -> None:
                          "rel_error": (modeled - med) / med if med else float("nan"),
                          "goal": GOALS.get(m, float("nan")), "graph_cap": caps[commit],
                          "kv_compaction": compaction[commit], "short_lookahead": lookahead[commit],
+                         "expand_headroom": headroom[commit],
                          "async_overlap": overlap[commit], "commit": commit, "hotset_prompts": cal,
                          "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)

@@ -42,7 +42,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
                   gpu_memory_budget=int(float(g["scaled_budget_gib"].iloc[0]) * 2**30), hotset=hotset,
                   hardware=hardware, cost_params=cost_params, tensor_parallel_size=tp, seed=0,
                   async_scheduling=False, modeled_next_step_prefetch=False,  # both runs predate either (6f93de6)
-                  short_lookahead=False)  # and the scheduler's one-step-ahead R_b (9a2935b)
+                  short_lookahead=False, expand_headroom=False)  # and 9a2935b's R_b, 03fa546's headroom
         initial = llm.memory_report["initial_cache_experts"]
         if initial != int(g["initial_cache_experts"].iloc[0]):
             raise SystemExit(f"{policy}: modeled pool holds {initial} initial experts, measured "

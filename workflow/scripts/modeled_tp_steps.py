@@ -79,7 +79,7 @@ def main() -> None:
                   gpu_memory_budget=int(float(g["scaled_budget_gib"].iloc[0]) * 2**30),
                   hotset=str(folder / "hotset.json"), hardware=args.hardware, cost_params=args.cost_params,
                   tensor_parallel_size=tp, seed=0, async_scheduling=False, modeled_next_step_prefetch=False,
-                  short_lookahead=False)  # c3b0f05 predates async scheduling, the prefetch and 9a2935b's R_b
+                  short_lookahead=False, expand_headroom=False)  # c3b0f05 predates all three and 03fa546
         replay(llm, [TraceRequest(len(r.prompt_token_ids), r.output_len, 0.0) for r in trace])
         frame = llm.timeline.frame()
         replays[policy] = frame.assign(kind=kind_of(frame))
