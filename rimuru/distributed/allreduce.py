@@ -279,13 +279,16 @@ class SymmMemFusedAllReduce(SymmMemAllReduce):
         if not (fused_takes(T, d, self.dtype, self.max_bytes) and h.dtype == addend.dtype == weight.dtype == self.dtype
                 and (extra is None or extra.dtype == self.dtype) and h.is_cuda):
             return None
-        from rimuru.kernels.allreduce_norm import one_shot_add_rms_norm
-
         lo = self.parity * self.half
         self.parity ^= 1
         n = T * d
-        return one_shot_add_rms_norm(h, addend, weight, eps, extra, self.peer_recv[lo:lo + n], self.recv[lo:lo + n],
-                                     self.peer_flags, self.flags)
+        return self._exchange(h, addend, weight, eps, extra, self.peer_recv[lo:lo + n], self.recv[lo:lo + n])
+
+    def _exchange(self, h, addend, weight, eps, extra, peer_recv, my_recv):
+        """The fused launch on this call's halves of the receive buffers (the flag handshake)."""
+        from rimuru.kernels.allreduce_norm import one_shot_add_rms_norm
+
+        return one_shot_add_rms_norm(h, addend, weight, eps, extra, peer_recv, my_recv, self.peer_flags, self.flags)
 
     def _unblocker(self, dead: list[int]) -> Callable[[], None]:
         """Also this backend's flags: this rank's raised (its waits pass), the dead peer's cleared (its pushes
@@ -315,17 +318,11 @@ class SymmMemLamportAllReduce(SymmMemFusedAllReduce):
         empty_value_fill(self.recv)  # before the set-up's closing agreement: no peer pushes before it is empty
         torch.cuda.synchronize(ctx.device)
 
-    def add_rms_norm(self, h, addend, weight, eps, extra):
-        T, d = h.shape
-        if not (fused_takes(T, d, self.dtype, self.max_bytes) and h.dtype == addend.dtype == weight.dtype == self.dtype
-                and (extra is None or extra.dtype == self.dtype) and h.is_cuda):
-            return None
+    def _exchange(self, h, addend, weight, eps, extra, peer_recv, my_recv):
+        """The flag-free launch (the pushed rows are the signal)."""
         from rimuru.kernels.allreduce_norm import lamport_add_rms_norm
 
-        lo = self.parity * self.half
-        self.parity ^= 1
-        n = T * d
-        return lamport_add_rms_norm(h, addend, weight, eps, extra, self.peer_recv[lo:lo + n], self.recv[lo:lo + n])
+        return lamport_add_rms_norm(h, addend, weight, eps, extra, peer_recv, my_recv)
 
     def _unblocker(self, dead: list[int]) -> Callable[[], None]:
         """This rank's receive buffer filled with zeros (not the empty value): every pending poll passes."""

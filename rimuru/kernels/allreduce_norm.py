@@ -37,19 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt: tl.constexpr,
-                 NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr):
-    """This rank's partial row: the ``NUM_ADDENDS`` rows summed in fp32, rounded; ``+ extra`` rounded (fp32 out)."""
-    s = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in tl.static_range(NUM_ADDENDS):
-        s += tl.load(a_ptr + row * stride_a + j * stride_ak + offs, mask=mask, other=0.0).to(tl.float32)
-    s = s.to(dt).to(tl.float32)
-    if HAS_EXTRA:
-        s = (s + tl.load(extra_ptr + row * stride_e + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
-        s = s.to(tl.float32)
-    return s
+from rimuru.kernels.norm_rope import partial_row, residual_norm_store
 
 
 @triton.jit
@@ -59,8 +47,8 @@ def combine_kernel(a_ptr, extra_ptr, out_ptr, n_cols, stride_a, stride_ak, strid
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     dt = out_ptr.dtype.element_ty
-    s = _partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
-                     BLOCK)
+    s = partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
+                    BLOCK)
     tl.store(out_ptr + row * stride_o + offs, s.to(dt), mask=mask)
 
 
@@ -73,8 +61,8 @@ def one_shot_add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     dt = h_out_ptr.dtype.element_ty
-    s = _partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
-                     BLOCK)
+    s = partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
+                    BLOCK)
     tl.store(peer_recv_ptr + row * n_cols + offs, s.to(dt), mask=mask)  # pushed over NVLink
     tl.debug_barrier()  # every thread's stores precede the release below (cumulative at system scope)
     while tl.atomic_cas(peer_flag_ptr + row, 0, 1, sem="release", scope="sys") != 0:
@@ -83,15 +71,9 @@ def one_shot_add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_
         pass
     tl.debug_barrier()  # every thread's loads below follow the acquire
     p = tl.load(my_recv_ptr + row * n_cols + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
-    total = (s + p).to(dt).to(tl.float32)
-    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-    h = (h + total).to(dt)
-    tl.store(h_out_ptr + row * stride_ho + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    r = tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
-    normed = (hf * r).to(dt)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(dt), mask=mask)
+    total = (s + p).to(dt).to(tl.float32)  # what an all-reduce of the two partials returns
+    residual_norm_store(h_ptr, total, w_ptr, h_out_ptr, out_ptr, row, offs, mask, stride_h, stride_ho, stride_o, n_cols,
+                        eps, dt)
 
 
 def _rows(addend: torch.Tensor, d: int) -> torch.Tensor:
@@ -163,8 +145,8 @@ def lamport_add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_p
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     dt = h_out_ptr.dtype.element_ty
-    s = _partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
-                     BLOCK)
+    s = partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
+                    BLOCK)
     s = tl.where(s == 0.0, 0.0, s)  # -0.0 -> +0.0: never the empty value
     tl.store(peer_recv_ptr + row * n_cols + offs, s.to(dt), mask=mask)
     empty = _empty_row(dt, BLOCK)
@@ -173,15 +155,9 @@ def lamport_add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_p
         p = tl.load(my_recv_ptr + row * n_cols + offs, mask=mask, other=1.0, volatile=True)
     tl.store(my_recv_ptr + row * n_cols + offs, empty, mask=mask)  # empty again for the call after next
     p = tl.where(mask, p.to(tl.float32), 0.0)  # lanes past the row were read as 1.0 (never empty): out of the sum
-    total = (s + p).to(dt).to(tl.float32)
-    h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
-    h = (h + total).to(dt)
-    tl.store(h_out_ptr + row * stride_ho + offs, h, mask=mask)
-    hf = h.to(tl.float32)
-    r = tl.rsqrt(tl.sum(hf * hf, 0) / n_cols + eps)
-    normed = (hf * r).to(dt)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + offs, (w.to(tl.float32) * normed.to(tl.float32)).to(dt), mask=mask)
+    total = (s + p).to(dt).to(tl.float32)  # what an all-reduce of the two partials returns
+    residual_norm_store(h_ptr, total, w_ptr, h_out_ptr, out_ptr, row, offs, mask, stride_h, stride_ho, stride_o, n_cols,
+                        eps, dt)
 
 
 @triton.jit

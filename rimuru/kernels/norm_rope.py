@@ -322,6 +322,18 @@ def add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_ptr, n_co
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     dt = h_out_ptr.dtype.element_ty
+    s = partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt, NUM_ADDENDS, HAS_EXTRA,
+                    BLOCK)
+    residual_norm_store(h_ptr, s, w_ptr, h_out_ptr, out_ptr, row, offs, mask, stride_h, stride_ho, stride_o, n_cols,
+                        eps, dt)
+
+
+@triton.jit
+def partial_row(a_ptr, extra_ptr, row, offs, mask, stride_a, stride_ak, stride_e, dt: tl.constexpr,
+                NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr):
+    """A sub-layer's output row: the ``NUM_ADDENDS`` rows ``a + j * stride_ak`` summed in fp32, rounded to ``dt``;
+    ``+ extra`` rounded (returned in fp32). Shared with the fused all-reduce (rimuru/kernels/allreduce_norm.py), where
+    it is one rank's partial row."""
     s = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(NUM_ADDENDS):
         s += tl.load(a_ptr + row * stride_a + j * stride_ak + offs, mask=mask, other=0.0).to(tl.float32)
@@ -329,6 +341,14 @@ def add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_ptr, n_co
     if HAS_EXTRA:
         s = (s + tl.load(extra_ptr + row * stride_e + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
         s = s.to(tl.float32)
+    return s
+
+
+@triton.jit
+def residual_norm_store(h_ptr, s, w_ptr, h_out_ptr, out_ptr, row, offs, mask, stride_h, stride_ho, stride_o, n_cols,
+                        eps, dt: tl.constexpr):
+    """``h_out = h + s`` rounded to ``dt`` and ``out = w * rms_norm(h_out)`` for one row (``s``: fp32 holding
+    ``dt``-rounded values) — the epilogue of ``add_rms_norm`` and of the fused all-reduce kernels."""
     h = tl.load(h_ptr + row * stride_h + offs, mask=mask, other=0.0).to(tl.float32)
     h = (h + s).to(dt)
     tl.store(h_out_ptr + row * stride_ho + offs, h, mask=mask)
