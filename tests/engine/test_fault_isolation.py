@@ -7,18 +7,14 @@ from rimuru.engine.llm import LLM
 from rimuru.engine.sampler import sample
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.timeline import Timeline
-from tests.engine.tiny import tight_budget
+from tests.engine.tiny import tight_budget, write_tiny
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from rimuru.models.checkpoint import write_synthetic_checkpoint
-
-    out = tmp_path_factory.mktemp("ckpt") / "tiny-qwen3-moe"
-    write_synthetic_checkpoint("tiny-qwen3-moe", out, seed=0, dtype=torch.float32)
-    return out
+    return write_tiny(tmp_path_factory, "tiny-qwen3-moe")
 
 
 def engine(model_dir, **options):

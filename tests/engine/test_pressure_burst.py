@@ -1,15 +1,13 @@
 """A smaller version of the 1,000-request burst (rimuru.bench.pressure): nothing lost, greedy unchanged,
 every page back."""
 
-import torch
 
 from rimuru.bench.pressure import pressure_burst
+from tests.engine.tiny import write_tiny
 
 
-def test_burst_under_shrink_and_preemption_loses_nothing(tmp_path):
-    from rimuru.models.checkpoint import write_synthetic_checkpoint
-
-    model = write_synthetic_checkpoint("tiny-qwen3-moe", tmp_path / "tiny", seed=0, dtype=torch.float32)
+def test_burst_under_shrink_and_preemption_loses_nothing(tmp_path_factory):
+    model = write_tiny(tmp_path_factory, "tiny-qwen3-moe")
     r = pressure_burst(model, 40, max_tokens=6)
     assert r["finished"] == 40 and r["lost"] == 0 and r["failed"] == 0, r
     assert r["greedy_mismatches"] == 0, r
