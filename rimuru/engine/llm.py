@@ -36,6 +36,7 @@ from rimuru.distributed.replica import (
     RecordingKVCacheManager,
     state_digest,
 )
+from rimuru.distributed.sharding import check_shardable
 from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.cuda_graphs import DecodeGraphs, decode_graphs_allowed, graph_max_batch
@@ -116,6 +117,9 @@ class LLM:
                 torch.cuda.set_device(device)
             if shard.rank == 0:
                 source = model if isinstance(model, SyntheticCheckpoint) else str(model)
+                # a size the model cannot be split into fails here, before any worker process is started
+                check_shardable(ModelSpec.from_pretrained(model.config if isinstance(model, SyntheticCheckpoint)
+                                                          else source), shard)
                 self.tp_group = TensorParallelGroup(shard.world, source, options, device, config.tp_timeout_s)
             else:
                 init_process_group("nccl" if device.type == "cuda" else "gloo", tp_port, shard.rank, shard.world,

@@ -197,9 +197,14 @@ def test_hung_worker_times_out_naming_the_rank(model_dir):
             os.kill(worker.pid, signal.SIGKILL)
 
 
-def test_bad_sizes_are_clear_errors(model_dir, tmp_path):
+def test_bad_sizes_are_clear_errors(model_dir, tmp_path, monkeypatch):
     if model_dir.name != "tiny-qwen3-moe":
         pytest.skip("one model is enough")
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("worker processes started for a size the model cannot be split into")
+
+    monkeypatch.setattr("rimuru.engine.llm.TensorParallelGroup", no_workers)  # checked before anything starts
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide"):
         LLM(model_dir, **BASE, gpu_memory_budget="400MiB", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
