@@ -37,7 +37,13 @@ import torch
 import triton
 import triton.language as tl
 
-from rimuru.kernels.norm_rope import partial_row, residual_norm_store
+from rimuru.kernels.norm_rope import (
+    addend_rows,
+    launch_residual_norm,
+    partial_row,
+    residual_norm_store,
+    row_warps,
+)
 
 
 @triton.jit
@@ -76,16 +82,6 @@ def one_shot_add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_
                         eps, dt)
 
 
-def _rows(addend: torch.Tensor, d: int) -> torch.Tensor:
-    """``addend`` as ``[T, k, d]`` with unit stride along d (k = 1 for a sub-layer's output)."""
-    a = addend if addend.dim() == 3 else addend.view(addend.shape[0], 1, d)
-    return a if a.stride(2) == 1 else a.contiguous()
-
-
-def _warps(d: int) -> int:
-    return 4 if d <= 1024 else 8
-
-
 def combine_partial(addend: torch.Tensor, extra: torch.Tensor | None = None,
                     triton_kernel: bool | None = None) -> torch.Tensor:
     """A rank's partial sum ``[T, d]``: ``addend`` (``[T, d]``, or ``[T, k, d]`` summed in fp32 and rounded) plus
@@ -99,13 +95,13 @@ def combine_partial(addend: torch.Tensor, extra: torch.Tensor | None = None,
         s = addend if addend.dim() == 2 else addend.sum(dim=1, dtype=torch.float32).to(addend.dtype)
         return s if extra is None else s + extra
     T, d = addend.shape[0], addend.shape[-1]
-    a = _rows(addend, d)
+    a = addend_rows(addend, d)
     out = torch.empty(T, d, dtype=addend.dtype, device=addend.device)
     if T:
         e = extra if extra is not None else out
         combine_kernel[(T,)](a, e, out, d, a.stride(0), a.stride(1), e.stride(0), out.stride(0),
                              NUM_ADDENDS=a.shape[1], HAS_EXTRA=extra is not None, BLOCK=triton.next_power_of_2(d),
-                             num_warps=_warps(d))
+                             num_warps=row_warps(d))
     return out
 
 
@@ -117,18 +113,8 @@ def one_shot_add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.T
     ``peer_recv`` / ``my_recv``: this call's half of the peer's / this rank's receive buffer, at least ``T * d``
     elements of h's dtype (row-major ``[T, d]``); ``peer_flags`` / ``my_flags``: int32, at least ``T``, 0 between
     calls (the flags handshake leaves them so). Returns ``(h_new, normed)``."""
-    T, d = h.shape
-    a = _rows(addend, d)
-    if h.stride(1) != 1:
-        h = h.contiguous()
-    h_out, out = torch.empty_like(h), torch.empty_like(h)
-    if T:
-        e = extra if extra is not None else h
-        one_shot_add_rms_norm_kernel[(T,)](
-            h, a, e, weight, h_out, out, peer_recv, my_recv, peer_flags, my_flags, d, h.stride(0), a.stride(0),
-            a.stride(1), e.stride(0), h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1],
-            HAS_EXTRA=extra is not None, BLOCK=triton.next_power_of_2(d), num_warps=_warps(d))
-    return h_out, out
+    return launch_residual_norm(one_shot_add_rms_norm_kernel, h, addend, weight, eps, extra, peer_recv, my_recv,
+                                peer_flags, my_flags)
 
 
 # ---------------------------------------------------------------------------------------------- flag-free variant
@@ -187,15 +173,4 @@ def lamport_add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.Te
     """:func:`one_shot_add_rms_norm` with the flag-free exchange (:func:`lamport_add_rms_norm_kernel`):
     ``peer_recv`` / ``my_recv`` this call's half of the receive buffers (bf16 or fp32), empty
     (:func:`empty_value_fill`) where no row is pending."""
-    T, d = h.shape
-    a = _rows(addend, d)
-    if h.stride(1) != 1:
-        h = h.contiguous()
-    h_out, out = torch.empty_like(h), torch.empty_like(h)
-    if T:
-        e = extra if extra is not None else h
-        lamport_add_rms_norm_kernel[(T,)](
-            h, a, e, weight, h_out, out, peer_recv, my_recv, d, h.stride(0), a.stride(0), a.stride(1), e.stride(0),
-            h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1], HAS_EXTRA=extra is not None,
-            BLOCK=triton.next_power_of_2(d), num_warps=_warps(d))
-    return h_out, out
+    return launch_residual_norm(lamport_add_rms_norm_kernel, h, addend, weight, eps, extra, peer_recv, my_recv)

@@ -379,16 +379,33 @@ def add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, ep
             s = s + extra
         h = h + s
         return h, rms_norm(h, weight, eps)
+    return launch_residual_norm(add_rms_norm_kernel, h, addend, weight, eps, extra)
+
+
+def addend_rows(addend: torch.Tensor, d: int) -> torch.Tensor:
+    """``addend`` as ``[T, k, d]`` with unit stride along d (k = 1 for a sub-layer's output)."""
+    a = addend if addend.dim() == 3 else addend.view(addend.shape[0], 1, d)
+    return a if a.stride(2) == 1 else a.contiguous()
+
+
+def row_warps(d: int) -> int:
+    """Warps of a one-row-per-program kernel over ``d`` columns."""
+    return 4 if d <= 1024 else 8
+
+
+def launch_residual_norm(kernel, h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float,
+                         extra: torch.Tensor | None, *exchange) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch a residual add + RMSNorm kernel, one program per row: ``add_rms_norm_kernel``, or a fused all-reduce
+    kernel (rimuru/kernels/allreduce_norm.py) whose ``exchange`` buffers come between ``out`` and ``n_cols``. Returns
+    ``(h_new, normed)``."""
     T, d = h.shape
-    a = addend if addend.dim() == 3 else addend.view(T, 1, d)
-    if a.stride(2) != 1 or h.stride(1) != 1:
-        a, h = a.contiguous(), h.contiguous()
-    h_out = torch.empty_like(h)
-    out = torch.empty_like(h)
+    a = addend_rows(addend, d)
+    if h.stride(1) != 1:
+        h = h.contiguous()
+    h_out, out = torch.empty_like(h), torch.empty_like(h)
     if T:
         e = extra if extra is not None else h
-        add_rms_norm_kernel[(T,)](h, a, e, weight, h_out, out, d, h.stride(0), a.stride(0), a.stride(1), e.stride(0),
-                                  h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1],
-                                  HAS_EXTRA=extra is not None, BLOCK=triton.next_power_of_2(d),
-                                  num_warps=4 if d <= 1024 else 8)
+        kernel[(T,)](h, a, e, weight, h_out, out, *exchange, d, h.stride(0), a.stride(0), a.stride(1), e.stride(0),
+                     h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1], HAS_EXTRA=extra is not None,
+                     BLOCK=triton.next_power_of_2(d), num_warps=row_warps(d))
     return h_out, out
