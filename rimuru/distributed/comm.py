@@ -159,17 +159,24 @@ class TorchDistributed:
 
             raise TensorParallelError(f"tensor-parallel rank(s) {self.dead_ranks} died: no collective can complete")
 
+    def _timed(self, call, on_cuda: bool):
+        """``call()``, between two CUDA events when timing is on (the per-step all-reduce time): its result and the
+        events (None when untimed)."""
+        if not (self.timing and on_cuda):
+            return call(), None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = call()
+        end.record()
+        return out, (start, end)
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         self._check_alive()
-        if self.timing and t.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t = self.backend.all_reduce(t)
-            end.record()
-            self._events.append((start, end))
-            return t
-        return self.backend.all_reduce(t)
+        t, events = self._timed(lambda: self.backend.all_reduce(t), t.is_cuda)
+        if events is not None:
+            self._events.append(events)
+        return t
 
     def reduce_add_rms_norm(self, h, addend, weight, eps, extra=None):
         """The backend's fused launch where it has one (``symm_mem_fused``; timed as an all-reduce, the add + norm
@@ -178,18 +185,13 @@ class TorchDistributed:
         from rimuru.kernels.norm_rope import add_rms_norm
 
         self._check_alive()
-        timed = self.timing and h.is_cuda
-        if timed:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        fused = self.backend.add_rms_norm(h, addend, weight, eps, extra)
-        if timed and fused is not None:
-            end.record()
-            self._events.append((start, end))
-        if fused is not None:
-            self.calls += 1
-            return fused
-        return add_rms_norm(h, self.all_reduce(combine_partial(addend, extra)), weight, eps)
+        fused, events = self._timed(lambda: self.backend.add_rms_norm(h, addend, weight, eps, extra), h.is_cuda)
+        if fused is None:
+            return add_rms_norm(h, self.all_reduce(combine_partial(addend, extra)), weight, eps)
+        if events is not None:
+            self._events.append(events)
+        self.calls += 1
+        return fused
 
     def min_int(self, value: int) -> int:
         import torch.distributed as dist
