@@ -256,8 +256,8 @@ class SymmMemFusedAllReduce(SymmMemAllReduce):
     flag per row."""
 
     def __init__(self, ctx: AllReduceContext, fallback: AllReduceBackend, max_bytes: int = SYMM_MEM_MAX_BYTES) -> None:
-        if ctx.world != 2:
-            raise AllReduceUnavailable(f"symm_mem_fused is written for 2 ranks, not {ctx.world}")
+        if (why := _not_two_ranks(ctx)) is not None:
+            raise AllReduceUnavailable(why)
         super().__init__(ctx, fallback, max_bytes=max_bytes)
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -372,11 +372,13 @@ def symm_mem_unavailable(ctx: AllReduceContext) -> str | None:
     return None
 
 
+def _not_two_ranks(ctx: AllReduceContext) -> str | None:
+    return None if ctx.world == 2 else f"symm_mem_fused is written for 2 ranks, not {ctx.world}"
+
+
 def fused_unavailable(ctx: AllReduceContext) -> str | None:
     """Why ``symm_mem_fused`` cannot run on this rank (None: it can): ``symm_mem``'s reasons, and 2 ranks."""
-    if ctx.world != 2:
-        return f"symm_mem_fused is written for 2 ranks, not {ctx.world}"
-    return symm_mem_unavailable(ctx)
+    return _not_two_ranks(ctx) or symm_mem_unavailable(ctx)
 
 
 @dataclass(frozen=True)
@@ -402,10 +404,8 @@ ALL_REDUCE_BACKENDS: dict[str, BackendEntry] = {
     "symm_mem": BackendEntry(symm_mem_unavailable, lambda ctx, group: SymmMemAllReduce(ctx, group)),
     "symm_mem_two_shot": BackendEntry(symm_mem_unavailable,
                                       lambda ctx, group: SymmMemAllReduce(ctx, group, two_shot=True)),
-    "symm_mem_fused": BackendEntry(lambda ctx: fused_unavailable(ctx),
-                                   lambda ctx, group: SymmMemFusedAllReduce(ctx, group)),
-    "symm_mem_lamport": BackendEntry(lambda ctx: fused_unavailable(ctx),
-                                     lambda ctx, group: SymmMemLamportAllReduce(ctx, group)),
+    "symm_mem_fused": BackendEntry(fused_unavailable, lambda ctx, group: SymmMemFusedAllReduce(ctx, group)),
+    "symm_mem_lamport": BackendEntry(fused_unavailable, lambda ctx, group: SymmMemLamportAllReduce(ctx, group)),
 }
 
 
