@@ -213,9 +213,13 @@ class TorchDistributed:
 
 
 def time_all_reduces(comm: TorchDistributed, rows: int, cols: int, dtype: torch.dtype, calls: int, iters: int,
-                     backend: str | None = None) -> float:
+                     backend: str | None = None, sublayer: bool = False) -> float:
     """Milliseconds for ``calls`` all-reduces of a ``[rows, cols]`` tensor — what one decode step of a model with
     ``calls`` all-reduces spends in them when no rank waits for another. Every rank calls this at once.
+    ``sublayer``: ``calls`` whole sub-layer ends instead (``reduce_add_rms_norm``: the all-reduce with the residual
+    add and the next RMSNorm, one launch where the backend fuses them, the composed launches elsewhere) — how the
+    model calls the backend, and the only way to time a fused backend's own exchange (its plain ``all_reduce`` is
+    ``symm_mem``'s).
 
     On a GPU the ``calls`` all-reduces are captured in one CUDA graph (as in a graphed decode step) and the graph
     is replayed ``iters`` times back to back after a synchronising all-reduce, so a rank's late start is paid
@@ -225,28 +229,36 @@ def time_all_reduces(comm: TorchDistributed, rows: int, cols: int, dtype: torch.
     if backend:
         comm.use_all_reduce(backend, dtype)  # built now on every rank if it was not (they all run this at once)
     try:
-        return _time_all_reduces(comm, rows, cols, dtype, calls, iters)
+        return _time_all_reduces(comm, rows, cols, dtype, calls, iters, sublayer)
     finally:
         comm.backend = in_use
 
 
 def _time_all_reduces(comm: TorchDistributed, rows: int, cols: int, dtype: torch.dtype, calls: int,
-                      iters: int) -> float:
+                      iters: int, sublayer: bool) -> float:
     device = comm.device
     t = torch.ones(rows, cols, dtype=dtype, device=device)
+    if sublayer:  # the residual, this rank's partial and the norm's weight: the same tensors every call
+        h, w = torch.ones_like(t), torch.ones(cols, dtype=dtype, device=device)
+
+        def call() -> None:
+            comm.reduce_add_rms_norm(h, t, w, 1e-6)
+    else:
+        def call() -> None:
+            comm.all_reduce(t)
     if device.type != "cuda":
         start = time.perf_counter()
         for _ in range(iters * calls):
-            comm.all_reduce(t)
+            call()
         return (time.perf_counter() - start) * 1e3 / iters
     for _ in range(calls):  # eager once: the communicator is set up outside the capture
-        comm.all_reduce(t)
+        call()
     torch.cuda.synchronize(device)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
         for _ in range(calls):
-            comm.all_reduce(t)
+            call()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph.replay()
     comm.all_reduce(torch.ones(1, device=device))  # every rank here: the timed replays start together

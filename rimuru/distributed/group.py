@@ -280,21 +280,23 @@ class TensorParallelGroup:
             raise self.fail(exc) from exc
 
     def bench_all_reduce(self, comm, rows: int, cols: int, dtype: torch.dtype, calls: int, iters: int,
-                         backend: str | None = None) -> dict:
+                         backend: str | None = None, sublayer: bool = False) -> dict:
         """Time ``calls`` all-reduces of ``[rows, cols]`` on every rank at once (rimuru.distributed.comm.
         time_all_reduces: one CUDA graph replayed back to back on GPUs) through ``backend`` (one already built on
-        every rank; None: the one in use); rank 0's result with every rank's."""
+        every rank; None: the one in use); ``sublayer``: whole sub-layer ends (all-reduce + add + RMSNorm) instead;
+        rank 0's result with every rank's."""
         from rimuru.distributed.comm import time_all_reduces
 
         name = backend or comm.backend.name
-        self.send(("bench_all_reduce", rows, cols, dtype, calls, iters, name))
+        self.send(("bench_all_reduce", rows, cols, dtype, calls, iters, name, sublayer))
         try:
-            mine = time_all_reduces(comm, rows, cols, dtype, calls, iters, name)
+            mine = time_all_reduces(comm, rows, cols, dtype, calls, iters, name, sublayer)
         except Exception as exc:  # noqa: BLE001
             raise self.fail(exc) from exc
         others = [ms for (ms,) in self.gather("benched")]
         return {"rows": rows, "cols": cols, "dtype": str(dtype).removeprefix("torch."), "calls": calls,
-                "iters": iters, "all_reduce": name, "ms_per_group": mine, "ms_per_group_by_rank": [mine, *others]}
+                "iters": iters, "all_reduce": name, "sublayer": sublayer, "ms_per_group": mine,
+                "ms_per_group_by_rank": [mine, *others]}
 
     def use_all_reduce(self, llm, name: str) -> None:
         """Every rank switches its all-reduce to backend ``name`` and recaptures its decode graphs with it (an A/B

@@ -276,7 +276,9 @@ def test_engine_reports_its_all_reduce_on_gloo(tmp_path):
         assert [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
         llm.tp_group.use_all_reduce(llm, "gloo")  # every rank switches (and would re-capture graphs), in lockstep
         ar = llm.tp_group.bench_all_reduce(llm.comm, 2, llm.spec.hidden_size, torch.float32, 2, 1, backend="gloo")
-        assert ar["all_reduce"] == "gloo" and len(ar["ms_per_group_by_rank"]) == 2
+        assert ar["all_reduce"] == "gloo" and len(ar["ms_per_group_by_rank"]) == 2 and not ar["sublayer"]
+        sub = llm.tp_group.bench_all_reduce(llm.comm, 2, llm.spec.hidden_size, torch.float32, 2, 1, sublayer=True)
+        assert sub["sublayer"] and all(ms > 0 for ms in sub["ms_per_group_by_rank"])  # whole sub-layer ends, both ranks
         with pytest.raises(ValueError, match="needs GPUs"):
             llm.comm.use_all_reduce("symm_mem", torch.float32)  # a local, clear error: no collective entered
         assert [o.output_token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected

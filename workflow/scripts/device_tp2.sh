@@ -13,7 +13,8 @@
 # Usage on the device: RIMURU_COMMIT=<sha> bash workflow/scripts/device_tp2.sh   (BUDGET_S: stop starting parts;
 # DEVICE=cpu: a dry run of the kill checks with gloo, no decode A/B; SKIP_STEP=1: no decode A/B; CHECKS: the kill
 # checks as all_reduce:policy words, '' for none; PY: the interpreter; FUSED=0: no step 0; FUSED_CHECK=0: step 0's
-# kernel test only; FIRST: the TP engine's first all-reduce (nccl); AB: the A/B's other all-reduces; SKIP_TP1=1: no
+# kernel test only; FUSED_CHECKS: the fused backends step 0 checks on an engine (symm_mem_fused); FIRST: the TP
+# engine's first all-reduce (nccl; nccl again if step 0 left it out); AB: the A/B's other all-reduces; SKIP_TP1=1: no
 # TP=1 engine (the A/B among the TP all-reduces); BATCHES, PROFILE, MOE_SWEEP: e2e_tp_gpu.py's lists)
 set -u
 DEVICE=${DEVICE:-cuda}
@@ -50,17 +51,27 @@ kill_check() {  # $1 all_reduce, $2 policy: one check in its own session under i
 }
 
 AB=${AB-symm_mem,symm_mem_fused}
+without() { echo "$AB" | tr ',' '\n' | grep -vx "$1" | paste -sd, -; }  # AB less the names matching $1
 if [ "$DEVICE" = cuda ] && [ "${FUSED:-1}" = 1 ]; then
   echo "[$(( $(date +%s) - START ))s] fused kernel test on one GPU (timeout 60 s)" | tee -a "$OUT/driver.log"
   timeout 60 $PY -m pytest -q -p no:cacheprovider tests/kernels/test_allreduce_norm.py > "$OUT/fused_kernel_test.log" 2>&1
   rc=$?
   echo "[$(( $(date +%s) - START ))s] fused kernel test rc=$rc" | tee -a "$OUT/driver.log"
-  ok=0
-  if [ $rc = 0 ] && { [ "${FUSED_CHECK:-1}" = 0 ] || { kill_check symm_mem_fused static \
-     && grep -q '"greedy_identical": true' "$OUT/kill_symm_mem_fused_static/checks.json" 2>/dev/null; }; }; then ok=1; fi
-  if [ $ok = 0 ]; then
-    AB=$(echo "$AB" | tr ',' '\n' | grep -v '^symm_mem_\(fused\|lamport\)$' | paste -sd, -)
-    echo "symm_mem_fused/lamport left out of the decode A/B (kernel test or engine check failed)" | tee -a "$OUT/driver.log"
+  if [ $rc != 0 ]; then
+    AB=$(without 'symm_mem_\(fused\|lamport\)')
+    case "${FIRST:-nccl}" in symm_mem_fused|symm_mem_lamport) FIRST=nccl ;; esac
+    echo "symm_mem_fused/lamport left out of the decode A/B (kernel test failed)" | tee -a "$OUT/driver.log"
+  elif [ "${FUSED_CHECK:-1}" != 0 ]; then
+    # FUSED_CHECKS: the fused backends whose engine check (fp32 greedy vs TP=1, integrity, a killed rank) runs
+    # before the A/B; one that fails it (or hangs: its own timeout) is left out of the A/B
+    for name in ${FUSED_CHECKS:-symm_mem_fused}; do
+      if ! { kill_check "$name" static \
+             && grep -q '"greedy_identical": true' "$OUT/kill_${name}_static/checks.json" 2>/dev/null; }; then
+        AB=$(without "$name")
+        [ "${FIRST:-nccl}" = "$name" ] && FIRST=nccl
+        echo "$name left out of the decode A/B (engine check failed)" | tee -a "$OUT/driver.log"
+      fi
+    done
   fi
 fi
 

@@ -369,16 +369,22 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
         # the all-reduces of one step alone, each backend, at the decode buckets and a sweep of sizes
         names = [first] + [n for n in others if n != first]
         buckets = many.graphs.buckets if many.graphs else ()
-        rows = sorted({next((x for x in buckets if x >= b), b) for b in batches} | set(args.ar_rows))
+        batches_rows = {next((x for x in buckets if x >= b), b) for b in batches}
+        rows = sorted(batches_rows | set(args.ar_rows))
+        # (sublayer: the whole sub-layer end as the model calls it — all-reduce + residual add + RMSNorm, one launch
+        # with a fused backend — at the decode buckets: the fused backends' own exchange is timed only so)
         for name in names:
             for r in rows:
-                ar = many.tp_group.bench_all_reduce(many.comm, r, full.hidden_size, common["dtype"],
-                                                    2 * args.static_layers, args.ar_iters, backend=name)
-                floor = allreduce_floor_ms(many.spec, r, tp, gbps)
-                ar_rows.append({**ar, "us_per_call": ar["ms_per_group"] * 1e3 / ar["calls"], "floor_ms": floor,
-                                "link": link, "model": label, **prov})
-                log(f"all-reduces of one step alone ({name}, {r} rows): {ar['ms_per_group']:.3f} ms "
-                    f"({ar_rows[-1]['us_per_call']:.1f} us/call), floor {floor:.3f} ms")
+                for sub in (False, True) if r in batches_rows or r == 1 else (False,):
+                    ar = many.tp_group.bench_all_reduce(many.comm, r, full.hidden_size, common["dtype"],
+                                                        2 * args.static_layers, args.ar_iters, backend=name,
+                                                        sublayer=sub)
+                    floor = allreduce_floor_ms(many.spec, r, tp, gbps)
+                    ar_rows.append({**ar, "us_per_call": ar["ms_per_group"] * 1e3 / ar["calls"], "floor_ms": floor,
+                                    "link": link, "model": label, **prov})
+                    what = "sub-layer ends" if sub else "all-reduces"
+                    log(f"{what} of one step alone ({name}, {r} rows): {ar['ms_per_group']:.3f} ms "
+                        f"({ar_rows[-1]['us_per_call']:.1f} us/call), floor {floor:.3f} ms")
             pd.DataFrame(ar_rows).to_csv(out / "all_reduce.csv", index=False)
 
         # the variants: (label, engine, all-reduce or None, async scheduling); async on and off for each engine
