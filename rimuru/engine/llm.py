@@ -740,6 +740,7 @@ class LLM:
         from rimuru.kernels.norm_rope import add_rms_norm, warmup_routing
 
         warmup_routing(experts, spec.hidden_size, k, spec.norm_topk_prob, dtype, dev)
+        self.model.warmup_projections()  # the few-row projection kernel (``gemv`` lever) at each row-block height
         h = torch.randn(2, spec.hidden_size, device=dev, dtype=dtype)
         norm = torch.ones(spec.hidden_size, device=dev, dtype=dtype)
         for addend in (h, torch.randn(2, k, spec.hidden_size, device=dev, dtype=dtype)):

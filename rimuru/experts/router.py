@@ -19,11 +19,14 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk
     if hidden.is_cuda:
         from rimuru.kernels import variants
         from rimuru.kernels.norm_rope import fused_router, router_topk, topk_softmax
+        from rimuru.kernels.small_linear import linear
 
         if fused_router(hidden.shape[0], variants.on("router_fused")):  # the gate GEMV and the routing: one launch
             return router_topk(hidden, gate, top_k, norm_topk_prob, row_valid)
-        # softmax, top-k, renormalisation, the id cast and the padding rule in one launch after the GEMM
-        return topk_softmax(F.linear(hidden, gate), top_k, norm_topk_prob, row_valid)
+        # softmax, top-k, renormalisation, the id cast and the padding rule in one launch after the GEMM (the
+        # ``gemv`` lever: a Triton matrix-vector product for a few rows instead of cuBLAS)
+        logits = linear(hidden, gate, None, False, variants.on("gemv"))
+        return topk_softmax(logits, top_k, norm_topk_prob, row_valid)
     logits = F.linear(hidden, gate)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
     weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]

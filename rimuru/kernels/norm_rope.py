@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from rimuru.kernels import sync, variants
+from rimuru.kernels.pdl import gdc_launch_dependents, pdl_launch
 from rimuru.kernels.sync import last_to_arrive, reset
 
 
@@ -310,14 +311,17 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
 @triton.jit
 def add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_ptr, n_cols, stride_h, stride_a, stride_ak,
                         stride_e, stride_ho, stride_o, eps, NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """One row per program: the residual update and the next RMSNorm in one pass.
+                        BLOCK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False):
+    """One row per program: the residual update and the next RMSNorm in one pass. ``LAUNCH_DEPENDENTS`` (the ``pdl``
+    lever): a programmatic dependent launched after this kernel (the next projection) may start at once.
 
     ``s = sum_j a[row, j]`` in fp32 over the ``NUM_ADDENDS`` rows ``a + j * stride_ak`` (the routed experts' weighted
     outputs of a token; 1: a plain sub-layer output), rounded to h's dtype; ``+ extra`` (a shared expert) rounded;
     ``h_out = h + s`` rounded; ``out = w * (h_out * rsqrt(mean(h_out^2) + eps)).to(dtype)`` — each rounding where
     the torch chain (sum, cast, add, add, rms_norm) rounds.
     """
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -379,7 +383,8 @@ def add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, ep
             s = s + extra
         h = h + s
         return h, rms_norm(h, weight, eps)
-    return launch_residual_norm(add_rms_norm_kernel, h, addend, weight, eps, extra)
+    return launch_residual_norm(add_rms_norm_kernel, h, addend, weight, eps, extra,
+                                launch_dependents=pdl_launch(variants.on("pdl"), h.device))
 
 
 def addend_rows(addend: torch.Tensor, d: int) -> torch.Tensor:
@@ -394,7 +399,8 @@ def row_warps(d: int) -> int:
 
 
 def launch_residual_norm(kernel, h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float,
-                         extra: torch.Tensor | None, *exchange) -> tuple[torch.Tensor, torch.Tensor]:
+                         extra: torch.Tensor | None, *exchange,
+                         launch_dependents: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch a residual add + RMSNorm kernel, one program per row: ``add_rms_norm_kernel``, or a fused all-reduce
     kernel (rimuru/kernels/allreduce_norm.py) whose ``exchange`` buffers come between ``out`` and ``n_cols``. Returns
     ``(h_new, normed)``."""
@@ -407,5 +413,6 @@ def launch_residual_norm(kernel, h: torch.Tensor, addend: torch.Tensor, weight: 
         e = extra if extra is not None else h
         kernel[(T,)](h, a, e, weight, h_out, out, *exchange, d, h.stride(0), a.stride(0), a.stride(1), e.stride(0),
                      h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1], HAS_EXTRA=extra is not None,
-                     BLOCK=triton.next_power_of_2(d), num_warps=row_warps(d))
+                     BLOCK=triton.next_power_of_2(d), num_warps=row_warps(d),
+                     **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}))
     return h_out, out

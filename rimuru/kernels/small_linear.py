@@ -1,5 +1,13 @@
 """``x @ W^T (+ b)`` for a few rows (decode at batch 1-16): one Triton launch, no split-K reduction.
 
+Two kernels: :func:`small_m_linear` (the ``small_gemm`` lever: ``tl.dot`` over 16-row tiles, measured slower than
+cuBLAS) and :func:`gemv` (the ``gemv`` lever, at most ``GEMV_MAX_ROWS`` rows): a matrix-vector product without
+tensor cores, each program owning ``BLOCK_N`` whole rows of ``W`` (all of ``K`` loaded at once, ~16 KB a program,
+so every weight byte is in flight from the start and enough programs fill every SM), each output row an fp32 sum
+of elementwise products rounded once. With the ``pdl`` lever it is launched as a programmatic dependent of the
+kernel before it (Hopper's programmatic dependent launch, kept by CUDA graphs): its weight loads are issued while
+that kernel still runs, and only the activation loads wait for it (``gdc_wait``).
+
 At one to a few rows a projection is a matrix-vector product bound by reading ``W``; cuBLAS picks split-K for
 the attention output projection at batch 1 (a GEMM plus a ``splitKreduce`` launch: 7.0 + 1.7 us per layer on the
 H200 for a 16 MB weight whose read takes 3.9 us, results/reference/engine/profile/main_3966996/). Here each
@@ -18,6 +26,7 @@ import triton.language as tl
 
 from rimuru.kernels import variants
 from rimuru.kernels.fused_moe import _dot_k_loop
+from rimuru.kernels.pdl import gdc_wait, launch_kwargs, pdl_launch
 
 SMALL_M_MAX_ROWS = 16  # one dot tile of rows
 BLOCK_N = 16
@@ -70,10 +79,94 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool) -> torch.Tensor:
-    """A decode step's projection: :func:`small_m_linear` for a few rows (``enabled``: Triton kernels and the
-    ``small_gemm`` lever), ``F.linear`` otherwise."""
+GEMV_MAX_ROWS = 4  # above, cuBLAS (or small_m_linear): the gemv re-reads its weight tile once per row
+GEMV_MAX_K = 8192  # a program holds all of K: BLOCK_K = next_power_of_2(K)
+GEMV_TILE = 8192  # weight elements per program (16 KB in bf16)
+GEMV_MIN_PROGRAMS = 264  # two programs per SM of an H200 at least, else fewer rows per program
+
+
+@triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["M"])
+def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out, HAS_BIAS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """Program n: ``out[m, n BLOCK_N : (n+1) BLOCK_N] = x[m] . w[n BLOCK_N ...]`` for every row ``m < M <= BLOCK_M``
+    over the whole ``K <= BLOCK_K``: fp32 products summed by ``tl.sum``, rounded to out's dtype. Each row's sums are
+    computed alike whatever ``M`` is (one row at a time), so rows do not depend on the batch. With ``PDL`` the weight
+    tile is loaded before waiting for the kernel this one depends on (``x`` is read after the wait)."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_valid = offs_n < N
+    k_valid = offs_k < K
+    offs_wn = offs_n % N  # wrap instead of masking rows; the store masks
+    w = tl.load(w_ptr + offs_wn[:, None].to(tl.int64) * stride_w + offs_k[None, :], mask=k_valid[None, :], other=0.0,
+                eviction_policy="evict_first").to(tl.float32)  # [BLOCK_N, BLOCK_K], read once
+    if HAS_BIAS:
+        b = tl.load(b_ptr + offs_wn).to(tl.float32)
+    if PDL:
+        gdc_wait()
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            x = tl.load(x_ptr + m * stride_x + offs_k, mask=k_valid, other=0.0).to(tl.float32)
+            acc = tl.sum(w * x[None, :], 1)
+            if HAS_BIAS:
+                acc += b
+            tl.store(out_ptr + m * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_valid)
+
+
+def gemv_blocks(n: int, k: int) -> tuple[int, int]:
+    """``(BLOCK_N, BLOCK_K)`` of :func:`gemv` for a weight ``[n, k]``: all of K per program, ``GEMV_TILE`` weight
+    elements per program, fewer rows per program while that would leave fewer than ``GEMV_MIN_PROGRAMS``."""
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, GEMV_TILE // block_k)
+    while block_n > 1 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
+        block_n //= 2
+    return block_n, block_k
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gemv` computes ``F.linear(x, weight)``: ``x [1..GEMV_MAX_ROWS, K]`` and ``weight [N, K]`` of one
+    dtype, rows contiguous, ``K <= GEMV_MAX_K``."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[1]
+            and x.shape[1] <= GEMV_MAX_K and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [M <= GEMV_MAX_ROWS, K]`` (Triton, no tensor cores). ``pdl``: launched
+    as a programmatic dependent of the previous kernel (the ``pdl`` lever; a no-op where unsupported)."""
+    if not gemv_fits(x, weight) or (bias is not None and bias.shape != (weight.shape[0],)):
+        raise ValueError(f"gemv wants x [1..{GEMV_MAX_ROWS}, K <= {GEMV_MAX_K}] and weight [N, K] of one dtype with "
+                         f"contiguous rows (bias [N]), got x {tuple(x.shape)} {x.dtype} and weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+    M, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_n, block_k = gemv_blocks(N, K)
+    pdl = pdl_launch(pdl, x.device)
+    gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, weight, weight if bias is None else bias, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
+        num_warps=4, **launch_kwargs(pdl))
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool,
+           gemv_on: bool = False) -> torch.Tensor:
+    """A decode step's projection: :func:`gemv` for at most ``GEMV_MAX_ROWS`` rows (``gemv_on``: Triton kernels and
+    the ``gemv`` lever), :func:`small_m_linear` for a few rows (``enabled``: Triton kernels and the ``small_gemm``
+    lever), ``F.linear`` otherwise."""
+    if gemv_on and gemv_fits(x, weight):
+        return gemv(x, weight, bias, pdl=variants.on("pdl"))
     if enabled and x.dim() == 2 and small_m(x.shape[0], True) and weight.dtype == x.dtype \
             and x.stride(1) == 1 and weight.stride(1) == 1:
         return small_m_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def warmup_gemv(weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Compile :func:`gemv` for each ``(weight, bias)`` at every row-block height it can launch (1, 2, 4 rows), as
+    :func:`linear` launches it now (the ``pdl`` lever's launch is a separate variant)."""
+    for weight, bias in weights:
+        for rows in (1, 2, 4):
+            x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            if gemv_fits(x, weight):
+                gemv(x, weight, bias, pdl=variants.on("pdl"))

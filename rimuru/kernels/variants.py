@@ -11,7 +11,13 @@ measured faster on the H200; ``all``: every one):
   ``write_kv``);
 * ``router_fused``: the router GEMV and the top-k softmax in one launch for small batches;
 * ``small_gemm``: the attention's qkv and output projections of a few rows through a Triton kernel without
-  split-K (cuBLAS launches a GEMM and a split-K reduction for the output projection at batch 1).
+  split-K (cuBLAS launches a GEMM and a split-K reduction for the output projection at batch 1);
+* ``gemv`` (wave 7): the attention's qkv and output projections and the router's logits of at most 4 rows through a
+  Triton matrix-vector kernel (``rimuru/kernels/small_linear.py``: whole-K rows per program, no tensor cores, no
+  split-K), instead of cuBLAS;
+* ``pdl`` (wave 7, with ``gemv``): those projections launched as programmatic dependents (``rimuru/kernels/pdl.py``):
+  their weight loads start while the kernel before them (``add_rms_norm``, the attention's merge) still runs, which
+  signals its dependents at its start.
 
 CUDA graphs keep the levers that were on when they were captured (``workflow/scripts/profile_decode_gpu.py
 --ab`` captures one graph per variant and replays them alternately). The default comes from
@@ -27,7 +33,7 @@ from contextlib import contextmanager
 
 import torch
 
-LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm")
+LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl")
 # The levers that measured faster (H200, 48 layers, results/reference/engine/run_2445415_48L/ab_*): the others
 # made their kernels slower than what they replace and are off unless asked for (``all`` or by name).
 FAST = ("direct_moe", "qkv_fused")
@@ -36,17 +42,22 @@ VARIANTS = ("fast", "baseline", "all")
 
 def parse(spec: str) -> frozenset[str]:
     """``fast`` (the levers that measured faster), ``all`` (every lever), ``baseline`` (none) or levers separated
-    by commas."""
+    by commas, ``fast`` among them standing for its levers (``fast,gemv,pdl``)."""
     if spec == "fast":
         return frozenset(FAST)
     if spec == "all":
         return frozenset(LEVERS)
     if spec in ("baseline", ""):
         return frozenset()
-    levers = frozenset(s.strip() for s in spec.split(","))
+    levers = set()
+    for s in spec.split(","):  # "fast" inside a list: the fast levers plus the others named
+        s = s.strip()
+        levers |= set(FAST) if s == "fast" else {s}
+    levers = frozenset(levers)
     unknown = sorted(levers - set(LEVERS))
     if unknown:
-        raise ValueError(f"unknown kernel lever(s) {unknown}: use fast, baseline, all or a list of {', '.join(LEVERS)}")
+        raise ValueError(f"unknown kernel lever(s) {unknown}: use fast, baseline, all or a list of fast and "
+                         f"{', '.join(LEVERS)}")
     return levers
 
 

@@ -181,7 +181,8 @@ class Attention:
         num_tokens = hidden_states.shape[0]
         triton_kernels = self.impl == "triton" or (self.impl == "auto" and hidden_states.is_cuda)
         small = triton_kernels and variants.on("small_gemm")
-        qkv = linear(hidden_states, self.qkv_weight, self.qkv_bias, small)
+        gemv = triton_kernels and variants.on("gemv")
+        qkv = linear(hidden_states, self.qkv_weight, self.qkv_bias, small, gemv)
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, c.num_heads, c.head_dim)
         k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
@@ -210,4 +211,4 @@ class Attention:
             write_kv(k, v, kv_view, meta.slot_mapping, impl=self.impl)
         attn = paged_attention(q, kv_view, meta.block_tables, meta.cu_query_lens, meta.seq_lens, c.scale,
                                impl=self.impl, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
-        return linear(attn.reshape(num_tokens, c.num_heads * c.head_dim), self.o_proj, self.o_bias, small)
+        return linear(attn.reshape(num_tokens, c.num_heads * c.head_dim), self.o_proj, self.o_bias, small, gemv)

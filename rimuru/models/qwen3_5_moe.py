@@ -191,6 +191,10 @@ class Qwen35MoeModel(QwenMoeModel):
         self.routing_counts = None
         self._reduce = comm.all_reduce if comm.world_size > 1 else _identity
 
+    def decode_projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Only the router takes the few-row kernel here (the mixers' projections are ``F.linear``)."""
+        return [(self.moe[0].gate_weight, None)] if self.moe else []
+
     @torch.inference_mode()
     def warmup_states(self, ssm: torch.Tensor, conv: torch.Tensor, ssm_page: int, conv_row: int) -> None:
         """Compile every GDN kernel variant a run launches (decode, fla's chunked prefill and its autotuning, the

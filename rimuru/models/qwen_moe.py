@@ -71,6 +71,20 @@ class QwenMoeModel:
         mlp = None if moe is not None else tuple(w[f"{p}.mlp.{n}_proj.weight"] for n in ("gate", "up", "down"))
         return _LayerWeights(w[f"{p}.input_layernorm.weight"], w[f"{p}.post_attention_layernorm.weight"], moe, mlp)
 
+    def decode_projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``(weight, bias)`` of each projection shape a decode step may run through the few-row kernel (the ``gemv``
+        lever): the attention's qkv and output projections and the router (every layer has the same shapes)."""
+        a = self.attn[0]
+        return [(a.qkv_weight, a.qkv_bias), (a.o_proj, a.o_bias)] + [(self.moe[0].gate_weight, None)] * bool(self.moe)
+
+    def warmup_projections(self) -> None:
+        """Compile the few-row projection kernel for :meth:`decode_projections` (when the ``gemv`` lever is on)."""
+        from rimuru.kernels import variants
+        from rimuru.kernels.small_linear import warmup_gemv
+
+        if variants.on("gemv"):
+            warmup_gemv(self.decode_projections())
+
     def record_routing(self) -> None:
         self.routing_counts = torch.zeros(len(self.spec.moe_layers), self.spec.num_experts, dtype=torch.int64)
 

@@ -4,7 +4,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rimuru.kernels.small_linear import SMALL_M_MAX_ROWS, small_m, small_m_linear
+from rimuru.kernels.pdl import launch_kwargs, pdl_launch
+from rimuru.kernels.small_linear import (
+    GEMV_MAX_K,
+    GEMV_MAX_ROWS,
+    GEMV_MIN_PROGRAMS,
+    GEMV_TILE,
+    SMALL_M_MAX_ROWS,
+    gemv,
+    gemv_blocks,
+    linear,
+    small_m,
+    small_m_linear,
+)
 from tests.markers import needs_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,3 +47,141 @@ def test_small_m_takes_only_a_few_rows_when_enabled():
     assert not small_m(SMALL_M_MAX_ROWS + 1, True) and not small_m(0, True) and not small_m(4, False)
     with pytest.raises(ValueError, match="small_m_linear wants"):
         small_m_linear(torch.zeros(SMALL_M_MAX_ROWS + 1, 8), torch.zeros(4, 8))
+
+
+# ------------------------------------------------------------------------------------- gemv (the ``gemv`` lever)
+@needs_triton
+@pytest.mark.parametrize("M,N,K,bias", [(1, 40, 512, False), (3, 33, 300, True), (4, 128, 2048, False),
+                                        (2, 700, 64, True)])
+def test_gemv_matches_f_linear(M, N, K, bias):
+    gen = torch.Generator().manual_seed(M * N + K)
+    x = torch.randn(M, K, generator=gen).to(DEVICE)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEVICE)
+    b = torch.randn(N, generator=gen).to(DEVICE) if bias else None
+    got = gemv(x, w, b)
+    assert got.shape == (M, N) and got.dtype == x.dtype
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_gemv_bf16_sums_in_fp32_and_rounds_once():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 256, generator=gen).to(torch.bfloat16).to(DEVICE)
+    w = (torch.randn(48, 256, generator=gen) / 16).to(torch.bfloat16).to(DEVICE)
+    b = torch.randn(48, generator=gen).to(torch.bfloat16).to(DEVICE)
+    want = (x.float() @ w.float().T + b.float()).to(torch.bfloat16)
+    got = gemv(x, w, b)
+    assert got.dtype == torch.bfloat16
+    # fp32 sums in another order than the reference's: at most one bf16 step apart
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@needs_triton
+def test_gemv_rows_do_not_depend_on_the_batch():
+    """A padded graph batch (4 rows) and the eager batch (1-3 rows) give each request the same bits."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 320, generator=gen).to(DEVICE)
+    w = torch.randn(24, 320, generator=gen).to(DEVICE)
+    full = gemv(x, w)
+    for rows in (1, 2, 3):
+        assert torch.equal(gemv(x[:rows], w), full[:rows])
+
+
+def test_gemv_blocks_fill_the_machine_within_one_tile():
+    for n, k in ((5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (40, 300)):
+        block_n, block_k = gemv_blocks(n, k)
+        assert block_k >= k and block_k & (block_k - 1) == 0
+        assert block_n * block_k <= max(GEMV_TILE, block_k)
+        assert block_n == 1 or -(-n // block_n) >= GEMV_MIN_PROGRAMS
+    assert gemv_blocks(5120, 2048) == (4, 2048)  # qkv at Qwen3-30B-A3B: 1,280 programs of 16 KB
+    assert gemv_blocks(128, 2048) == (1, 2048)  # the router: one expert's row per program
+
+
+def test_gemv_rejects_what_it_cannot_compute():
+    with pytest.raises(ValueError, match="gemv wants"):
+        gemv(torch.zeros(GEMV_MAX_ROWS + 1, 8), torch.zeros(4, 8))
+    with pytest.raises(ValueError, match="gemv wants"):
+        gemv(torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="gemv wants"):
+        gemv(torch.zeros(1, GEMV_MAX_K + 1), torch.zeros(4, GEMV_MAX_K + 1))
+    with pytest.raises(ValueError, match="gemv wants"):
+        gemv(torch.zeros(1, 8), torch.zeros(4, 8), torch.zeros(5))
+
+
+@needs_triton
+def test_linear_takes_gemv_for_a_few_rows_only_when_on():
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(20, 64, generator=gen).to(DEVICE)
+    few, many = torch.randn(GEMV_MAX_ROWS, 64, generator=gen).to(DEVICE), torch.randn(6, 64, generator=gen).to(DEVICE)
+    assert torch.equal(linear(few, w, None, False, True), gemv(few, w))
+    assert torch.equal(linear(few, w, None, False, False), F.linear(few, w))
+    assert torch.equal(linear(many, w, None, False, True), F.linear(many, w))
+
+
+def test_pdl_is_off_under_the_interpreter_and_off_the_gpu():
+    assert not pdl_launch(True, torch.device("cpu"))
+    assert not pdl_launch(False, torch.device("cuda", 0))
+    assert launch_kwargs(False) == {} and launch_kwargs(True) == {"launch_pdl": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gemv_in_a_cuda_graph_reads_the_norm_it_follows(pdl):
+    """The decode chain add_rms_norm -> projection captured in a graph, the projection launched as a programmatic
+    dependent (``pdl``): replayed on new inputs it reads the norm's output of that replay (its ``gdc_wait``), at the
+    Qwen3-30B-A3B shapes (qkv [5120, 2048], o [2048, 4096], router [128, 2048]), against F.linear."""
+    from rimuru.kernels import variants
+    from rimuru.kernels.norm_rope import add_rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    d = 2048
+    weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k**0.5
+               for n, k in ((5120, d), (2048, 4096), (128, d))]
+    norm = torch.rand(d, generator=gen, device="cuda", dtype=torch.bfloat16) + 0.5
+    with variants.use("fast,gemv,pdl" if pdl else "fast,gemv"):
+        for rows in (1, 4):
+            h = torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            a = torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            wide = torch.randn(rows, 4096, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+            def step(h=h, a=a, wide=wide):
+                _, x = add_rms_norm(h, a, norm, 1e-6)
+                return [linear(x, weights[0], None, False, True), linear(wide, weights[1], None, False, True),
+                        linear(x, weights[2], None, False, True)], x
+
+            step()  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs, x = step()
+            for _ in range(3):  # new inputs each replay: a stale read of the norm's output would show
+                h.copy_(torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16))
+                a.copy_(torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16))
+                wide.copy_(torch.randn(rows, 4096, generator=gen, device="cuda", dtype=torch.bfloat16))
+                graph.replay()
+                torch.cuda.synchronize()
+                _, x_eager = add_rms_norm(h, a, norm, 1e-6)
+                assert torch.equal(x, x_eager)
+                for out, w, inp in zip(outs, weights, (x_eager, wide, x_eager)):
+                    torch.testing.assert_close(out.float(), F.linear(inp, w).float(), rtol=2 ** -7, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_router_logits_through_gemv_route_like_cublas():
+    """``route`` with the ``gemv`` lever (the router's logits by the few-row kernel) picks the experts cuBLAS's logits
+    pick, in fp32 (no near-ties), at Qwen3-30B-A3B's router shape, with and without a padding mask."""
+    from rimuru.experts.router import route
+    from rimuru.kernels import variants
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    hidden = torch.randn(4, 2048, generator=gen, device="cuda")
+    gate = torch.randn(128, 2048, generator=gen, device="cuda") / 45
+    for valid in (None, torch.tensor([[True], [True], [False], [True]], device="cuda")):
+        with variants.use("fast"):
+            w0, ids0 = route(hidden, gate, 8, True, valid)
+        with variants.use("fast,gemv"):
+            w1, ids1 = route(hidden, gate, 8, True, valid)
+        assert torch.equal(ids0, ids1)
+        torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)

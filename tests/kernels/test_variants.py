@@ -10,6 +10,7 @@ def test_named_variants_and_lever_lists():
     assert variants.parse("all") == frozenset(variants.LEVERS)
     assert variants.parse("fast") == frozenset(variants.FAST) < frozenset(variants.LEVERS)
     assert variants.parse("merge, qkv_fused") == {"merge", "qkv_fused"}
+    assert variants.parse("fast,gemv,pdl") == frozenset(variants.FAST) | {"gemv", "pdl"}  # "fast" in a list
 
 
 def test_unknown_levers_are_named_in_the_error():

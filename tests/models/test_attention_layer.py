@@ -143,12 +143,14 @@ SCHEDULE = [
 
 @pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton),
                                   pytest.param("triton-baseline", marks=needs_triton),
-                                  pytest.param("triton-all", marks=needs_triton)])
+                                  pytest.param("triton-all", marks=needs_triton),
+                                  pytest.param("triton-gemv", marks=needs_triton)])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
 def test_prefill_then_decode_matches_transformers_attention(kind, impl):
     """``triton``: the default kernels (fused q/k norm + RoPE + KV write); ``triton-all``: also few-row projections
-    and the in-kernel split merge; ``triton-baseline``: the wave-4 kernels (rimuru.kernels.variants)."""
-    variant = {"triton-baseline": "baseline", "triton-all": "all"}.get(impl, "fast")
+    and the in-kernel split merge; ``triton-baseline``: the wave-4 kernels; ``triton-gemv``: the default kernels and
+    the matrix-vector projections of decode steps of <= 4 rows (rimuru.kernels.variants)."""
+    variant = {"triton-baseline": "baseline", "triton-all": "all", "triton-gemv": "fast,gemv,pdl"}.get(impl, "fast")
     with variants.use(variant):
         _prefill_then_decode(kind, impl.split("-")[0])
 

@@ -2,6 +2,7 @@
 # One device call for the engine-speed work (issue 11): GPU tests, then decode-floor, profile and e2e measurements.
 # Steps are chosen with env vars so that one script serves every call:
 #   TESTS=1              pytest -m gpu over the whole suite (every helper's GPU tests)
+#   KERNEL_TESTS="paths" pytest without a marker filter first (kernel tests run on CUDA when it is there)
 #   FLOOR_LAYERS="4 48"  decode_floor_gpu.py per layer count (FLOOR_POLICIES_<n>, FLOOR_BATCHES)
 #   PROFILE=1            profile_decode_gpu.py at 48 layers (per-kernel-class time vs floor)
 #   AB="fast;baseline"   profile_decode_gpu.py --ab: kernel variants (rimuru/kernels/variants.py) A/B'd on the same
@@ -36,6 +37,11 @@ gpu_tests() {
     ${TEST_PATHS:-tests} 2>&1 | grep -v Warning > "$RES/pytest_gpu.log"
   tail -6 "$RES/pytest_gpu.log"
 }
+if [ -n "${KERNEL_TESTS:-}" ]; then
+  timeout -s INT -k 10 "${KERNEL_TEST_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider $KERNEL_TESTS 2>&1 \
+    | grep -v Warning > "$RES/pytest_kernels_cuda.log"
+  tail -4 "$RES/pytest_kernels_cuda.log"
+fi
 # TESTS_LAST=1: the measurements first, so that a slow test cannot cost them
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && gpu_tests
 if [ -n "${AB:-}" ]; then

@@ -178,9 +178,10 @@ def moe_sweep(llm: LLM, tokens: list[int], replays: int = 5, shard: int = 1) -> 
     return rows
 
 
-def capture_variant(graphs, bucket: int, variant: str) -> torch.cuda.CUDAGraph:
+def capture_variant(graphs, bucket: int, variant: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """The bucket's decode graph captured with ``variant``'s kernels (rimuru.kernels.variants) over the engine's
-    persistent buffers and the last step's inputs: one eager pass (compiles that variant), then the capture."""
+    persistent buffers and the last step's inputs: one eager pass (compiles that variant), then the capture.
+    Returns the graph and its logits."""
     with variants.use(variant):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -189,10 +190,30 @@ def capture_variant(graphs, bucket: int, variant: str) -> torch.cuda.CUDAGraph:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=graphs._pool, stream=stream):
-                graphs._forward(bucket)
+                logits = graphs._forward(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-    return graph
+    return graph, logits
+
+
+def check_outputs(graphs: dict, b: int) -> list[dict]:
+    """Each variant's logits of the same step (one replay each) against the first variant's: the share of the
+    ``b`` real rows whose greedy token agrees and the largest absolute logit difference (kernels that sum in
+    another order differ in the last bits; a kernel that read a stale input would not agree)."""
+    outs = {}
+    for v, (graph, logits) in graphs.items():
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[v] = logits[:b].float().clone()
+    ref_name = next(iter(outs))
+    ref = outs[ref_name]
+    rows = []
+    for v, got in outs.items():
+        rows.append({"batch": b, "variant": v, "against": ref_name,
+                     "argmax_agree": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+                     "max_abs_diff": float((got - ref).abs().max()), "ref_abs_max": float(ref.abs().max())})
+        print("AB check", json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def kernel_times(graph: torch.cuda.CUDAGraph, n: int = 5) -> dict[str, list[float]]:
@@ -209,13 +230,17 @@ def kernel_times(graph: torch.cuda.CUDAGraph, n: int = 5) -> dict[str, list[floa
     return per_kernel
 
 
-def ab_variants(llm: LLM, b: int, names: list[str], rounds: int, replays: int) -> tuple[list[dict], list[dict]]:
+def ab_variants(llm: LLM, b: int, names: list[str], rounds: int,
+                replays: int) -> tuple[list[dict], list[dict], list[dict]]:
     """A/B of kernel variants on one batch's graph: each variant's graph captured over the same inputs, then
     ``rounds`` ABBA rounds (A B B A ...) of ``replays`` back-to-back replays each, timed by CUDA events (the first
-    round's first block per variant is a discarded warm-up); per-kernel device times of each variant's graph."""
+    round's first block per variant is a discarded warm-up); per-kernel device times of each variant's graph, and
+    each variant's logits against the first variant's (:func:`check_outputs`)."""
     bucket = min(k for k in llm.graphs.graphs if k >= b)
     graphs = {v: capture_variant(llm.graphs, bucket, v) for v in names}
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    checks = check_outputs(graphs, b)
+    graphs = {v: g for v, (g, _) in graphs.items()}
     for v in names:  # warm-up, discarded
         for _ in range(3):
             graphs[v].replay()
@@ -240,7 +265,7 @@ def ab_variants(llm: LLM, b: int, names: list[str], rounds: int, replays: int) -
                             "calls_per_step": len(ts) / 5, "us_per_step": sum(ts) / 5,
                             "us_per_call": float(np.median(ts))})
     del graphs
-    return rows, kernels
+    return rows, kernels, checks
 
 
 def main() -> None:
@@ -286,6 +311,7 @@ def main() -> None:
     kernel_rows, summary = [], []
     ab_rows: list[dict] = []
     ab_kernels: list[dict] = []
+    ab_checks: list[dict] = []
     for b in batches:
         for i in range(b):
             llm.add_request(f"b{b}-{i}", rng.integers(0, spec.vocab_size, args.prompt_len).tolist(),
@@ -296,9 +322,10 @@ def main() -> None:
         for _ in range(5):
             llm.step()
         if args.ab:
-            rows, kernels = ab_variants(llm, b, args.ab.split(";"), args.ab_rounds, args.ab_replays)
+            rows, kernels, checks = ab_variants(llm, b, args.ab.split(";"), args.ab_rounds, args.ab_replays)
             ab_rows += rows
             ab_kernels += kernels
+            ab_checks += checks
             frame = pd.DataFrame(rows)
             for v, g in frame.groupby("variant", sort=False):
                 print(f"AB batch {b} {v}: replay median {g['replay_ms'].median():.3f} ms "
@@ -377,6 +404,7 @@ def main() -> None:
     if ab_rows:
         pd.DataFrame(ab_rows).assign(**prov).to_csv(out / "ab_replays.csv", index=False)
         pd.DataFrame(ab_kernels).assign(**prov).to_csv(out / "ab_kernels.csv", index=False)
+        pd.DataFrame(ab_checks).assign(**prov).to_csv(out / "ab_checks.csv", index=False)
         summary_ab = (pd.DataFrame(ab_rows).groupby(["batch", "variant"], sort=False)["replay_ms"]
                       .agg(["median", "min", "max", "count"]).reset_index())
         summary_ab.assign(**prov).to_csv(out / "ab_summary.csv", index=False)
