@@ -43,6 +43,9 @@ class EngineConfig:
     # same model (e.g. more calibration prompts) for a run served with a hotset of few prompts
     modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
     # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
+    prefetch_before_graphs: bool = False  # an eager step's end-of-step prefetch also runs when the next step is
+    # expected to replay a decode graph, which reads misses in place and never the buffer (the engine before this
+    # switch: every measured run up to d9f9d41/2268456; the modeled fidelity of those runs)
     tensor_parallel_size: int = 1  # ranks (one process and one device each; modeled: one process) the layers are
     # sharded over; the budget is per rank
     tp_timeout_s: float = 300.0  # a rank silent this long in a collective ends the engine

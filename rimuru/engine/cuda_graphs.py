@@ -54,6 +54,16 @@ def replays_graph(out: SchedulerOutput, max_batch: int, max_model_len: int) -> b
         c.num_tokens == 1 and c.samples and not c.prompt_scored and c.start < max_model_len for c in out.chunks)
 
 
+def next_step_replays(out: SchedulerOutput, max_batch: int) -> bool:
+    """Whether the step after ``out`` is expected to replay a decode graph (and so read its misses in place): nothing
+    waits to be admitted, every chunk of ``out`` reaches its request's end (its prompt is done: the next step decodes
+    it) without prompt scoring, and there are at most ``max_batch`` of them (requests finishing meanwhile only make
+    the batch smaller; one arriving meanwhile makes the guess wrong). ``PagedExperts`` skips its end-of-step prefetch
+    then: a graph never reads the loading buffers. The torch and modeled engines both ask."""
+    return out.waiting == 0 and 0 < len(out.chunks) <= max_batch and all(
+        c.samples and not c.prompt_scored for c in out.chunks)
+
+
 def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """Captured batch sizes: the standard buckets up to ``max_num_seqs``, which is always one of them."""
     return tuple(b for b in BUCKETS if b < max_num_seqs) + (max_num_seqs,)

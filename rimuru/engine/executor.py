@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from rimuru.engine.cuda_graphs import DecodeGraphs, PinnedUpload, decode_rows
+from rimuru.engine.cuda_graphs import DecodeGraphs, PinnedUpload, decode_rows, next_step_replays
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.provider import ExpertProvider
@@ -183,5 +183,7 @@ class TorchExecutor:
             self.graph_steps += 1
             return self.graphs.run(out)
         self.eager_steps += 1
+        # a decode graph after this step reads its misses in place: no end-of-step prefetch for it
+        self.experts.expect_next_step(self.launches_decode and next_step_replays(out, self.graphs.bmax))
         input_ids, meta, sample_at = self.prepare(out)
         return self.model.forward(input_ids, meta, self.kv_view, self.expert_view, self.experts, sample_at)

@@ -204,7 +204,8 @@ class MemoryPolicy:
         spec = ckpt.spec
         gates = [ckpt.dense[f"model.layers.{layer}.mlp.gate.weight"] for layer in spec.moe_layers]
         return PagedExperts(cache, loader, gates, spec.top_k, spec.norm_topk_prob,
-                            prefetch=self.config.prefetch == "predict")
+                            prefetch=self.config.prefetch == "predict",
+                            prefetch_before_graphs=self.config.prefetch_before_graphs)
 
     # ------------------------------------------------------------------ step hooks
     def begin_step(self) -> None:

@@ -65,6 +65,7 @@ class SchedulerOutput:
     chunks: tuple[ScheduledChunk, ...]
     kv_short_l2: int  # R_b: L2 pages the scheduler lacked this step
     preempted: tuple[str, ...]
+    waiting: int = 0  # requests still queued after this step's admission (the next step admits them: a prefill)
 
     @property
     def num_tokens(self) -> int:
@@ -205,7 +206,8 @@ class Scheduler:
         self.peak_concurrency = max(self.peak_concurrency, len(self.running))
         if chunks:
             self.forward_steps += 1
-        return SchedulerOutput(tuple(chunks), self.kv.l2_pages_for(max(0, short_kv_pages)), tuple(preempted))
+        return SchedulerOutput(tuple(chunks), self.kv.l2_pages_for(max(0, short_kv_pages)), tuple(preempted),
+                               len(self.waiting))
 
     def _unmet_demand(self, budget: int, running: int) -> int:
         """KV pages the waiting requests that this step's token budget would admit lack (the waiting part of R_b)."""

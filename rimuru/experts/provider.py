@@ -40,6 +40,10 @@ class ExpertProvider(Protocol):
 
     def layer_done(self, moe_layer: int) -> None: ...
 
+    def expect_next_step(self, in_place: bool) -> None:
+        """Before an eager forward: whether the step after it is expected to read its misses in place (a decode
+        graph, ``rimuru.engine.cuda_graphs.next_step_replays``), which no loading-buffer copy serves."""
+
 
 def _device_only_split(topk_weights: torch.Tensor) -> tuple[torch.Tensor, None]:
     return topk_weights, None
@@ -52,12 +56,17 @@ def touched_mask(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     return mask.index_fill_(0, topk_ids.reshape(-1).long(), True)
 
 
-def prefetch_next_step(touched: int, num_experts: int) -> bool:
+def prefetch_next_step(touched: int, num_experts: int, next_in_place: bool = False) -> bool:
     """Whether a step's first MoE layer routing predicts the next step's: when it touched at least 3/4 of the
     layer's experts (a large decode batch), the next step's tokens, one per request, touch nearly the same set, so
     its misses are copied at the end of this step, while the host finishes this step and schedules the next
-    (the PCIe link is otherwise idle there). Below that, a wrong guess would delay the next step's own loads."""
-    return 4 * touched >= 3 * num_experts
+    (the PCIe link is otherwise idle there). Below that, a wrong guess would delay the next step's own loads.
+
+    Never when the next step is expected to replay a decode graph (``next_in_place``): a graph reads its misses
+    in place over PCIe and never the loading buffer, so the copy (a large prefill's first layer: 50-60 experts,
+    ~10 ms on the H200) would only compete with the graph's own reads for the link; those steps were the flagged
+    steps after a prefill in the Poisson runs at d9f9d41 (docs/e2e.md)."""
+    return not next_in_place and 4 * touched >= 3 * num_experts
 
 
 class PagedExperts:
@@ -65,7 +74,7 @@ class PagedExperts:
     host_pages = None  # misses are loaded into buffer pages, never read in place
 
     def __init__(self, cache: ExpertCache, loader: ExpertLoader, gate_weights: list[torch.Tensor], top_k: int,
-                 norm_topk_prob: bool, prefetch: bool) -> None:
+                 norm_topk_prob: bool, prefetch: bool, prefetch_before_graphs: bool = False) -> None:
         self.cache = cache
         self.loader = loader
         self.gates = gate_weights
@@ -75,6 +84,8 @@ class PagedExperts:
         self.num_experts = cache.num_experts
         self.experts_touched = 0  # (layer, expert) pairs computed, summed over steps: HBM bytes for the floor
         self._first_touched: np.ndarray | None = None  # this step's first-layer experts: the next step's guess
+        self._next_in_place = False  # the step after this one replays a decode graph (expect_next_step)
+        self._before_graphs = prefetch_before_graphs  # prefetch even then (the engine before; EngineConfig)
 
     def layer_table(self, moe_layer: int, topk_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         nxt = moe_layer + 1
@@ -100,11 +111,14 @@ class PagedExperts:
         self.loader.layer_done(moe_layer)
         first = self._first_touched
         if (moe_layer == len(self.gates) - 1 and self.prefetch and first is not None
-                and prefetch_next_step(len(first), self.num_experts)):
+                and prefetch_next_step(len(first), self.num_experts, self._next_in_place)):
             # the last layer's compute is queued (its buffer's event recorded): the next step's first layer
             # gets this step's misses of that layer in its buffer, behind this step's loads on the copy stream
             self.loader.prefetch(0, first, self.cache.page_table[0])
             self._first_touched = None
+
+    def expect_next_step(self, in_place: bool) -> None:
+        self._next_in_place = in_place and not self._before_graphs
 
 
 class ResidentExperts:
@@ -139,6 +153,9 @@ class ResidentExperts:
         return _device_only_split(topk_weights)
 
     def layer_done(self, moe_layer: int) -> None:
+        pass
+
+    def expect_next_step(self, in_place: bool) -> None:
         pass
 
 
@@ -185,6 +202,9 @@ class CpuComputedExperts:
         return device_weights, out.to(hidden.device, hidden.dtype)
 
     def layer_done(self, moe_layer: int) -> None:
+        pass
+
+    def expect_next_step(self, in_place: bool) -> None:
         pass
 
 
@@ -282,6 +302,9 @@ class DeviceTableExperts:
         return _device_only_split(topk_weights)
 
     def layer_done(self, moe_layer: int) -> None:
+        pass
+
+    def expect_next_step(self, in_place: bool) -> None:
         pass
 
     def new_counts_buffer(self) -> torch.Tensor:

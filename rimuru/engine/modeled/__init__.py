@@ -62,5 +62,6 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
                            graph_max_batch=max_batch if graphs else None, max_model_len=llm.max_model_len,
                            async_scheduling=overlap and graphs, waiting=lambda: len(scheduler.waiting),
                            next_step_prefetch=config.modeled_next_step_prefetch,
+                           prefetch_before_graphs=config.prefetch_before_graphs,
                            kv_pages_moved=lambda: llm.kv_pages_moved)
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from rimuru.engine.clock import VirtualClock
-from rimuru.engine.cuda_graphs import replays_graph
+from rimuru.engine.cuda_graphs import next_step_replays, replays_graph
 from rimuru.engine.modeled.cost import CostModel, StepTime, StepWork
 from rimuru.engine.modeled.routing import RoutingModel
 from rimuru.engine.scheduler import SchedulerOutput
@@ -48,7 +48,7 @@ class ModeledExecutor:
                  clock: VirtualClock, *, experts_mode: str, prefetch: bool, fixed_step_ms: float | None = None,
                  graph_max_batch: int | None = None, max_model_len: int = 0, async_scheduling: bool = False,
                  waiting: Callable[[], int] = lambda: 0, next_step_prefetch: bool = True,
-                 kv_pages_moved: Callable[[], int] = lambda: 0) -> None:
+                 kv_pages_moved: Callable[[], int] = lambda: 0, prefetch_before_graphs: bool = False) -> None:
         """``experts_mode``: ``paged`` (cache + loading buffers), ``resident`` (static) or ``cpu``;
         ``graph_max_batch``: decode steps of at most this many requests replay a CUDA graph (None: none do);
         ``async_scheduling``: the engine launches a graphed decode step while the one before runs (``pipelined``);
@@ -56,7 +56,9 @@ class ModeledExecutor:
         ``kv_pages_moved``: the engine's count of KV pages compaction moved (a step after a compaction is synchronous);
         ``next_step_prefetch``: an eager paged step whose first MoE layer touched >= 3/4 of its experts copies that
         layer's misses into its buffer at the step's end for the next step (``PagedExperts.layer_done``, since
-        ``a98ef5f``; False models an engine from before)."""
+        ``a98ef5f``; False models an engine from before), but not when the next step is expected to replay a decode
+        graph (``next_step_replays``) unless ``prefetch_before_graphs`` (the engine before that rule). Copies carried
+        into a graphed step share the PCIe link with its in-place reads: their time adds to its device time."""
         if experts_mode not in ("paged", "resident", "cpu"):
             raise ValueError(f"experts_mode must be paged, resident or cpu, got {experts_mode!r}")
         if cost is None and fixed_step_ms is None:
@@ -77,6 +79,7 @@ class ModeledExecutor:
         self._moved_seen = kv_pages_moved()
         self._pipelined = False  # the step before was launched without waiting for its predecessor
         self.next_step_prefetch = next_step_prefetch and self.prefetch
+        self.prefetch_before_graphs = prefetch_before_graphs
         self._carried: np.ndarray | None = None  # [E] first-layer experts copied at the end of an eager step
         self._carried_new = 0  # of them, copied at the end of the step just before (their copy time)
         self.overlapped_steps = 0  # graphed steps whose host work hid behind the step before (async scheduling)
@@ -128,10 +131,12 @@ class ModeledExecutor:
                     misses[0] -= int((miss[0] & self._carried).sum())
                 demand, prefetched = self._split_loads(misses, resident, touched)
                 self.loader.account_loads(int(demand.sum() + prefetched.sum()))
-            carried = self._carried_new if not graphed else 0
+            carried = self._carried_new
             self._carried_new = 0
             if self.mode == "paged" and not graphed and self.next_step_prefetch:
-                self._carry_first_layer(touched[0], resident[0])
+                next_in_place = (self.graph_max_batch is not None and not self.prefetch_before_graphs
+                                 and next_step_replays(out, self.graph_max_batch))
+                self._carry_first_layer(touched[0], resident[0], next_in_place)
         self.experts_touched += int(on_device.sum())
         self._loads_seen = self.loader.experts_loaded
         if self.fixed_step_ms is not None:
@@ -147,11 +152,11 @@ class ModeledExecutor:
         self.clock.advance(step_ms / 1e3)
         return torch.zeros(samples, 1)
 
-    def _carry_first_layer(self, first: np.ndarray, resident: np.ndarray) -> None:
+    def _carry_first_layer(self, first: np.ndarray, resident: np.ndarray, next_in_place: bool = False) -> None:
         """``PagedExperts.layer_done``: after a step whose first MoE layer touched ``first`` ([E] bool), its
         non-resident experts (up to a buffer's capacity, in expert order as ``ExpertLoader.prefetch`` takes them)
         are copied for the next step when ``prefetch_next_step`` says so."""
-        if not prefetch_next_step(int(first.sum()), len(first)):
+        if not prefetch_next_step(int(first.sum()), len(first), next_in_place):
             self._carried = None
             return
         ids = np.flatnonzero(first & ~resident)[: self.loader.capacity]
