@@ -79,3 +79,17 @@ def stall_mask(frame: pd.DataFrame, factor: float = STALL_FACTOR) -> pd.Series:
     key = [(frame["prefill_tokens"] > 0).to_numpy(), frame["tokens"].map(batch_bucket).to_numpy()]
     median = frame.groupby(key)["step_ms"].transform("median")
     return frame["step_ms"] > factor * median
+
+
+def pcie_stall_mask(frame: pd.DataFrame, pcie_bytes_per_s: float, factor: float = STALL_FACTOR) -> pd.Series:
+    """Steps slower than ``factor`` x the larger of their bucket's median (``stall_mask``) and their own PCIe
+    time (``expert_bytes_loaded`` at ``pcie_bytes_per_s``). Not the issue's stall count (``stall_mask`` is): a
+    second, labelled count that does not flag a step whose own expert reads need the time it took (a one-request
+    decode step that reads 15 missed experts in place takes ~3 ms at the link's rate, 3x the bucket's ~1 ms median),
+    and still flags a step delayed by anything else (a compile, a pause, someone else's copies on the link)."""
+    if frame.empty:
+        return pd.Series([], dtype=bool)
+    key = [(frame["prefill_tokens"] > 0).to_numpy(), frame["tokens"].map(batch_bucket).to_numpy()]
+    median = frame.groupby(key)["step_ms"].transform("median")
+    own = frame["expert_bytes_loaded"] / pcie_bytes_per_s * 1e3
+    return frame["step_ms"] > factor * median.where(median > own, own)

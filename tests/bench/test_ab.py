@@ -43,6 +43,19 @@ def test_stalls_are_steps_over_three_times_their_bucket_median():
     assert stall_mask(frame).tolist() == [False, False, False, True, False, False, True]
 
 
+def test_pcie_stalls_judge_a_step_by_its_own_expert_reads_when_they_exceed_its_bucket_median():
+    import pandas as pd
+
+    from rimuru.engine.timeline import pcie_stall_mask
+
+    # one-token decode steps, 1 ms median; 1e9 B/s: a step that read 3e6 B needs 3 ms, one that read 4e6 B 4 ms
+    frame = pd.DataFrame({"step_ms": [1.0] * 5 + [3.5, 3.5, 13.0], "tokens": [1] * 8, "prefill_tokens": [0] * 8,
+                          "expert_bytes_loaded": [0] * 5 + [3e6, 0, 4e6]})
+    assert stall_mask(frame).tolist() == [False] * 5 + [True, True, True]
+    # the read-bound step is within 3x its own PCIe time, the other at 3.5 ms read nothing; 13 ms > 3 x 4 ms
+    assert pcie_stall_mask(frame, 1e9).tolist() == [False] * 5 + [False, True, True]
+
+
 def test_bench_ab_runs_each_variant_twice_in_abba_order(tmp_path, capsys):
     path, out = tmp_path / "trace.jsonl", tmp_path / "ab.json"
     write_trace(path, small_trace(2))

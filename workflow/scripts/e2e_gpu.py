@@ -39,8 +39,8 @@ from rimuru.bench.inproc import serve_trace as serve
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.reference import e2e_scaled_budget
 from rimuru.engine.sampling_params import SamplingParams
-from rimuru.engine.step_floor import decode_floor, floor_summary
-from rimuru.engine.timeline import stall_mask
+from rimuru.engine.step_floor import PCIE_BPS, decode_floor, floor_summary
+from rimuru.engine.timeline import pcie_stall_mask, stall_mask
 from rimuru.memory import CONV, KV, SSM
 from rimuru.models.spec import ModelSpec
 from rimuru.models.synthetic_memory import SyntheticCheckpoint
@@ -211,6 +211,8 @@ def main() -> None:
             "initial_cache_experts": llm.memory_report["initial_cache_experts"],
             "total_experts": llm.memory_report["total_experts"], "top32_share": round(top32, 4),
             "duration_s": duration, "repeat": repeat, "order": order, "stalls": stalls,
+            # labelled second count, not the issue's: over 3x max(bucket median, the step's own PCIe time)
+            "stalls_pcie": int(pcie_stall_mask(frame, PCIE_BPS).sum()),
             "compiles": int(frame["compiles"].sum()), "cuda_graph_steps": int(frame["cuda_graph"].sum()),
             "pages_left_after_run": left, "kv_pages_moved": llm.kv_pages_moved - moved_before,
             "gc_collections": "/".join(map(str, pauses.counts)), "gc_max_pause_ms": round(pauses.max_ms, 3),
@@ -218,7 +220,8 @@ def main() -> None:
         })
         print(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "order", "request_throughput",
                                                      "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
-                                                     "peak_concurrency", "forward_steps", "stalls", "compiles")}),
+                                                     "peak_concurrency", "forward_steps", "stalls", "stalls_pcie",
+                                                     "compiles")}),
               flush=True)
         print(json.dumps(floors[-1]), flush=True)
         pd.DataFrame(rows).to_csv(out / "e2e.csv", index=False)
