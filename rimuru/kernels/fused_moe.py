@@ -26,6 +26,7 @@ import triton.language as tl
 
 from rimuru.kernels import variants
 from rimuru.kernels.moe_align import MoeAlignment, moe_align
+from rimuru.kernels.pdl import chain, pdl_enter
 
 
 @triton.jit
@@ -83,6 +84,7 @@ def fused_moe_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, HOST_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, SINGLE: tl.constexpr, BLOCK_P: tl.constexpr,
+    PDL_WAIT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile of one expert's rows. Grid ``(max_blocks * cdiv(N, BLOCK_N),)``.
 
@@ -95,8 +97,10 @@ def fused_moe_kernel(
     ``DIRECT`` (small batches, ``num_pairs <= BLOCK_P``): no alignment; ``expert_ids`` is the flat top-k ids
     ``[num_pairs]`` and row block ``m`` is the one pair ``m`` leads (:func:`_direct_block`); grid
     ``(num_pairs * cdiv(N, BLOCK_N),)``. ``SINGLE`` (one token, whose k experts are distinct): block ``m`` is pair
-    ``m`` alone, no scan.
+    ``m`` alone, no scan. ``PDL_WAIT`` / ``LAUNCH_DEPENDENTS``: programmatic dependent launch
+    (:func:`rimuru.kernels.pdl.pdl_enter`; the ``pdl_chain`` lever), before anything else, early exits included.
     """
+    pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if DIRECT:
@@ -359,7 +363,7 @@ def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment | DirectSched
         EVEN_K=K % cfg.block_k == 0, HOST_PAGES=host is not None,
         DOT_PRECISION=variants.dot_precision(a.dtype),
         DIRECT=direct, SINGLE=direct and align.single, BLOCK_P=DIRECT_MAX_PAIRS if direct else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **chain(a.device),
     )
 
 

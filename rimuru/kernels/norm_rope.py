@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from rimuru.kernels import sync, variants
-from rimuru.kernels.pdl import gdc_launch_dependents, pdl_launch
+from rimuru.kernels.pdl import chain, pdl_enter
 from rimuru.kernels.sync import last_to_arrive, reset
 
 
@@ -79,11 +79,14 @@ def qkv_norm_rope_write_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr
                                slot_mapping_ptr, num_heads, head_dim, stride_t, stride_cos, eps,
                                stride_page, stride_kv, stride_tok, stride_head,
                                BLOCK_TOKENS: tl.constexpr, ROT: tl.constexpr, NORM: tl.constexpr,
-                               BLOCK_D: tl.constexpr):
+                               BLOCK_D: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+                               LAUNCH_DEPENDENTS: tl.constexpr = False):
     """Program (token t, head j) over the fused projection ``qkv [T, (H + 2 Hkv) D]``: q heads (``j < H``) get
     their RMSNorm + RoPE into ``q_out [T, H, D]``; KV head ``j - H`` gets k's RMSNorm + RoPE and v's copy written
     straight into the token's KV slot (``slot_mapping[t]``; negative: no write), as ``norm_rope`` for q and k and
-    then ``write_kv`` would (one launch instead of three)."""
+    then ``write_kv`` would (one launch instead of three). ``PDL_WAIT`` / ``LAUNCH_DEPENDENTS``:
+    :func:`rimuru.kernels.pdl.pdl_enter`."""
+    pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
@@ -157,7 +160,7 @@ def qkv_norm_rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
             slot_mapping, num_heads, head_dim, qkv.stride(0), cos.stride(0), eps,
             kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
             BLOCK_TOKENS=kv.shape[2], ROT=rotary_dim, NORM=q_norm is not None,
-            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2)
+            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2, **chain(qkv.device))
     return q
 
 
@@ -184,10 +187,13 @@ def _softmax_topk(x, offs, valid, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BL
 
 @triton.jit
 def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, row_valid_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr):
+                        BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr,
+                        PDL_WAIT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False):
     """One token per program: fp32 softmax over its router logits, the top ``TOP_K`` (first index on ties),
     optionally renormalised; weights fp32 and ids int32 ``[T, TOP_K]``, largest first. With ``HAS_VALID`` a row
-    whose ``row_valid`` is 0 (padding of a captured batch) takes row 0's routing."""
+    whose ``row_valid`` is 0 (padding of a captured batch) takes row 0's routing. ``PDL_WAIT`` /
+    ``LAUNCH_DEPENDENTS``: :func:`rimuru.kernels.pdl.pdl_enter`."""
+    pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     row = tl.program_id(0).to(tl.int64)
     src = row
     if HAS_VALID:
@@ -304,24 +310,24 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
         topk_softmax_kernel[(T,)](logits, weights, ids, valid, E, logits.stride(0), TOP_K=top_k,
                                   BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
                                   RENORM=renormalize, HAS_VALID=row_valid is not None,
-                                  num_warps=1 if E <= 256 else 4)
+                                  num_warps=1 if E <= 256 else 4, **chain(logits.device))
     return weights, ids
 
 
 @triton.jit
 def add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_ptr, n_cols, stride_h, stride_a, stride_ak,
                         stride_e, stride_ho, stride_o, eps, NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                        BLOCK: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False):
-    """One row per program: the residual update and the next RMSNorm in one pass. ``LAUNCH_DEPENDENTS`` (the ``pdl``
-    lever): a programmatic dependent launched after this kernel (the next projection) may start at once.
+                        BLOCK: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+                        LAUNCH_DEPENDENTS: tl.constexpr = False):
+    """One row per program: the residual update and the next RMSNorm in one pass. ``PDL_WAIT`` /
+    ``LAUNCH_DEPENDENTS``: programmatic dependent launch (:func:`rimuru.kernels.pdl.pdl_enter`; the ``pdl`` levers).
 
     ``s = sum_j a[row, j]`` in fp32 over the ``NUM_ADDENDS`` rows ``a + j * stride_ak`` (the routed experts' weighted
     outputs of a token; 1: a plain sub-layer output), rounded to h's dtype; ``+ extra`` (a shared expert) rounded;
     ``h_out = h + s`` rounded; ``out = w * (h_out * rsqrt(mean(h_out^2) + eps)).to(dtype)`` — each rounding where
     the torch chain (sum, cast, add, add, rms_norm) rounds.
     """
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -384,7 +390,7 @@ def add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, ep
         h = h + s
         return h, rms_norm(h, weight, eps)
     return launch_residual_norm(add_rms_norm_kernel, h, addend, weight, eps, extra,
-                                launch_dependents=pdl_launch(variants.on("pdl"), h.device))
+                                pdl=chain(h.device, primary=True))
 
 
 def addend_rows(addend: torch.Tensor, d: int) -> torch.Tensor:
@@ -400,7 +406,7 @@ def row_warps(d: int) -> int:
 
 def launch_residual_norm(kernel, h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float,
                          extra: torch.Tensor | None, *exchange,
-                         launch_dependents: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         pdl: dict[str, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch a residual add + RMSNorm kernel, one program per row: ``add_rms_norm_kernel``, or a fused all-reduce
     kernel (rimuru/kernels/allreduce_norm.py) whose ``exchange`` buffers come between ``out`` and ``n_cols``. Returns
     ``(h_new, normed)``."""
@@ -413,6 +419,5 @@ def launch_residual_norm(kernel, h: torch.Tensor, addend: torch.Tensor, weight: 
         e = extra if extra is not None else h
         kernel[(T,)](h, a, e, weight, h_out, out, *exchange, d, h.stride(0), a.stride(0), a.stride(1), e.stride(0),
                      h_out.stride(0), out.stride(0), eps, NUM_ADDENDS=a.shape[1], HAS_EXTRA=extra is not None,
-                     BLOCK=triton.next_power_of_2(d), num_warps=row_warps(d),
-                     **({"LAUNCH_DEPENDENTS": True} if launch_dependents else {}))
+                     BLOCK=triton.next_power_of_2(d), num_warps=row_warps(d), **(pdl or {}))
     return h_out, out

@@ -29,7 +29,7 @@ from rimuru.kernels.attention_reference import (
     prefill_attention_reference,
     write_kv_reference,
 )
-from rimuru.kernels.pdl import gdc_launch_dependents, pdl_launch
+from rimuru.kernels.pdl import chain, pdl_enter
 from rimuru.kernels.sync import last_to_arrive, reset
 
 LOG2E = 1.4426950408889634
@@ -243,7 +243,8 @@ def decode_attention_kernel(
     # meta-parameters
     GROUP: tl.constexpr, BLOCK_TOKENS: tl.constexpr, SPLIT: tl.constexpr, MERGE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """One query token per request over its KV range ``split``. Grid ``(R, Hkv, num_splits)``; each request's KV
     is cut into splits of :func:`_split_tokens` tokens (by its own ``seq_len``, not the batch's capacity).
@@ -257,11 +258,10 @@ def decode_attention_kernel(
     ``counters [R, Hkv]`` (int32, zero between launches) and the last one merges (:func:`_merge_splits`) and
     resets the counter; without ``MERGE`` :func:`decode_reduce_kernel` merges in a second launch. Splits past
     ``seq_len`` write nothing. ``min_tokens`` is a multiple of ``BLOCK_N``, so only a split's last tile needs
-    masks. ``LAUNCH_DEPENDENTS`` (the ``pdl`` lever, when this kernel writes ``out``): a programmatic dependent
-    launched after it (the output projection) may start at once.
+    masks. ``PDL_WAIT`` / ``LAUNCH_DEPENDENTS``: programmatic dependent launch (:func:`rimuru.kernels.pdl.pdl_enter`;
+    the ``pdl`` levers).
     """
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -324,16 +324,16 @@ def decode_reduce_kernel(
     head_dim, num_splits, min_tokens,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, stride_or, stride_oh,
     # meta-parameters
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr = False,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """Merge the split partials of one (request, head): softmax-weighted by their log-sum-exps. Grid ``(R, H)``.
 
     part_out: [R, H, S, D] fp32; part_lse: [R, H, S] fp32 (log2); out: [R, H, D]. Only the
     ``cdiv(seq_len, tokens_per_split)`` splits that ran are read (the decode kernel's :func:`_split_tokens`).
-    ``LAUNCH_DEPENDENTS`` as in :func:`decode_attention_kernel`.
+    ``PDL_WAIT`` / ``LAUNCH_DEPENDENTS`` as in :func:`decode_attention_kernel`.
     """
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -510,8 +510,10 @@ def decode_attention(
     qk = q if q.dtype == kv.dtype else q.to(kv.dtype)
     block_d = triton.next_power_of_2(head_dim)
     merge = variants.on("merge")  # the splits merge inside the decode kernel (no decode_reduce_kernel launch)
-    # the ``pdl`` lever: the kernel that writes ``out`` lets the next (a programmatic dependent) start at once
-    trigger = {"LAUNCH_DEPENDENTS": True} if pdl_launch(variants.on("pdl"), q.device) else {}
+    # the ``pdl`` levers: with ``pdl`` the kernel that writes ``out`` lets the next (a programmatic dependent) start
+    # at once; with ``pdl_chain`` both kernels are dependents too
+    trigger = chain(q.device, primary=True)
+    first = trigger if num_splits == 1 or merge else chain(q.device)
     if num_splits > 1:
         part_out = torch.empty(num_req, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_req, heads, num_splits, dtype=torch.float32, device=q.device)
@@ -528,7 +530,7 @@ def decode_attention(
         GROUP=group, BLOCK_TOKENS=block_tokens, SPLIT=num_splits > 1, MERGE=merge,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_S=MERGE_SPLITS,
         DOT_PRECISION=variants.dot_precision(kv.dtype), UPCAST=_upcast_dots(kv.dtype),
-        num_warps=num_warps, num_stages=num_stages, **(trigger if num_splits == 1 or merge else {}),
+        num_warps=num_warps, num_stages=num_stages, **first,
     )
     if num_splits > 1 and not merge:
         decode_reduce_kernel[(num_req, heads)](

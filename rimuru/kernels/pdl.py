@@ -14,7 +14,10 @@ from functools import cache
 
 import torch
 import triton
+import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401  (re-exported for kernels)
+
+from rimuru.kernels import variants
 
 
 def _interpreting() -> bool:
@@ -37,6 +40,25 @@ def pdl_launch(requested: bool, device: torch.device) -> bool:
     return _supported(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_kwargs(pdl: bool) -> dict[str, bool]:
-    """The launch options of a kernel launched as a programmatic dependent (none otherwise)."""
-    return {"launch_pdl": True} if pdl else {}
+@triton.jit
+def pdl_enter(WAIT: tl.constexpr, LAUNCH: tl.constexpr):
+    """A decode-chain kernel's first step: ``WAIT`` (launched as a programmatic dependent) wait for the kernel before
+    it to complete and its writes to show; ``LAUNCH`` then let the kernel after it start launching (its programs
+    wait in their own ``pdl_enter`` until this one completes). Every program of a kernel runs it before anything
+    else, early exits included, so a kernel completes only after the one it follows: ordering stays transitive."""
+    if WAIT:
+        gdc_wait()
+    if LAUNCH:
+        gdc_launch_dependents()
+
+
+def chain(device: torch.device, primary: bool = False) -> dict[str, bool]:
+    """Launch arguments of a decode-chain kernel (``PDL_WAIT``, ``LAUNCH_DEPENDENTS``, ``launch_pdl``): with the
+    ``pdl_chain`` lever every chain kernel is a programmatic dependent of the one before it and signals the one after
+    it; with only ``pdl``, a ``primary`` (a kernel before a projection) signals its dependent. None without them or
+    where :func:`pdl_launch` says no."""
+    if pdl_launch(variants.on("pdl_chain"), device):
+        return {"PDL_WAIT": True, "LAUNCH_DEPENDENTS": True, "launch_pdl": True}
+    if primary and pdl_launch(variants.on("pdl"), device):
+        return {"LAUNCH_DEPENDENTS": True}
+    return {}

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from rimuru.kernels import variants
 from rimuru.kernels.fused_moe import _dot_k_loop
-from rimuru.kernels.pdl import gdc_wait, launch_kwargs, pdl_launch
+from rimuru.kernels.pdl import chain, pdl_enter, pdl_launch
 
 SMALL_M_MAX_ROWS = 16  # one dot tile of rows
 BLOCK_N = 16
@@ -87,11 +87,13 @@ GEMV_MIN_PROGRAMS = 264  # two programs per SM of an H200 at least, else fewer r
 
 @triton.jit(do_not_specialize=["M"], do_not_specialize_on_alignment=["M"])
 def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out, HAS_BIAS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+                LAUNCH_DEPENDENTS: tl.constexpr = False):
     """Program n: ``out[m, n BLOCK_N : (n+1) BLOCK_N] = x[m] . w[n BLOCK_N ...]`` for every row ``m < M <= BLOCK_M``
     over the whole ``K <= BLOCK_K``: fp32 products summed by ``tl.sum``, rounded to out's dtype. Each row's sums are
-    computed alike whatever ``M`` is (one row at a time), so rows do not depend on the batch. With ``PDL`` the weight
-    tile is loaded before waiting for the kernel this one depends on (``x`` is read after the wait)."""
+    computed alike whatever ``M`` is (one row at a time), so rows do not depend on the batch. With ``PDL_WAIT`` the
+    weight tile is loaded before waiting for the kernel this one depends on (:func:`rimuru.kernels.pdl.pdl_enter`;
+    ``x`` is read and ``out`` written after the wait)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -102,8 +104,7 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, strid
                 eviction_policy="evict_first").to(tl.float32)  # [BLOCK_N, BLOCK_K], read once
     if HAS_BIAS:
         b = tl.load(b_ptr + offs_wn).to(tl.float32)
-    if PDL:
-        gdc_wait()
+    pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     for m in tl.static_range(BLOCK_M):
         if m < M:
             x = tl.load(x_ptr + m * stride_x + offs_k, mask=k_valid, other=0.0).to(tl.float32)
@@ -141,11 +142,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     N = weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_n, block_k = gemv_blocks(N, K)
-    pdl = pdl_launch(pdl, x.device)
+    launch = chain(x.device)  # pdl_chain: a dependent that signals the next kernel too
+    if not launch and pdl_launch(pdl, x.device):
+        launch = {"PDL_WAIT": True, "launch_pdl": True}
     gemv_kernel[(triton.cdiv(N, block_n),)](
         x, weight, weight if bias is None else bias, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl,
-        num_warps=4, **launch_kwargs(pdl))
+        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=4, **launch)
     return out
 
 

@@ -17,7 +17,11 @@ measured faster on the H200; ``all``: every one):
   split-K), instead of cuBLAS;
 * ``pdl`` (wave 7, with ``gemv``): those projections launched as programmatic dependents (``rimuru/kernels/pdl.py``):
   their weight loads start while the kernel before them (``add_rms_norm``, the attention's merge) still runs, which
-  signals its dependents at its start.
+  signals its dependents at its start;
+* ``pdl_chain`` (wave 7): every Triton kernel of a decode layer (``add_rms_norm``, the projections, q/k norm + RoPE
+  + KV write, decode attention and its merge, top-k softmax, both fused-MoE launches) launched as a programmatic
+  dependent of the one before it: it waits for it at its start and then lets the next one launch, so each launch's
+  latency hides behind the kernel before it.
 
 CUDA graphs keep the levers that were on when they were captured (``workflow/scripts/profile_decode_gpu.py
 --ab`` captures one graph per variant and replays them alternately). The default comes from
@@ -33,7 +37,7 @@ from contextlib import contextmanager
 
 import torch
 
-LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl")
+LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain")
 # The levers that measured faster (H200, 48 layers, results/reference/engine/run_2445415_48L/ab_*): the others
 # made their kernels slower than what they replace and are off unless asked for (``all`` or by name).
 FAST = ("direct_moe", "qkv_fused")

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rimuru.kernels.pdl import launch_kwargs, pdl_launch
+from rimuru.kernels import variants
+from rimuru.kernels.pdl import chain, pdl_launch
 from rimuru.kernels.small_linear import (
     GEMV_MAX_K,
     GEMV_MAX_ROWS,
@@ -121,17 +122,35 @@ def test_linear_takes_gemv_for_a_few_rows_only_when_on():
 def test_pdl_is_off_under_the_interpreter_and_off_the_gpu():
     assert not pdl_launch(True, torch.device("cpu"))
     assert not pdl_launch(False, torch.device("cuda", 0))
-    assert launch_kwargs(False) == {} and launch_kwargs(True) == {"launch_pdl": True}
+    with variants.use("fast,gemv,pdl,pdl_chain"):
+        assert chain(torch.device("cpu")) == {} and chain(torch.device("cpu"), primary=True) == {}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("pdl", [False, True])
-def test_gemv_in_a_cuda_graph_reads_the_norm_it_follows(pdl):
+def test_pdl_launch_arguments_follow_the_levers():
+    """Off: nothing; ``pdl``: only a kernel before a projection signals; ``pdl_chain``: every chain kernel waits,
+    signals and is launched as a dependent (on a GPU of compute capability >= 9.0)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    if torch.cuda.get_device_capability(dev)[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    with variants.use("fast,gemv"):
+        assert chain(dev) == {} and chain(dev, primary=True) == {}
+    with variants.use("fast,gemv,pdl"):
+        assert chain(dev) == {} and chain(dev, primary=True) == {"LAUNCH_DEPENDENTS": True}
+    with variants.use("fast,gemv,pdl,pdl_chain"):
+        full = {"PDL_WAIT": True, "LAUNCH_DEPENDENTS": True, "launch_pdl": True}
+        assert chain(dev) == full and chain(dev, primary=True) == full
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ["fast,gemv", "fast,gemv,pdl", "fast,gemv,pdl,pdl_chain"])
+def test_gemv_in_a_cuda_graph_reads_the_norm_it_follows(spec):
     """The decode chain add_rms_norm -> projection captured in a graph, the projection launched as a programmatic
-    dependent (``pdl``): replayed on new inputs it reads the norm's output of that replay (its ``gdc_wait``), at the
-    Qwen3-30B-A3B shapes (qkv [5120, 2048], o [2048, 4096], router [128, 2048]), against F.linear."""
-    from rimuru.kernels import variants
+    dependent (``pdl``; with ``pdl_chain`` the norm too): replayed on new inputs it reads the norm's output of that
+    replay (its ``gdc_wait``), at the Qwen3-30B-A3B shapes (qkv [5120, 2048], o [2048, 4096], router [128, 2048]),
+    against F.linear."""
     from rimuru.kernels.norm_rope import add_rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(11)
@@ -139,7 +158,7 @@ def test_gemv_in_a_cuda_graph_reads_the_norm_it_follows(pdl):
     weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k**0.5
                for n, k in ((5120, d), (2048, 4096), (128, d))]
     norm = torch.rand(d, generator=gen, device="cuda", dtype=torch.bfloat16) + 0.5
-    with variants.use("fast,gemv,pdl" if pdl else "fast,gemv"):
+    with variants.use(spec):
         for rows in (1, 4):
             h = torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16)
             a = torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16)
