@@ -6,7 +6,9 @@
 #   FLOOR_LAYERS="4 48"  decode_floor_gpu.py per layer count (FLOOR_POLICIES_<n>, FLOOR_BATCHES)
 #   PROFILE=1            profile_decode_gpu.py at 48 layers (per-kernel-class time vs floor)
 #   AB="fast;baseline"   profile_decode_gpu.py --ab: kernel variants (rimuru/kernels/variants.py) A/B'd on the same
-#                        48-layer graphs, ABBA rounds of replays per batch (AB_BATCHES), per-kernel times of each
+#                        48-layer graphs, ABBA rounds of replays per batch (AB_BATCHES), per-kernel times of each;
+#                        AB_ARGS="--ab-choose fast" writes the winner, which FLOOR_KERNELS=auto then measures
+#   FLOOR_KERNELS=...    RIMURU_DECODE_KERNELS of the decode-floor runs (auto: the A/B's winner, else fast)
 #   E2E_RUNS="..."       e2e_gpu.py --runs (ABBA, REPEATS each), NREQ requests, LAYERS layers (burst)
 #   POISSON_RUNS="..."   a second e2e_gpu.py call for the Poisson runs (POISSON_NREQ requests at RATE/s)
 #   BURST2_NREQ=200      the E2E_RUNS again at a second burst size
@@ -46,13 +48,19 @@ fi
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && gpu_tests
 if [ -n "${AB:-}" ]; then
   timeout "${AB_TIMEOUT:-200}" python3 workflow/scripts/profile_decode_gpu.py --ab "$AB" --ab-only \
-    --batches "${AB_BATCHES:-1,4,16,64,256}" --ab-rounds "${AB_ROUNDS:-4}" --out "$RES/ab" 2>&1 \
+    --batches "${AB_BATCHES:-1,4,16,64,256}" --ab-rounds "${AB_ROUNDS:-4}" ${AB_ARGS:-} --out "$RES/ab" 2>&1 \
     | grep -v -i warn > "$RES/ab.log"
   grep -E "^AB" "$RES/ab.log"
 fi
+if [ "${FLOOR_KERNELS:-}" = auto ]; then
+  FLOOR_KERNELS=$(cat "$RES/ab/ab_winner.txt" 2>/dev/null || echo fast)
+fi
+FLOOR_KERNELS=${FLOOR_KERNELS:-${RIMURU_DECODE_KERNELS:-fast}}
 for n in ${FLOOR_LAYERS:-}; do
   pol_var="FLOOR_POLICIES_$n"
-  timeout "${FLOOR_TIMEOUT:-300}" python3 workflow/scripts/decode_floor_gpu.py --model "$MODEL" --layers "$n" \
+  echo "floor kernels: RIMURU_DECODE_KERNELS=$FLOOR_KERNELS" | tee "$RES/floor_${n}_kernels.log"
+  RIMURU_DECODE_KERNELS=$FLOOR_KERNELS timeout "${FLOOR_TIMEOUT:-300}" python3 workflow/scripts/decode_floor_gpu.py \
+    --model "$MODEL" --layers "$n" \
     --fast-synth --policies "${!pol_var:-static}" --batches "${FLOOR_BATCHES:-1,4,16,64,256}" \
     --steps "${FLOOR_STEPS:-10}" --discard "${FLOOR_DISCARD:-3}" --device "$DEVICE" ${FLOOR_ARGS:-} \
     --out "$RES/floor_$n" 2>&1 | grep -v Warning > "$RES/floor_$n.log"
@@ -82,6 +90,8 @@ e2e() {  # name runs nreq timeout [layers repeats warm-up-requests calibration-p
 [ -n "${E2E48_RUNS:-}" ] && e2e "burst_${E2E48_NREQ:-100}_${E2E48_LAYERS:-48}L" "$E2E48_RUNS" "${E2E48_NREQ:-100}" \
   "${E2E48_TIMEOUT:-200}" "${E2E48_LAYERS:-48}" "${E2E48_REPEATS:-1}" "${E2E48_WARMUP:-4}" "${E2E48_CAL:-16}" \
   "${E2E48_ARGS:---max-output 16}"
+# TESTS_FLOOR_KERNELS=1: the last GPU tests run with the decode floor's kernels (e.g. the A/B's winner)
+[ "${TESTS_FLOOR_KERNELS:-0}" = 1 ] && export RIMURU_DECODE_KERNELS=$FLOOR_KERNELS
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && gpu_tests
 tar -C "$RES" -czf "$OUT/results.tar.gz" .
 cp "$RES"/*.log "$OUT/" 2>/dev/null

@@ -237,7 +237,13 @@ def ab_variants(llm: LLM, b: int, names: list[str], rounds: int,
     round's first block per variant is a discarded warm-up); per-kernel device times of each variant's graph, and
     each variant's logits against the first variant's (:func:`check_outputs`)."""
     bucket = min(k for k in llm.graphs.graphs if k >= b)
-    graphs = {v: capture_variant(llm.graphs, bucket, v) for v in names}
+    graphs = {}
+    for v in names:
+        try:
+            graphs[v] = capture_variant(llm.graphs, bucket, v)
+        except Exception as exc:  # a variant that does not compile or capture here is reported and left out
+            print(f"AB batch {b} {v}: capture FAILED: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    names = list(graphs)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     checks = check_outputs(graphs, b)
     graphs = {v: g for v, (g, _) in graphs.items()}
@@ -268,6 +274,25 @@ def ab_variants(llm: LLM, b: int, names: list[str], rounds: int,
     return rows, kernels, checks
 
 
+def choose_variant(summary: pd.DataFrame, checks: pd.DataFrame, reference: str, tolerance: float = 0.01) -> str:
+    """The kernel variant to measure whole steps with after an A/B: the fastest at the smallest batch among those
+    that ran at every batch, whose logits agreed with the first variant's everywhere (finite, greedy tokens equal in
+    >= 90 % of rows: sums in another order may flip near-ties, a stale read would not agree) and whose median replay
+    is nowhere more than ``tolerance`` above ``reference``'s; ``reference`` if none is."""
+    batches = sorted(summary["batch"].unique())
+    ok = []
+    for v, g in summary.groupby("variant", sort=False):
+        c = checks[checks["variant"] == v]
+        agree = len(c) == len(batches) and bool((c["argmax_agree"] >= 0.9).all()) \
+            and bool(np.isfinite(c["max_abs_diff"]).all())
+        ref = summary[summary["variant"] == reference].set_index("batch")["median"]
+        mine = g.set_index("batch")["median"]
+        if agree and len(mine) == len(batches) and all(mine[b] <= ref.get(b, np.inf) * (1 + tolerance)
+                                                       for b in batches):
+            ok.append((float(mine[batches[0]]), v))
+    return min(ok)[1] if ok else reference
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b")
@@ -284,6 +309,8 @@ def main() -> None:
     ap.add_argument("--ab-rounds", type=int, default=4)
     ap.add_argument("--ab-replays", type=int, default=20)
     ap.add_argument("--ab-only", action="store_true", help="skip the step/profiler/cProfile part of each batch")
+    ap.add_argument("--ab-choose", default="", help="reference variant: write ab_winner.txt, the variant fastest at "
+                    "the smallest batch and nowhere >1%% slower than it whose logits agree (choose_variant)")
     args = ap.parse_args()
     for spec in filter(None, args.ab.split(";")):
         try:
@@ -412,6 +439,10 @@ def main() -> None:
         by_class = (pd.DataFrame(ab_kernels).groupby(["batch", "variant", "class"], sort=False)
                     [["calls_per_step", "us_per_step"]].sum().reset_index())
         print(by_class.to_string(index=False, float_format=lambda v: f"{v:.1f}"))
+        if args.ab_choose:
+            winner = choose_variant(summary_ab, pd.DataFrame(ab_checks), args.ab_choose)
+            (out / "ab_winner.txt").write_text(winner + "\n")
+            print(f"AB winner (against {args.ab_choose}): {winner}", flush=True)
     if not kernel_rows:
         return
     pd.DataFrame(kernel_rows).assign(**prov, **ceil).to_csv(out / "profile_kernels.csv", index=False)
