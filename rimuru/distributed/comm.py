@@ -55,6 +55,13 @@ class Communicator(Protocol):
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over ranks (agreeing on one memory decision)."""
 
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        """``[S, V / world]`` logits of each rank's vocabulary block -> ``[S, V]`` (a vocabulary-parallel LM head)."""
+
+    def greedy_tokens(self, local: torch.Tensor) -> torch.Tensor:
+        """The greedy choice over the whole vocabulary from each rank's ``[S, V / world]`` logits: ``[S]`` int64 token
+        ids, the first maximum (``torch.argmax`` of the gathered logits) — without gathering them."""
+
     @property
     def selection_report(self) -> dict:
         """Which all-reduce backend runs (rimuru/distributed/allreduce.py); empty on one rank."""
@@ -75,6 +82,12 @@ class SingleProcess:
 
     def min_int(self, value: int) -> int:
         return value
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        return local
+
+    def greedy_tokens(self, local: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(local, dim=-1)
 
 
 SINGLE = SingleProcess()
@@ -201,6 +214,35 @@ class TorchDistributed:
         t = torch.tensor([value], dtype=torch.int64, device=backend_device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
+
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``[world, *t.shape]``: every rank's ``t`` in rank order (the process group: NCCL or gloo)."""
+        import torch.distributed as dist
+
+        self._check_alive()
+        t = t.contiguous()
+        if t.is_cuda:
+            out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
+            dist.all_gather_into_tensor(out, t)
+            return out
+        parts = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(parts, t)
+        return torch.stack(parts)
+
+    def gather_vocab(self, local: torch.Tensor) -> torch.Tensor:
+        parts = self._all_gather(local)  # [world, S, V / world]
+        return parts.permute(1, 0, 2).reshape(local.shape[0], -1)
+
+    def greedy_tokens(self, local: torch.Tensor) -> torch.Tensor:
+        """Each rank's first maximum and its global id (fp32: exact below 2^24), gathered ``[world, S, 2]``; the
+        rank with the largest value wins, the lowest rank on a tie (its ids are the lower ones): ``torch.argmax``
+        of the gathered logits, from ``S * 2`` values per rank instead of ``S * V / world``."""
+        idx = torch.argmax(local, dim=-1)
+        best = local.gather(1, idx[:, None]).float()
+        ids = (idx + self.shard.rank * local.shape[1]).to(torch.float32)[:, None]
+        parts = self._all_gather(torch.cat([best, ids], dim=1))  # [world, S, 2]
+        winner = torch.argmax(parts[..., 0], dim=0)  # [S]: the first (lowest) rank with the maximum
+        return parts[..., 1].gather(0, winner[None])[0].to(torch.int64)
 
     def pop_all_reduce_ms(self) -> float:
         """Milliseconds spent in all-reduces recorded since the last call (synchronises the device)."""

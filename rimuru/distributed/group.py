@@ -308,6 +308,16 @@ class TensorParallelGroup:
             raise self.fail(exc) from exc
         self.gather("switched")
 
+    def use_vocab_parallel(self, llm, on: bool) -> None:
+        """Every rank switches its LM head to its vocabulary block (``on``) or the whole vocabulary, and recaptures
+        its decode graphs (the A/B of a vocabulary-parallel head on one engine)."""
+        self.send(("vocab_parallel", on))
+        try:
+            switch_vocab_parallel(llm, on)
+        except Exception as exc:  # noqa: BLE001
+            raise self.fail(exc) from exc
+        self.gather("switched")
+
     def close(self) -> None:
         if self._closed:
             return
@@ -484,6 +494,16 @@ def wait_for_event(group: TensorParallelGroup, done: torch.cuda.Event) -> None:
 def switch_all_reduce(llm, name: str) -> None:
     """This rank's part of :meth:`TensorParallelGroup.use_all_reduce`: the backend, then the graphs again."""
     llm.comm.use_all_reduce(name, llm.config.torch_dtype)
+    _recapture(llm)
+
+
+def switch_vocab_parallel(llm, on: bool) -> None:
+    """This rank's part of :meth:`TensorParallelGroup.use_vocab_parallel`: the LM head, then the graphs again."""
+    llm.model.use_vocab_parallel(on)
+    _recapture(llm)
+
+
+def _recapture(llm) -> None:
     graphs = llm.graphs
     if graphs is not None and graphs.graphs:
         graphs.release()
@@ -577,6 +597,9 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
                 conn.send(("benched", time_all_reduces(llm.comm, *message[1:])))
             elif kind == "all_reduce":
                 switch_all_reduce(llm, message[1])
+                conn.send(("switched",))
+            elif kind == "vocab_parallel":
+                switch_vocab_parallel(llm, message[1])
                 conn.send(("switched",))
             elif kind == "check":
                 apply_ops(message[1], llm.kv, llm.cache)

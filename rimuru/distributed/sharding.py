@@ -26,12 +26,16 @@ _LINEAR_ATTN = re.compile(r"\.linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_p
                           r"|out_proj)(\.weight|\.bias)?$")
 
 
-def check_shardable(spec: ModelSpec, shard: Shard) -> None:
-    """Clear errors for a model that cannot be split ``shard.world`` ways."""
+def check_shardable(spec: ModelSpec, shard: Shard, vocab_parallel: bool = False) -> None:
+    """Clear errors for a model that cannot be split ``shard.world`` ways (``vocab_parallel``: its LM head too)."""
     w = shard.world
     if w == 1:
         return
+    if vocab_parallel and spec.is_hybrid:
+        raise ValueError("vocab_parallel_head is not supported for hybrid (linear-attention) models yet")
     problems = []
+    if vocab_parallel and spec.vocab_size % w:
+        problems.append(f"vocabulary of {spec.vocab_size} (vocab_parallel_head)")
     if spec.is_hybrid:
         if spec.linear_num_key_heads % w:
             problems.append(f"{spec.linear_num_key_heads} linear-attention key heads")

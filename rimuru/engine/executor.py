@@ -160,7 +160,9 @@ class TorchExecutor:
                                for c in out.chunks), dtype=np.int32, count=n)
             feed = (previous.tokens, src)
         logits = graphs.run(out, feed, counts)
-        tokens = torch.argmax(logits, dim=-1).to(torch.int32)  # the sampler's greedy choice (first maximum)
+        # the sampler's greedy choice (first maximum); a vocabulary-parallel head: over every rank's block
+        tokens = (self.model.comm.greedy_tokens(logits) if self.model.vocab_parallel
+                  else torch.argmax(logits, dim=-1)).to(torch.int32)
         host = tokens_host[:n]
         host.copy_(tokens, non_blocking=True)
         done = None
@@ -181,9 +183,14 @@ class TorchExecutor:
         :meth:`will_replay` (a tensor-parallel worker follows rank 0's, so that every rank's collectives match)."""
         if self.will_replay(out) if graphed is None else graphed:
             self.graph_steps += 1
-            return self.graphs.run(out)
+            return self._whole_vocab(self.graphs.run(out))
         self.eager_steps += 1
         # a decode graph after this step reads its misses in place: no end-of-step prefetch for it
         self.experts.expect_next_step(self.launches_decode and next_step_replays(out, self.graphs.bmax))
         input_ids, meta, sample_at = self.prepare(out)
-        return self.model.forward(input_ids, meta, self.kv_view, self.expert_view, self.experts, sample_at)
+        return self._whole_vocab(self.model.forward(input_ids, meta, self.kv_view, self.expert_view, self.experts,
+                                                    sample_at))
+
+    def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """A vocabulary-parallel head's blocks gathered from every rank (a collective); else ``logits``."""
+        return self.model.comm.gather_vocab(logits) if self.model.vocab_parallel else logits

@@ -119,7 +119,7 @@ class LLM:
                 source = model if isinstance(model, SyntheticCheckpoint) else str(model)
                 # a size the model cannot be split into fails here, before any worker process is started
                 check_shardable(ModelSpec.from_pretrained(model.config if isinstance(model, SyntheticCheckpoint)
-                                                          else source), shard)
+                                                          else source), shard, config.vocab_parallel_head)
                 self.tp_group = TensorParallelGroup(shard.world, source, options, device, config.tp_timeout_s)
             else:
                 init_process_group("nccl" if device.type == "cuda" else "gloo", tp_port, shard.rank, shard.world,
@@ -211,6 +211,8 @@ class LLM:
             else:
                 self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl,
                                           self.comm)
+                if config.vocab_parallel_head and tp > 1:
+                    self.model.use_vocab_parallel(True)
                 self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV),
                                               self.pool.view(EXPERT).tensor, self.provider, device,
                                               self._decode_graphs(ckpt.experts.weights))

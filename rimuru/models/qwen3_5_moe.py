@@ -195,6 +195,10 @@ class Qwen35MoeModel(QwenMoeModel):
         """Only the router takes the few-row kernel here (the mixers' projections are ``F.linear``)."""
         return [(self.moe[0].gate_weight, None)] if self.moe else []
 
+    def use_vocab_parallel(self, on: bool) -> None:
+        if on:
+            raise ValueError("a vocabulary-parallel LM head is not supported for hybrid (Qwen3.5) models yet")
+
     @torch.inference_mode()
     def warmup_states(self, ssm: torch.Tensor, conv: torch.Tensor, ssm_page: int, conv_row: int) -> None:
         """Compile every GDN kernel variant a run launches (decode, fla's chunked prefill and its autotuning, the

@@ -59,6 +59,8 @@ class QwenMoeModel:
         self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
         self._lm_head = projection(self.lm_head)  # oneDNN prepacked on the CPU (kernels/linear_cpu.py)
+        self._head = self._lm_head  # what forward projects with: the whole vocabulary or this rank's rows
+        self.vocab_parallel = False  # written by use_vocab_parallel only
         self.embed = dense["model.embed_tokens.weight"]
         self.final_norm = dense["model.norm.weight"]
         self.rope = rope
@@ -84,6 +86,23 @@ class QwenMoeModel:
 
         if variants.on("gemv"):
             warmup_gemv(self.decode_projections())
+
+    def use_vocab_parallel(self, on: bool) -> None:
+        """Tensor parallelism: the LM head over this rank's contiguous block of vocabulary rows only (``on``), so
+        each rank reads 1/world of it; ``forward`` then returns ``[S, V / world]`` logits, which the communicator
+        gathers (``gather_vocab``) or reduces to the greedy tokens (``greedy_tokens``) — the executor does either.
+        The block is a view of the replicated head (switchable at run time, for an A/B on one engine). Decode graphs
+        captured before keep what they captured: recapture them."""
+        if on:
+            if self.comm.world_size == 1:
+                raise ValueError("a vocabulary-parallel LM head needs tensor parallelism (tensor_parallel_size > 1)")
+            if self.lm_head.shape[0] >= 1 << 24:  # greedy_tokens carries token ids in fp32
+                raise ValueError(f"a vocabulary of {self.lm_head.shape[0]} is too large for greedy_tokens")
+            rows = self.comm.shard.rows(self.lm_head.shape[0], "the vocabulary")
+            self._head = projection(self.lm_head[rows])
+        else:
+            self._head = self._lm_head
+        self.vocab_parallel = on
 
     def record_routing(self) -> None:
         self.routing_counts = torch.zeros(len(self.spec.moe_layers), self.spec.num_experts, dtype=torch.int64)
@@ -150,4 +169,4 @@ class QwenMoeModel:
                 h, x = end(h, self._dense_mlp(lw.mlp, x), following, eps)
         if sample_index is not None:
             x = x[sample_index]  # the final norm is per row: normalising first gives the same rows
-        return self._lm_head(x).float()
+        return self._head(x).float()  # [S, V / world] with a vocabulary-parallel head

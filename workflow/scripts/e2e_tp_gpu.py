@@ -181,7 +181,8 @@ def main() -> None:
     ap.add_argument("--ar-rows", default="1,16,256,512,1024", help="more rows for the all-reduce size sweep")
     ap.add_argument("--all-reduce", default="auto", help="the TP engines' all-reduce (rimuru/distributed/allreduce.py)")
     ap.add_argument("--ab-all-reduce", default="nccl", help="more all-reduces for the static step's A/B, comma "
-                    "separated ('': none); one that cannot be built is dropped (logged)")
+                    "separated ('': none); one that cannot be built is dropped (logged); NAME+vocab: that all-reduce "
+                    "with a vocabulary-parallel LM head (vocab_parallel_head, switched on the same engine)")
     ap.add_argument("--profile-batches", default="", help="per-kernel device time of rank 0 (torch.profiler over a few "
                     "decode steps) for TP=1 and each TP all-reduce at these batches (profile_tp.csv)")
     ap.add_argument("--moe-sweep", default="", help="token counts: the fused-MoE tile sweep at rank 0's expert slice "
@@ -249,7 +250,8 @@ def greedy_check(one, many: LLM, prompts, params, label: str, tp: int, dtype, pr
         if isinstance(one, LLM) else one
     got = [o.output_token_ids for o in many.generate(prompts, params, use_tqdm=False)]
     many.check_integrity()
-    return {"model": label, "all_reduce": many.comm.backend.name, "reference": ref_name, "prompts": len(ref),
+    return {"model": label, "all_reduce": many.comm.backend.name, "vocab_parallel_head": many.model.vocab_parallel,
+            "reference": ref_name, "prompts": len(ref),
             "identical_sequences": sum(x == y for x, y in zip(ref, got)), "tokens": sum(map(len, ref)),
             "identical_tokens_position_wise": sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)),
             "first_divergence": [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
@@ -303,6 +305,7 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                 step_rows.append({
                     "batch": b, "engine": name, "repeat": rep, "tensor_parallel_size": engine.comm.world_size,
                     "all_reduce": engine.comm.backend.name if is_tp else None, "async_scheduling": pipelined,
+                    "vocab_parallel_head": engine.model.vocab_parallel if is_tp else False,
                     "step_ms_median": statistics.median(steps), "step_ms_min": min(steps),
                     "step_ms_max": max(steps), "steps": len(steps), **seg,
                     "all_reduce_calls_per_step": 2 * args.static_layers if is_tp else 0,
@@ -320,9 +323,15 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                     for ps in per_batch.values():
                         decode_steps(engine, ps, 4)
 
-        def switch(name: str) -> None:
+        def switch(name: str) -> None:  # "<all-reduce>" or "<all-reduce>+vocab" (a vocabulary-parallel LM head)
             t = time.perf_counter()
-            many.tp_group.use_all_reduce(many, name)
+            backend, _, head = name.partition("+")
+            if head not in ("", "vocab"):
+                raise ValueError(f"A/B variant {name!r}: '+vocab' is the one suffix")
+            if backend != many.comm.backend.name:
+                many.tp_group.use_all_reduce(many, backend)
+            if (head == "vocab") != many.model.vocab_parallel:
+                many.tp_group.use_vocab_parallel(many, head == "vocab")
             log(f"all-reduce -> {name}: graphs recaptured on every rank in {time.perf_counter() - t:.1f} s")
 
         def profile(name: str, engine: LLM) -> None:  # rank 0's kernels over a few steps, by class
@@ -367,7 +376,7 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
             switch(first)
 
         # the all-reduces of one step alone, each backend, at the decode buckets and a sweep of sizes
-        names = [first] + [n for n in others if n != first]
+        names = list(dict.fromkeys(n.partition("+")[0] for n in [first, *others]))
         buckets = many.graphs.buckets if many.graphs else ()
         batches_rows = {next((x for x in buckets if x >= b), b) for b in batches}
         rows = sorted(batches_rows | set(args.ar_rows))
