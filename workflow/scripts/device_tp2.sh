@@ -29,16 +29,19 @@ mkdir -p "$OUT"
 echo "start $(date -u +%FT%TZ) commit ${RIMURU_COMMIT:-unknown}" | tee "$OUT/driver.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/driver.log" 2>&1
 
-kill_check() {  # $1 all_reduce, $2 policy: one check in its own session under its own timeout
-  local L T graphs pid rc left_over
+kill_check() {  # $1 all_reduce (a comma list: an engine each, the last one's rank killed), $2 policy: one check in
+  # its own session under its own timeout
+  local L T graphs pid rc left_over tag
+  tag=$(echo "$1" | tr ',+' '__')  # the result's directory and log
   L=$(left)
   if [ "$L" -lt 45 ]; then echo "not started (time): kill check $1 $2" | tee -a "$OUT/driver.log"; return 1; fi
-  T=$(( L < 75 ? L : 75 ))
+  T=$(( 75 + 30 * $(echo "$1" | tr -cd ',' | wc -c) ))  # 30 s more for each engine after the first
+  T=$(( L < T ? L : T ))
   graphs=$([ "$2" = static ] && echo "--graphs --impl auto" || echo)  # graphs need the Triton kernels on GPUs
   echo "[$(( $(date +%s) - START ))s] kill check all_reduce=$1 policy=$2 (timeout $T s)" | tee -a "$OUT/driver.log"
   # its own session: every process it leaves behind is found (and ended) by that session's id, nothing else
   setsid timeout "$T" $PY workflow/scripts/tp_gpu_checks.py --device "$DEVICE" --all-reduce "$1" --policy "$2" $graphs \
-    --out "$OUT/kill_$1_$2" > "$OUT/kill_$1_$2.log" 2>&1 &
+    --out "$OUT/kill_${tag}_$2" > "$OUT/kill_${tag}_$2.log" 2>&1 &
   pid=$!
   wait $pid
   rc=$?
@@ -63,13 +66,19 @@ if [ "$DEVICE" = cuda ] && [ "${FUSED:-1}" = 1 ]; then
     echo "symm_mem_fused/lamport left out of the decode A/B (kernel test failed)" | tee -a "$OUT/driver.log"
   elif [ "${FUSED_CHECK:-1}" != 0 ]; then
     # FUSED_CHECKS: the fused backends whose engine check (fp32 greedy vs TP=1, integrity, a killed rank) runs
-    # before the A/B; one that fails it (or hangs: its own timeout) is left out of the A/B
-    for name in ${FUSED_CHECKS:-symm_mem_fused}; do
-      if ! { kill_check "$name" static \
-             && grep -q '"greedy_identical": true' "$OUT/kill_${name}_static/checks.json" 2>/dev/null; }; then
-        AB=$(without "$name")
-        [ "${FIRST:-nccl}" = "$name" ] && FIRST=nccl
-        echo "$name left out of the decode A/B (engine check failed)" | tee -a "$OUT/driver.log"
+    # before the A/B, each word a check (a comma list: one engine each in one process, the last one's rank killed;
+    # NAME+vocab: with a vocabulary-parallel LM head); a check that fails (or hangs: its own timeout) leaves its
+    # names out of the A/B
+    for names in ${FUSED_CHECKS:-symm_mem_fused}; do
+      tag=$(echo "$names" | tr ',+' '__')
+      if ! { kill_check "$names" static \
+             && ! grep -q '"greedy_identical": false' "$OUT/kill_${tag}_static/checks.json" 2>/dev/null \
+             && grep -q '"greedy_identical": true' "$OUT/kill_${tag}_static/checks.json" 2>/dev/null; }; then
+        for name in ${names//,/ }; do
+          AB=$(without "$name")
+          [ "${FIRST:-nccl}" = "$name" ] && FIRST=nccl
+        done
+        echo "$names left out of the decode A/B (engine check failed)" | tee -a "$OUT/driver.log"
       fi
     done
   fi

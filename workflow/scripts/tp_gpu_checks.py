@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run (gloo)")
     ap.add_argument("--all-reduce", default="nccl,auto", help="each an engine, greedy vs TP=1; the last one's rank "
-                    "1 is killed")
+                    "1 is killed; NAME+vocab: that all-reduce with a vocabulary-parallel LM head")
     ap.add_argument("--policy", default="fixed", choices=["fixed", "static"])
     ap.add_argument("--graphs", action="store_true", help="capture decode graphs (warmup) on every engine")
     ap.add_argument("--impl", default="reference", choices=["reference", "auto"],
@@ -72,12 +72,16 @@ def main() -> None:
               **provenance()}
     names = args.all_reduce.split(",")
     for i, name in enumerate(names):  # the last engine stays for the killed rank
-        llm = build(tensor_parallel_size=args.tp, all_reduce=name)
+        backend, _, head = name.partition("+")
+        if head not in ("", "vocab"):
+            raise SystemExit(f"--all-reduce {name!r}: '+vocab' is the one suffix")
+        llm = build(tensor_parallel_size=args.tp, all_reduce=backend, vocab_parallel_head=head == "vocab")
         log(f"TP={args.tp} engine ready, all-reduce {llm.memory_report['all_reduce']}, "
             f"graphs {len(llm.graphs.graphs) if llm.graphs else 0}")
         got = [o.output_token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         llm.check_integrity()
         result["greedy"].append({"all_reduce": llm.memory_report["all_reduce"], "requested": name,
+                                 "vocab_parallel_head": llm.model.vocab_parallel,
                                  "skipped": llm.memory_report["all_reduce_skipped"], "greedy_identical": got == ref,
                                  "identical_sequences": sum(a == b for a, b in zip(ref, got)), "prompts": len(ref),
                                  "integrity": "every rank checked, states equal",
@@ -89,6 +93,7 @@ def main() -> None:
             llm.close()
             result["greedy"][-1]["close_s"] = time.perf_counter() - t
     result["kill_all_reduce"] = llm.memory_report["all_reduce"]
+    result["kill_vocab_parallel_head"] = llm.model.vocab_parallel
     log(f"killing rank 1 ({result['kill_all_reduce']}) under load")
     kill = kill_rank_under_load(llm, PROMPTS, timeout_s=60)
     t = time.perf_counter()
