@@ -65,6 +65,8 @@ class EngineConfig:
     # False: the engine before (the modeled fidelity of older runs)
     short_lookahead: bool = True  # the scheduler's R_b counts what the waiting queue lacks for the next step's token
     # budget (rimuru.engine.scheduler, 9a2935b); False: the engine before (the modeled fidelity of older runs)
+    running_lookahead: bool = True  # that look-ahead also counts what the running requests take first in the next step
+    # (a decode token each, the rest of a chunked prompt; SchedulerConfig); False: the engine up to 2268456
     gc_freeze: bool = True  # LLM.warmup() freezes the live heap out of Python's cyclic GC (LLM.close() unfreezes)
     async_scheduling: bool = True  # graphed greedy decode of `static`: step n+1 is scheduled and launched while
     # step n runs on the device, its tokens fed on the device (docs/engine.md, "Async scheduling")

@@ -190,7 +190,8 @@ class LLM:
             kv_cls = RecordingKVCacheManager if shard.world > 1 else KVCacheManager
             self.kv = kv_cls(self.allocator, len(spec.full_attention_layers), config.block_tokens)
         sched_config = SchedulerConfig(self.max_model_len, config.max_num_seqs, config.max_num_batched_tokens,
-                                       short_lookahead=config.short_lookahead)
+                                       short_lookahead=config.short_lookahead,
+                                       running_lookahead=config.running_lookahead)
         self.scheduler = Scheduler(sched_config, self.kv, policy.releasable_l2_pages)
         # KV compaction: where freed L2 pages can grow the cache (elastic), on one device (tensor parallelism would
         # replay the moves on every rank) and without GDN states (their manager keeps its own tables)

@@ -32,6 +32,9 @@ class SchedulerConfig:
     short_lookahead: bool = True  # R_b's waiting part: what the queue lacks for the next step's budget (9a2935b);
     # False: what the head request lacked when this step's admission stopped (the engine before; the modeled
     # fidelity replays engines measured before it)
+    running_lookahead: bool = True  # that look-ahead also counts what the running requests take first in the next
+    # step (a decode token each, the rest of a chunked prompt); False: their decode tokens' budget only (the engine
+    # up to 2268456: the 48-layer burst's last 5 prompts were admitted over 3 steps, e2e48_2268456)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -200,17 +203,50 @@ class Scheduler:
             budget -= n
 
         if self.waiting and self.config.short_lookahead:  # what the queue lacks for the next step's budget: pages
-            # released after this step serve it
-            next_budget = self.config.max_num_batched_tokens - len(self.running)  # one decode token per running request
-            short_kv_pages += self._unmet_demand(max(budget, next_budget), len(self.running))
+            # released after this step serve it; the running requests this step served come first in the next one
+            # (a decode token each, the rest of a chunked prompt), as the next schedule() takes them
+            next_budget = self.config.max_num_batched_tokens
+            running_need = 0
+            if self.config.running_lookahead:
+                running_need, next_budget = self._running_demand(chunks, next_budget)
+            else:
+                next_budget -= len(self.running)  # one decode token per running request (the engine before)
+            short_kv_pages += self._unmet_demand(max(budget, next_budget), len(self.running), running_need)
         self.peak_concurrency = max(self.peak_concurrency, len(self.running))
         if chunks:
             self.forward_steps += 1
         return SchedulerOutput(tuple(chunks), self.kv.l2_pages_for(max(0, short_kv_pages)), tuple(preempted),
                                len(self.waiting))
 
-    def _unmet_demand(self, budget: int, running: int) -> int:
-        """KV pages the waiting requests that this step's token budget would admit lack (the waiting part of R_b)."""
+    def _running_demand(self, chunks: list[ScheduledChunk], budget: int) -> tuple[int, int]:
+        """(KV pages, token budget left): what the running requests served in this step take in the next one, in
+        the order the next ``schedule`` serves them: a decode token each, then the rest of each chunked prompt.
+        Requests this step deferred or did not reach are left out (a deferral's pages are already in R_b)."""
+        scheduled = {c.request.request_id: c for c in chunks}
+        need, decodes, prefills = 0, [], []
+        for r in self.running:
+            chunk = scheduled.get(r.request_id)
+            if chunk is None:
+                continue
+            done = chunk.start + chunk.num_tokens  # KV is allocated up to here for this step
+            left = r.num_tokens - done  # prompt tokens not yet scheduled (0: it samples; its next step decodes one)
+            (prefills if left > 0 else decodes).append((r.request_id, done, left))
+        for rid, done, _ in decodes:
+            if budget <= 0:
+                break
+            need += self.kv.pages_needed(rid, done + 1)
+            budget -= 1
+        for rid, done, left in prefills:
+            if budget <= 0:
+                break
+            n = min(left, budget)
+            need += self.kv.pages_needed(rid, done + n)
+            budget -= n
+        return need, budget
+
+    def _unmet_demand(self, budget: int, running: int, first: int = 0) -> int:
+        """KV pages the waiting requests that this step's token budget would admit lack (the waiting part of R_b),
+        beyond ``first`` pages that the running requests take before them; 0 when none of them would be admitted."""
         need = 0
         for request in self.waiting:
             if budget <= 0 or running >= self.config.max_num_seqs:
@@ -219,7 +255,7 @@ class Scheduler:
             need += self.kv.pages_needed(request.request_id, request.num_computed_tokens + n)
             budget -= n
             running += 1
-        return max(0, need - self.kv.free_pages())
+        return max(0, first + need - self.kv.free_pages()) if need else 0
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -151,7 +151,7 @@ def test_allocate_many_is_one_call_and_all_or_nothing():
     alloc.check_integrity()
 
 
-@pytest.mark.parametrize("max_num_seqs,expected", [(4, 1), (1, 0)])
+@pytest.mark.parametrize("max_num_seqs,expected", [(4, 2), (1, 0)])
 def test_r_b_looks_ahead_to_the_waiting_queues_next_step(max_num_seqs, expected):
     """A step that used its whole token budget still reports what the waiting queue will lack next step (pages the
     adjuster frees after this step serve the next one), so a burst's admission does not stall every other step;
@@ -161,7 +161,9 @@ def test_r_b_looks_ahead_to_the_waiting_queues_next_step(max_num_seqs, expected)
     sched.add(request(1, prompt_len=8))
     out = sched.schedule()
     assert [c.request.request_id for c in out.chunks] == ["r0"] and kv.free_pages() == 0
-    assert out.kv_short_l2 == expected  # r1's next 7 tokens need 2 blocks x 2 layers = one L2 page
+    # next step: r0's first decode token starts a block (2 pages), r1's next 7 tokens need 2 blocks x 2 layers: 6
+    # KV pages, two L2 pages
+    assert out.kv_short_l2 == expected
 
 
 def test_r_b_without_the_look_ahead_reports_only_the_stopped_head():
@@ -178,3 +180,18 @@ def test_r_b_without_the_look_ahead_reports_only_the_stopped_head():
     sched.add(request(1, prompt_len=8))
     out = sched.schedule()
     assert [c.request.request_id for c in out.chunks] == ["r0"] and out.kv_short_l2 == 1
+
+
+@pytest.mark.parametrize("running_lookahead,expected", [(True, 1), (False, 0)])
+def test_r_b_look_ahead_counts_what_the_running_requests_take_first(running_lookahead, expected):
+    """The rest of a chunked prompt is scheduled before the queue in the next step, so the look-ahead counts it: the
+    48-layer burst's last prompts were admitted over three steps while R_b missed it (e2e48_2268456).
+    running_lookahead=False is the scheduler before (only the running requests' decode tokens' budget)."""
+    alloc, kv, sched = make(huge_pages=2, max_num_batched_tokens=12, max_num_seqs=4,
+                            running_lookahead=running_lookahead)  # 8 KV pages
+    sched.add(request(0, prompt_len=20))  # its first 12 tokens: 3 blocks x 2 layers, the whole budget
+    sched.add(request(1, prompt_len=4))
+    out = sched.schedule()
+    assert [(c.request.request_id, c.num_tokens) for c in out.chunks] == [("r0", 12)] and kv.free_pages() == 2
+    # next step: r0's last 8 tokens (4 pages) first, then r1's 4 (2 pages): 4 pages over the 2 free, one L2 page
+    assert out.kv_short_l2 == expected
