@@ -197,6 +197,102 @@ def fused_moe_kernel(
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_n[None, :] < N))
 
 
+@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["num_pairs"])
+def moe_gemv_kernel(
+    a_ptr, w_ptr, host_ptr, c_ptr, page_table_ptr, topk_weights_ptr, topk_ids_ptr,
+    N, K, F, D, num_pairs, stride_am, stride_cm,
+    TOP_K: tl.constexpr, GATE_UP: tl.constexpr, PAGED: tl.constexpr, HOST_PAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL_WAIT: tl.constexpr = False,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
+):
+    """One token's experts as matrix-vector products (the ``moe_gemv`` lever): program ``(pair, n)`` computes
+    ``BLOCK_N`` output columns of pair ``pair`` (its expert ``topk_ids[pair]``) over the whole ``K <= BLOCK_K`` at once,
+    fp32 products summed by ``tl.sum``, no tensor cores and no padding rows. Grid ``(num_pairs * cdiv(N, BLOCK_N),)``.
+
+    Pages, ``HOST_PAGES`` and the outputs as :func:`fused_moe_kernel`: GATE_UP reads W1 and W3 rows (``[F, D]``
+    pages, K = D contiguous) and writes ``silu(x W1^T) * (x W3^T)`` rounded into ``c [pairs, F]``; DOWN reads the
+    ``W2^T [F, D]`` page (rows K = F, columns N = D contiguous), scales by the routing weight and writes
+    ``c [pairs, D]``. ``PDL_WAIT`` / ``LAUNCH_DEPENDENTS``: :func:`rimuru.kernels.pdl.pdl_enter`."""
+    pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pair = (pid // num_pid_n).to(tl.int64)
+    pid_n = pid % num_pid_n
+    expert = tl.load(topk_ids_ptr + pair).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_wn = offs_n % N  # wrap instead of masking weight loads; the store masks
+    offs_k = tl.arange(0, BLOCK_K)
+    k_valid = offs_k < K
+    page_elems = F.to(tl.int64) * D
+    table_row = page_table_ptr + expert * 3
+    if GATE_UP:
+        if PAGED:
+            p1 = tl.load(table_row).to(tl.int64)
+            p3 = tl.load(table_row + 1).to(tl.int64)
+        else:
+            p1 = expert * 3
+            p3 = expert * 3 + 1
+        w1_base = w_ptr + p1 * page_elems
+        w3_base = w_ptr + p3 * page_elems
+        if HOST_PAGES:
+            if p1 < 0:
+                w1_base = host_ptr + (-1 - p1) * page_elems
+            if p3 < 0:
+                w3_base = host_ptr + (-1 - p3) * page_elems
+        tile = offs_wn[:, None] * D + offs_k[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+        w1 = tl.load(w1_base + tile, mask=k_valid[None, :], other=0.0, eviction_policy="evict_first")
+        w3 = tl.load(w3_base + tile, mask=k_valid[None, :], other=0.0, eviction_policy="evict_first")
+        x = tl.load(a_ptr + (pair // TOP_K) * stride_am + offs_k, mask=k_valid, other=0.0).to(tl.float32)
+        g = tl.sum(w1.to(tl.float32) * x[None, :], 1)
+        u = tl.sum(w3.to(tl.float32) * x[None, :], 1)
+        out = g * tl.sigmoid(g) * u  # silu(gate) * up
+    else:
+        if PAGED:
+            p2 = tl.load(table_row + 2).to(tl.int64)
+        else:
+            p2 = expert * 3 + 2
+        w2_base = w_ptr + p2 * page_elems
+        if HOST_PAGES:
+            if p2 < 0:
+                w2_base = host_ptr + (-1 - p2) * page_elems
+        w2 = tl.load(w2_base + offs_k[:, None] * D + offs_wn[None, :], mask=k_valid[:, None], other=0.0,
+                     eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N], N contiguous
+        h = tl.load(a_ptr + pair * stride_am + offs_k, mask=k_valid, other=0.0).to(tl.float32)
+        out = tl.sum(w2.to(tl.float32) * h[:, None], 0) * tl.load(topk_weights_ptr + pair)
+    tl.store(c_ptr + pair * stride_cm + offs_n, out.to(c_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+MOE_GEMV_TILE = 8192  # weight elements a program holds (16 KB in bf16)
+MOE_GEMV_MIN_COLUMNS = 16  # DOWN reads BLOCK_N contiguous columns of each W2^T row: 32 bytes, one sector
+
+
+def moe_gemv(num_tokens: int, f: int, d: int, enabled: bool) -> bool:
+    """Whether a batch runs :func:`moe_gemv_kernel` (the ``moe_gemv`` lever): one token, and both K (d for the gate
+    and up projections, f for the down projection) within one program's tile."""
+    return enabled and num_tokens == 1 and max(f, d) <= MOE_GEMV_TILE // 2
+
+
+def moe_gemv_blocks(n: int, k: int, gate_up: bool) -> tuple[int, int, int]:
+    """``(BLOCK_N, BLOCK_K, num_warps)`` of one :func:`moe_gemv_kernel` pass: all of K per program, ``MOE_GEMV_TILE``
+    weight elements (gate/up: two tiles), at least ``MOE_GEMV_MIN_COLUMNS`` columns for DOWN, at most N's."""
+    block_k = triton.next_power_of_2(k)
+    block_n = max(1, MOE_GEMV_TILE // (block_k * (2 if gate_up else 1)))
+    if not gate_up:
+        block_n = max(block_n, MOE_GEMV_MIN_COLUMNS)
+    block_n = min(block_n, triton.next_power_of_2(n))
+    return block_n, block_k, 4 if block_n * block_k <= MOE_GEMV_TILE else 8
+
+
+def _launch_gemv(a, w, c, page_table, topk_weights, topk_ids, *, N, K, F, D, top_k, gate_up, paged, host) -> None:
+    block_n, block_k, warps = moe_gemv_blocks(N, K, gate_up)
+    pairs = topk_ids.shape[0]
+    moe_gemv_kernel[(pairs * triton.cdiv(N, block_n),)](
+        a, w, w if host is None else host, c, page_table, topk_weights, topk_ids,
+        N, K, F, D, pairs, a.stride(0), c.stride(0),
+        TOP_K=top_k, GATE_UP=gate_up, PAGED=paged, HOST_PAGES=host is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, **chain(a.device))
+
+
 # ---------------------------------------------------------------------------------------------- configs
 @dataclass(frozen=True)
 class MoeKernelConfig:
@@ -394,6 +490,17 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         page_table = topk_ids  # unused pointer
     if weights.shape[-1] != d or not weights.is_contiguous() or not hidden.is_contiguous():
         raise ValueError(f"want contiguous hidden [T, {weights.shape[-1]}] and weights, got {tuple(hidden.shape)}")
+    if align is None and configs is None and moe_gemv(T, f, d, variants.on("moe_gemv")):
+        flat = topk_ids.reshape(-1)
+        if flat.dtype != torch.int32 or not flat.is_contiguous():
+            flat = flat.to(torch.int32).contiguous()
+        w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        h = intermediate if intermediate is not None else torch.empty(k, f, dtype=hidden.dtype, device=hidden.device)
+        y = out if out is not None else torch.empty(k, d, dtype=hidden.dtype, device=hidden.device)
+        common = dict(F=f, D=d, top_k=k, paged=paged, host=host_pages)
+        _launch_gemv(hidden, weights, h, page_table, w_flat, flat, N=f, K=d, gate_up=True, **common)
+        _launch_gemv(h, weights, y, page_table, w_flat, flat, N=d, K=f, gate_up=False, **common)
+        return y
     configs = configs or pick_configs(T, k, E, f, d)
     if align is None and direct_schedule(T * k, configs.gate_up.block_m, variants.on("direct_moe")):
         flat = topk_ids.reshape(-1)

@@ -21,7 +21,9 @@ measured faster on the H200; ``all``: every one):
 * ``pdl_chain`` (wave 7): every Triton kernel of a decode layer (``add_rms_norm``, the projections, q/k norm + RoPE
   + KV write, decode attention and its merge, top-k softmax, both fused-MoE launches) launched as a programmatic
   dependent of the one before it: it waits for it at its start and then lets the next one launch, so each launch's
-  latency hides behind the kernel before it.
+  latency hides behind the kernel before it;
+* ``moe_gemv`` (wave 7): one token's experts (decode at batch 1) as matrix-vector products
+  (``rimuru/kernels/fused_moe.py``, ``moe_gemv_kernel``: whole-K rows per program, no 16-row ``tl.dot`` padding).
 
 CUDA graphs keep the levers that were on when they were captured (``workflow/scripts/profile_decode_gpu.py
 --ab`` captures one graph per variant and replays them alternately). The default comes from
@@ -37,7 +39,7 @@ from contextlib import contextmanager
 
 import torch
 
-LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain")
+LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv")
 # The levers that measured faster (H200, 48 layers, results/reference/engine/run_2445415_48L/ab_*): the others
 # made their kernels slower than what they replace and are off unless asked for (``all`` or by name).
 FAST = ("direct_moe", "qkv_fused")

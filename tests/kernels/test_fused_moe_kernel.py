@@ -48,9 +48,10 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.fixture(params=["fast", "baseline"])
+@pytest.fixture(params=["fast", "baseline", "fast,moe_gemv"])
 def kernel_variant(request):
-    """``fast`` schedules small batches from the top-k ids inside the kernel, ``baseline`` through moe_align."""
+    """``fast`` schedules small batches from the top-k ids inside the kernel, ``baseline`` through moe_align;
+    ``fast,moe_gemv`` computes one token's experts as matrix-vector products (moe_gemv_kernel)."""
     with variants.use(request.param):
         yield request.param
 
@@ -133,8 +134,14 @@ def test_direct_schedule_equals_the_aligned_schedule_bit_for_bit(T, E, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 4, 64, 1024])
-def test_bf16_kernel_on_gpu_at_qwen3_shapes_within_1e2_of_fp32_reference(T):
+@pytest.mark.parametrize("T,spec", [(1, "fast"), (1, "fast,moe_gemv,pdl_chain"), (4, "fast"), (64, "fast"),
+                                    (1024, "fast")])
+def test_bf16_kernel_on_gpu_at_qwen3_shapes_within_1e2_of_fp32_reference(T, spec):
+    with variants.use(spec):
+        _bf16_at_qwen3_shapes(T)
+
+
+def _bf16_at_qwen3_shapes(T):
     gen = torch.Generator(device="cuda").manual_seed(T)
     E, f, d, k = 128, 768, 2048, 8
     P = 3 * E * 2
@@ -176,7 +183,7 @@ def test_alignment_puts_every_pair_once_in_single_expert_blocks(impl, T, E, k, b
 
 @needs_triton
 @pytest.mark.parametrize("T", [1, 5])
-def test_negative_page_ids_read_host_pages_zero_copy(T):
+def test_negative_page_ids_read_host_pages_zero_copy(T, kernel_variant):
     """A page-table entry -(1 + j) reads page j of the host store: the decode graph's miss path."""
     gen = torch.Generator().manual_seed(17 + T)
     E, f, d, k = 8, 32, 64, 2
@@ -213,3 +220,41 @@ def test_warmup_token_counts_cover_every_variant_a_step_can_launch(shape):
     warmed = {kernel_variant(m, k, experts, f, d) for m in warmup_token_counts(experts, k, f, d)}
     assert {kernel_variant(m, k, experts, f, d) for m in range(1, 8193)} == warmed
     assert any(v[2] for v in warmed) and not all(v[2] for v in warmed)  # direct schedules and aligned ones
+
+
+@needs_triton
+@pytest.mark.parametrize("f,d", [(32, 64), (48, 80)])
+def test_one_token_gemv_path_matches_the_reference_contiguous_and_paged(f, d):
+    """``moe_gemv``: one token's k experts as matrix-vector products (masked K when not a power of two), on pool
+    pages and on contiguous [E, 3, f, d] weights; more tokens keep the tiled kernel (bit-equal to ``fast``)."""
+    from rimuru.kernels.fused_moe import moe_gemv
+
+    gen = torch.Generator().manual_seed(f + d)
+    E, k = 8, 4
+    view, table = _pool(E, f, d, "mixed", gen)
+    w, ids = _routing(1, E, k, gen)
+    x = torch.randn(1, d, generator=gen)
+    ref = moe_reference(x, w, ids, view, table)
+    with variants.use("fast,moe_gemv"):
+        assert moe_gemv(1, f, d, variants.on("moe_gemv")) and not moe_gemv(2, f, d, True)
+        assert _rel(fused_moe(x, w, ids, view, table), ref) <= 1e-5
+        assert _rel(fused_moe(x, w, ids, view[table.long()].contiguous(), None), ref) <= 1e-5
+        w2, ids2 = _routing(3, E, k, gen)
+        x2 = torch.randn(3, d, generator=gen)
+        tiled = fused_moe_experts(x2, w2, ids2, view, table)
+    with variants.use("fast"):
+        assert torch.equal(tiled, fused_moe_experts(x2, w2, ids2, view, table))
+
+
+def test_one_token_gemv_blocks_at_qwen3_shapes():
+    from rimuru.kernels.fused_moe import MOE_GEMV_TILE, moe_gemv_blocks
+
+    assert moe_gemv_blocks(768, 2048, gate_up=True) == (2, 2048, 4)  # 2 x 2 x 2048 weights, 3,072 programs
+    assert moe_gemv_blocks(2048, 768, gate_up=False) == (16, 1024, 8)  # 32-byte rows of W2^T, 1,024 programs
+    for n, kk, gu in ((32, 64, True), (64, 32, False), (5, 3, False)):
+        bn, bk, _ = moe_gemv_blocks(n, kk, gu)
+        assert bk >= kk and bn <= triton_next_pow2(n) and bn * bk <= max(MOE_GEMV_TILE, 16 * bk)
+
+
+def triton_next_pow2(n):
+    return 1 << (n - 1).bit_length()
