@@ -34,6 +34,10 @@ DEVICE=${DEVICE:-cuda}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   date -u +%Y-%m-%dT%H:%M:%SZ
 } 2>&1 | tee "$RES/env.log"
+pack() {  # what is done so far comes back even if a later step outlasts the call (packed after each step)
+  tar -C "$RES" -czf "$OUT/results.tar.gz" .
+  cp "$RES"/*.log "$OUT/" 2>/dev/null
+}
 gpu_tests() {
   timeout -s INT -k 15 "${TEST_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
     ${TEST_PATHS:-tests} 2>&1 | grep -v Warning > "$RES/pytest_gpu.log"
@@ -43,6 +47,7 @@ if [ -n "${KERNEL_TESTS:-}" ]; then
   timeout -s INT -k 10 "${KERNEL_TEST_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider $KERNEL_TESTS 2>&1 \
     | grep -v Warning > "$RES/pytest_kernels_cuda.log"
   tail -4 "$RES/pytest_kernels_cuda.log"
+  pack
 fi
 # TESTS_LAST=1: the measurements first, so that a slow test cannot cost them
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" != 1 ] && gpu_tests
@@ -51,6 +56,7 @@ if [ -n "${AB:-}" ]; then
     --batches "${AB_BATCHES:-1,4,16,64,256}" --ab-rounds "${AB_ROUNDS:-4}" ${AB_ARGS:-} --out "$RES/ab" 2>&1 \
     | grep -v -i warn > "$RES/ab.log"
   grep -E "^AB" "$RES/ab.log"
+  pack
 fi
 if [ "${FLOOR_KERNELS:-}" = auto ]; then
   FLOOR_KERNELS=$(cat "$RES/ab/ab_winner.txt" 2>/dev/null || echo fast)
@@ -65,6 +71,7 @@ for n in ${FLOOR_LAYERS:-}; do
     --steps "${FLOOR_STEPS:-10}" --discard "${FLOOR_DISCARD:-3}" --device "$DEVICE" ${FLOOR_ARGS:-} \
     --out "$RES/floor_$n" 2>&1 | grep -v Warning > "$RES/floor_$n.log"
   tail -12 "$RES/floor_$n.log"
+  pack
 done
 if [ "${PROFILE:-0}" = 1 ]; then
   timeout "${PROFILE_TIMEOUT:-200}" python3 workflow/scripts/profile_decode_gpu.py --out "$RES/profile" 2>&1 \
@@ -93,6 +100,5 @@ e2e() {  # name runs nreq timeout [layers repeats warm-up-requests calibration-p
 # TESTS_FLOOR_KERNELS=1: the last GPU tests run with the decode floor's kernels (e.g. the A/B's winner)
 [ "${TESTS_FLOOR_KERNELS:-0}" = 1 ] && export RIMURU_DECODE_KERNELS=$FLOOR_KERNELS
 [ "${TESTS:-1}" = 1 ] && [ "${TESTS_LAST:-0}" = 1 ] && gpu_tests
-tar -C "$RES" -czf "$OUT/results.tar.gz" .
-cp "$RES"/*.log "$OUT/" 2>/dev/null
+pack
 ls -la "$OUT"
