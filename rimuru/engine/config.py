@@ -41,6 +41,9 @@ class EngineConfig:
     modeled_routing_profile: str | None = None  # modeled: a hotset JSON whose probabilities the routing model draws
     # from instead of the served hotset's (whose order still fills the cache): a better routing measurement of the
     # same model (e.g. more calibration prompts) for a run served with a hotset of few prompts
+    modeled_decode_gamma: float = 1.0  # modeled: decode tokens route by the profile tempered to this power (per layer,
+    # rescaled to top-k; rimuru.engine.modeled.routing.temper): the calibration's correction for the profile a run
+    # was served with (fitted on that profile's fit runs' decode steps); 1: the profile as measured
     modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
     # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
     prefetch_before_graphs: bool = False  # an eager step's end-of-step prefetch also runs when the next step is
@@ -101,6 +104,9 @@ class EngineConfig:
             raise ValueError("modeled_step_ms is a positive step time of the modeled executor (executor='modeled')")
         if self.modeled_routing_profile is not None and self.executor != "modeled":
             raise ValueError("modeled_routing_profile is the modeled executor's routing profile (executor='modeled')")
+        if self.modeled_decode_gamma != 1.0 and (self.executor != "modeled" or not self.modeled_decode_gamma > 0):
+            raise ValueError("modeled_decode_gamma is a positive exponent of the modeled executor's decode routing "
+                             "(executor='modeled')")
 
     @property
     def modeled(self) -> bool:

@@ -279,6 +279,54 @@ def test_chunk_routing_fit_recovers_the_correlation_it_was_drawn_with():
     assert fit["median_abs_rel_error"] < 0.005 < fit["independent_median_abs_rel_error"]
 
 
+def test_decode_tempering_by_hand():
+    """temper: gamma 1 is the profile; otherwise pi ** gamma rescaled to top-k with nothing above 1. Decode tokens
+    route by it, prefill tokens by the profile; with gamma 1 the split changes nothing."""
+    from rimuru.engine.modeled.routing import temper
+
+    pi = np.array([[0.9, 0.6, 0.3, 0.2], [0.5, 0.5, 0.5, 0.5]])
+    assert np.array_equal(temper(pi, 1.0, 2), pi)
+    t = temper(pi, 2.0, 2)
+    assert np.allclose(t.sum(axis=1), 2.0) and (t <= 1.0).all()
+    assert np.allclose(t[1], 0.5)  # a flat layer stays flat
+    # layer 0: squares 0.81, 0.36, 0.09, 0.04 scaled to 2 put 1.246 on expert 0: capped at 1, the rest spread
+    assert t[0, 0] == pytest.approx(1.0) and t[0, 1] > pi[0, 1] and t[0, 3] < pi[0, 3]
+    with pytest.raises(ValueError, match="decode_gamma"):
+        temper(pi, 0.0, 2)
+    plain, tempered = RoutingModel(pi, 2), RoutingModel(pi, 2, decode_gamma=2.0)
+    assert plain.step_tokens([1, 1, 100]) == (100.0, 2.0)
+    assert np.array_equal(plain.touch_probability(3.0, 2.0), plain.touch_probability(5.0))
+    assert tempered.touch_probability(3.0)[0, 3] == pytest.approx(1 - 0.8**3)  # prefill tokens: the profile
+    assert tempered.touch_probability(0.0, 1.0)[0] == pytest.approx(t[0])  # one decode token: the tempered row
+    assert tempered.expected_touched(0.0, decode=1.0)[0] == pytest.approx(2.0)
+    assert tempered.expected_touched(0.0, decode=4.0)[0] < plain.expected_touched(4.0)[0]
+    assert np.array_equal(plain.with_decode_gamma(2.0).pi_decode, tempered.pi_decode)
+    with pytest.raises(ValueError, match="modeled_decode_gamma"):
+        LLM("qwen3-30b-a3b", executor="torch", modeled_decode_gamma=1.1)
+
+
+def test_decode_gamma_fit_recovers_the_tempering_the_loads_were_drawn_with():
+    """fit_decode_gamma on decode steps whose recorded loads are a known tempering's expected misses (graphed steps
+    at 1x, eager ones times 1 + waste, expansions on top): it finds that gamma."""
+    from rimuru.engine.modeled.calibration import FitRun, expected_misses, fit_decode_gamma
+
+    rng = np.random.default_rng(1)
+    pi = rng.dirichlet(np.full(32, 0.4), size=3) * 4
+    order = np.array([(layer, e) for e in range(32) for layer in range(3)])  # cache: the first experts of each layer
+    running = np.array([1, 2, 4, 8, 16, 32, 64, 3, 5, 7])
+    graphed = (running <= 16).astype(int)
+    timeline = pd.DataFrame({"prefill_tokens": 0, "decode_tokens": running, "running": running,
+                             "cached_experts": 40, "cuda_graph": graphed, "adjust": [0, 0, 0, 2, 0, 0, 3, 0, 0, 0],
+                             "experts_loaded": 0.0})
+    truth = RoutingModel(pi, 4, decode_gamma=1.3)
+    misses = expected_misses(FitRun("truth", timeline, None, "fixed", truth, order))
+    waste = 0.1
+    timeline["experts_loaded"] = misses * np.where(graphed == 1, 1.0, 1 + waste) + timeline["adjust"]
+    fit = fit_decode_gamma([FitRun("drawn", timeline, None, "fixed", RoutingModel(pi, 4), order)], waste)
+    assert fit["decode_gamma"] == pytest.approx(1.3, rel=1e-3)
+    assert fit["expected_loads_at_gamma_1"] > fit["recorded_loads"] == pytest.approx(fit["expected_loads"], rel=1e-4)
+
+
 def test_load_floor_takes_each_layer_count_from_the_newest_file(tmp_path):
     import pandas as pd
 

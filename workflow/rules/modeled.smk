@@ -19,7 +19,8 @@ def calibration_inputs(w):
             + [f"{REF}/{f}" for f in MODELED.get("async_floor", [])]
             + [f"{REF}/{d}/{f}" for d in MODELED.get("routing_prior_fit", []) for f in ("hotset.json", "e2e.csv")]
             + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv",
-                f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"] if "tp_fit" in MODELED else []))
+                f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"] if "tp_fit" in MODELED else [])
+            + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})])
 
 
 FIDELITY = MODELED["fidelity"]
@@ -53,13 +54,14 @@ rule modeled_calibrate:
         fit_loop="--fit-loop" if MODELED.get("fit_loop") else "",
         tp=(f"--tp-step {MODELED['tp_fit']['step_tp']} --tp-timelines {MODELED['tp_fit']['timelines']}"
             if "tp_fit" in MODELED else ""),
+        gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
     log: "results/logs/modeled/calibrate.log"
     shell:
         CPU + "results/logs/modeled/cpu/calibrate.json -- "
         "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {params.floor} --fit-runs {params.fit} "
         "--routing-fit-runs {params.routing} --routing-prior-fit {params.prior} --fit-timelines {params.timelines} "
         "--async-floor {params.async_floor} "
-        "{params.fit_loop} {params.tp} "
+        "{params.fit_loop} {params.tp} --decode-gamma-fit {params.gamma} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
@@ -71,9 +73,13 @@ rule modeled_fidelity:
         hotsets=[f"{r}/hotset.json" for r in FIDELITY["reference"]],
         floor=[f"{REF}/{f}" for f in MODELED["decode_floor"]],
         tp_runs=[item.partition("=")[2] for item in FIDELITY.get("tp_runs", [])],
+        timelines=lambda w: ([t for r in FIDELITY["reference"] for t in glob.glob(f"{r}/timelines*.csv.gz")]
+                             + [t for item in FIDELITY.get("tp_runs", [])
+                                for t in glob.glob(f"{Path(item.partition('=')[2]).parent}/timeline.csv*")]),
     output:
         csv="results/modeled/fidelity.csv",
         steps="results/modeled/fidelity_steps.csv",  # written beside csv: the step-time model per run, kind, batch
+        kinds="results/modeled/fidelity_kinds.csv",  # beside csv: measured vs replayed steps summed per step kind
         figure="figures/modeled_fidelity.png",
         timelines=directory("results/modeled/fidelity_timelines"),
     params:
@@ -88,6 +94,8 @@ rule modeled_fidelity:
         lookahead=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("short_lookahead", {}).items()),
         engine_default=" ".join(f"{k}={int(n)}" for k, n in FIDELITY.get("engine_default", {}).items()),
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
+        gamma=" ".join(f"{folder}={profile}" for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
+        tp_gamma=(f"--tp-decode-gamma {FIDELITY['tp_decode_gamma']}" if FIDELITY.get("tp_decode_gamma") else ""),
     log: "results/logs/modeled/fidelity.log"
     shell:
         CPU + "results/logs/modeled/cpu/fidelity.json -- "
@@ -98,6 +106,7 @@ rule modeled_fidelity:
         "--short-lookahead {params.lookahead} --expand-headroom {params.headroom} "
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
+        "--decode-gamma {params.gamma} {params.tp_gamma} "
         "--fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"

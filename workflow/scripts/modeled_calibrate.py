@@ -20,6 +20,7 @@ from rimuru.engine.modeled.calibration import (
     fit_attention,
     fit_chunk_routing,
     fit_decode_floor,
+    fit_decode_gamma,
     fit_loop,
     fit_moe_kernel,
     fit_routing_prior,
@@ -84,6 +85,11 @@ def main() -> None:
     ap.add_argument("--tp-timelines", default="",
                     help="folder (relative to --reference) with e2e_runs.csv and timeline.csv of TP serving runs: "
                          "tp_layer_ms (their rows in fidelity.csv are `fit`)")
+    ap.add_argument("--decode-gamma-fit", nargs="*", default=[],
+                    help="PROFILE=RUN+RUN...: a hotset (relative to --reference) and the fit runs served with it whose "
+                         "decode steps give its decode tempering (RoutingModel decode_gamma; fitted.decode_gamma); RUN "
+                         "DIR/TRACE:POLICY (DIR/timelines_TRACE.csv.gz, e2e.csv) or DIR:POLICY (a TP folder's "
+                         "timeline.csv and e2e_runs.csv)")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -151,6 +157,31 @@ def main() -> None:
              "prior_tokens": base.routing_prior_tokens, "reference_curve": base.routing_reference_curve}
     runs = [fit_run(k, chunk) for k in args.fit_runs.split(",")]
     base = base.replace(prefetch_waste=prefetch_waste(runs))
+    decode_gamma = {}
+    for item in args.decode_gamma_fit:
+        profile, _, keys = item.partition("=")
+        if not keys:
+            raise SystemExit(f"--decode-gamma-fit takes PROFILE=RUN+RUN..., got {item!r}")
+        hotset = Hotset.load(ref / profile)
+        data.append(data_entry(ref / profile))
+        gamma_runs = []
+        for key in keys.split("+"):
+            path, policy = key.rsplit(":", 1)
+            if (ref / path).is_dir():  # a TP folder: timeline.csv(.gz) and e2e_runs.csv
+                t_path = next(p for p in (ref / path / "timeline.csv.gz", ref / path / "timeline.csv") if p.exists())
+                runs_path = ref / path / "e2e_runs.csv"
+            else:
+                folder, trace = path.rsplit("/", 1)
+                t_path, runs_path = ref / folder / f"timelines_{trace}.csv.gz", ref / folder / "e2e.csv"
+            t_frame = pd.read_csv(t_path)
+            t_frame = t_frame[t_frame["policy"] == policy]
+            model = pd.read_csv(runs_path)["model"].iloc[0]
+            spec = spec_with_layers(*parse_run_model(model))
+            data.append(data_entry(t_path))
+            for repeat, t in t_frame.groupby("repeat"):
+                gamma_runs.append(FitRun(f"{key}#{repeat}", t.reset_index(drop=True), spec, policy,
+                                         RoutingModel.from_hotset(hotset, spec.top_k, **chunk), hotset.global_order()))
+        decode_gamma[profile] = fit_decode_gamma(gamma_runs, base.prefetch_waste)
     floor = load_floor([ref / path for path in args.decode_floor])
     for path, rows in floor.groupby("source", sort=False):
         data.append(data_entry(Path(path), rows) | {"layers": sorted(map(int, rows["layers"].unique()))})
@@ -204,7 +235,7 @@ def main() -> None:
                                     "loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
-        "routing_fit": routing_fit, "routing_prior_fit": prior_fit,
+        "routing_fit": routing_fit, "routing_prior_fit": prior_fit, "decode_gamma": decode_gamma,
         "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
         "fit_runs": args.fit_runs.split(","), "fit_timelines": list(filter(None, args.fit_timelines.split(","))),
         "data": data,
@@ -225,6 +256,9 @@ def main() -> None:
           f"fixed {kernel['moe_fixed_us']:.1f} us "
           f"(median error {kernel['median_rel_error']:.1%}); attention: attn_eff {attention['attn_eff']:.3f}")
     print("steps:", {k: round(v, 3) for k, v in steps["values"].items()}, "waste", round(params.prefetch_waste, 3))
+    for profile, g in decode_gamma.items():
+        print(f"decode gamma of {profile}: {g['decode_gamma']:.3f} ({g['decode_steps']} decode steps, recorded loads "
+              f"{g['recorded_loads']:.0f}, expected {g['expected_loads_at_gamma_1']:.0f} at gamma 1)")
     print("serving loop:", {k: round(v, 3) for k, v in loop.items()}, "applied" if args.fit_loop else "not applied")
     if tp:
         print(f"TP: tp_step_ms {tp['tp_step_ms']:.3f} ({tp['tp_step_segments']} segments), tp_layer_ms "

@@ -129,6 +129,13 @@ def main() -> None:
                     help="FOLDER=HOTSET: replay FOLDER's runs once more with the routing model drawing from HOTSET's "
                          "probabilities (the cache still filled in the served hotset's order: "
                          "modeled_routing_profile); rows split `ablation`, named RUN routing:<HOTSET's folder>")
+    ap.add_argument("--decode-gamma", nargs="*", default=[],
+                    help="FOLDER=PROFILE: FOLDER's runs were served with PROFILE (a hotset under results/reference "
+                         "whose decode tempering the calibration fitted: fitted.decode_gamma) and replay with its "
+                         "decode_gamma; other folders with gamma 1 (the profile as measured)")
+    ap.add_argument("--tp-decode-gamma", default="",
+                    help="PROFILE (fitted.decode_gamma) whose decode_gamma the TP runs (served with --tp-hotset) "
+                         "replay with")
     ap.add_argument("--out-csv", required=True)
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
     ap.add_argument("--figure", required=True)
@@ -155,6 +162,22 @@ def main() -> None:
     lookahead = {c: bool(n) for c, n in graph_caps(args.short_lookahead, "--short-lookahead").items()}
     headroom = {c: bool(n) for c, n in graph_caps(args.expand_headroom, "--expand-headroom").items()}
     fit = fit_names(args.fit)
+    fitted_gamma = CostParams.load(args.cost_params).fitted.get("decode_gamma", {})
+
+    def gamma_of(profile: str) -> float:
+        if not profile:
+            return 1.0
+        if profile not in fitted_gamma:
+            raise SystemExit(f"{args.cost_params} has no decode_gamma fitted for {profile} "
+                             f"(fitted: {', '.join(fitted_gamma) or 'none'})")
+        return float(fitted_gamma[profile]["decode_gamma"])
+
+    gamma_folder = {}
+    for item in args.decode_gamma:
+        folder, _, profile = item.partition("=")
+        if Path(folder) not in [Path(r) for r in args.reference]:
+            raise SystemExit(f"--decode-gamma takes FOLDER=PROFILE with FOLDER one of --reference, got {item!r}")
+        gamma_folder[str(Path(folder) / "hotset.json")] = (profile, gamma_of(profile))
     default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
     rows = []
     timelines = Path(args.out_timelines)
@@ -187,7 +210,8 @@ def main() -> None:
                   offload_graph_max_batch=caps[commit], async_scheduling=overlap[commit],
                   modeled_next_step_prefetch=next_step[commit], kv_compaction=compaction[commit],
                   short_lookahead=lookahead[commit], expand_headroom=headroom[commit],
-                  modeled_routing_profile=row["routing_profile"] or None)
+                  modeled_routing_profile=row["routing_profile"] or None,
+                  modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1])
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
@@ -220,24 +244,83 @@ def main() -> None:
                          "kv_compaction": compaction[commit], "short_lookahead": lookahead[commit],
                          "expand_headroom": headroom[commit],
                          "async_overlap": overlap[commit], "commit": commit, "hotset_prompts": cal,
-                         "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n})
+                         "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n,
+                         "decode_gamma": llm.config.modeled_decode_gamma,
+                         "decode_gamma_profile": gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[0]})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
         print(f"{key} (cap {caps[commit]}, {len(group)} measured): " + ", ".join(
             f"{m} {float(group[m].median()):.4g} -> {float(metrics[m]):.4g}" for m in METRICS), flush=True)
+    maps = {"graph_cap": caps, "async_scheduling": overlap, "next_step_prefetch": next_step,
+            "kv_compaction": compaction, "short_lookahead": lookahead, "expand_headroom": headroom}
+
+    def tp_engine(commit: str) -> dict[str, int]:
+        try:
+            return engine_features(commit, maps, default)
+        except ValueError as exc:
+            raise SystemExit(f"TP run at {commit}: {exc}") from None
+
     for item in args.tp_runs:
         split, _, path = item.partition("=")
         if split not in ("fit", "validate") or not path:
             raise SystemExit(f"--tp-runs takes fit=PATH or validate=PATH, got {item!r}")
-        for r in tp_rows(path, args.tp_trace, args.tp_hotset, args.cost_params, args.hardware, split):
-            rows.append(r | {"goal": GOALS.get(r["metric"], float("nan")), "graph_cap": float("nan"),
-                             "async_overlap": False})
+        for r in tp_rows(path, args.tp_trace, args.tp_hotset, args.cost_params, args.hardware, split,
+                         engine=tp_engine, timelines=timelines, decode_gamma=gamma_of(args.tp_decode_gamma)):
+            rows.append(r | {"goal": GOALS.get(r["metric"], float("nan")), "async_overlap": bool(r["async_scheduling"]),
+                             "decode_gamma_profile": args.tp_decode_gamma})
     frame = pd.DataFrame(rows)
     Path(args.out_csv).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_csv, index=False)
+    kinds = step_kinds(args.reference, [p.partition("=")[2] for p in args.tp_runs], timelines)
+    kinds.to_csv(Path(args.out_csv).with_name("fidelity_kinds.csv"), index=False)
     serving = serving_steps(args.reference, fit, args.cost_params, args.hardware, overlap)
     serving.to_csv(Path(args.out_csv).with_name("fidelity_steps.csv"), index=False)
     figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), serving, args.figure)
+
+
+def step_kind(frame: pd.DataFrame) -> np.ndarray:
+    """``first`` (a run's first step: the burst's first prefill), ``prefill`` (prompt tokens, with or without
+    decode tokens beside them) or ``decode``."""
+    kind = np.where(frame["prefill_tokens"].to_numpy() > 0, "prefill", "decode").astype(object)
+    kind[:1] = "first"
+    return kind
+
+
+def step_kinds(references: list[str], tp_runs: list[str], timelines: Path) -> pd.DataFrame:
+    """Measured against replayed steps, summed per step kind (``step_kind``): steps, tokens, (layer, expert) pairs
+    touched, experts loaded and step time of every measured repeat (``source`` ``measured``, ``repeat``) and of the
+    replay (``modeled``; the timelines ``main`` wrote to ``timelines``), for every run with a per-step timeline
+    (e2e ``timelines*.csv.gz``; TP runs' ``timeline.csv(.gz)`` beside their e2e_runs.csv). Where a replay's error
+    comes from: which kind of step diverges, and whether in routing (touched, loaded) or in time per work."""
+    pairs = []
+    for ref in map(Path, references):
+        runs = pd.read_csv(ref / "e2e.csv")
+        for path in sorted(ref.glob("timelines*.csv.gz")):
+            trace_run = path.name.removeprefix("timelines").removeprefix("_").removesuffix(".csv.gz")
+            run = trace_run if "run" in runs else folder_run(ref)
+            pairs.append((run, pd.read_csv(path)))
+    for runs_path in map(Path, tp_runs):
+        found = [p for p in (runs_path.parent / "timeline.csv.gz", runs_path.parent / "timeline.csv") if p.exists()]
+        if found:
+            pairs.append((f"tp2_{runs_path.parent.name}", pd.read_csv(found[0])))
+    out = []
+    for run, measured in pairs:
+        if "workload" not in measured:
+            measured = measured.assign(workload="burst")  # a TP folder's timeline: bursts only
+        for (policy, workload), m in measured.groupby(["policy", "workload"]):
+            safe = re.sub(r"[^a-z0-9_]+", "_", f"{run}/{policy}/{workload}")
+            modeled = timelines / f"{safe}.csv"
+            if not modeled.exists():
+                continue
+            sources = [("measured", r, g) for r, g in m.groupby("repeat")] + [("modeled", -1, pd.read_csv(modeled))]
+            for source, repeat, g in sources:
+                g = g.reset_index(drop=True)
+                agg = g.assign(kind=step_kind(g)).groupby("kind").agg(
+                    steps=("step", "size"), tokens=("tokens", "sum"), touched=("experts_touched", "sum"),
+                    loaded=("experts_loaded", "sum"), step_ms=("step_ms", "sum")).reset_index()
+                out.append(agg.assign(run=f"{run}/{policy}/{workload}", source=source, repeat=repeat))
+    cols = ["run", "source", "repeat", "kind", "steps", "tokens", "touched", "loaded", "step_ms"]
+    return pd.concat(out, ignore_index=True)[cols] if out else pd.DataFrame(columns=cols)
 
 
 def serving_steps(references: list[str], fit: list[str], cost_params: str, hardware: str,

@@ -40,7 +40,8 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
                                        chunk_scale=params.routing_chunk_scale,
                                        chunk_exponent=params.routing_chunk_exponent,
                                        prior_tokens=params.routing_prior_tokens,
-                                       reference_curve=params.routing_reference_curve)
+                                       reference_curve=params.routing_reference_curve,
+                                       decode_gamma=config.modeled_decode_gamma)
     if routing.shape != (llm.spec.num_moe_layers, llm.spec.num_experts):
         raise ValueError(f"hotset has {routing.shape} (layers, experts), the model "
                          f"{(llm.spec.num_moe_layers, llm.spec.num_experts)}")

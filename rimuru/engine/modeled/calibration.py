@@ -101,8 +101,9 @@ def expected_misses(run: FitRun) -> np.ndarray:
     rank = rank.reshape(layers, experts)
     out = np.empty(len(run.timeline))
     t = run.timeline
-    for i, (tokens, cached) in enumerate(zip(step_effective_tokens(t, run.routing), t["cached_experts"])):
-        p = run.routing.touch_probability(tokens)
+    prefill, decode = step_tokens(t, run.routing)
+    for i, (tokens, d, cached) in enumerate(zip(prefill, decode, t["cached_experts"])):
+        p = run.routing.touch_probability(tokens, d)
         out[i] = p[rank >= cached].sum()
     return out
 
@@ -110,12 +111,56 @@ def expected_misses(run: FitRun) -> np.ndarray:
 def step_effective_tokens(timeline: pd.DataFrame, routing: RoutingModel, chunk_tokens: int = 256) -> np.ndarray:
     """Per recorded step: its decode tokens plus its prefill tokens as chunks of at most ``chunk_tokens`` (the
     timeline does not record the chunks), in the routing model's effective tokens."""
-    out = np.empty(len(timeline))
-    for i, (decode, prefill) in enumerate(zip(timeline["decode_tokens"], timeline["prefill_tokens"])):
+    prefill, decode = step_tokens(timeline, routing, chunk_tokens)
+    return prefill + decode
+
+
+def step_tokens(timeline: pd.DataFrame, routing: RoutingModel,
+                chunk_tokens: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """Per recorded step: (its prefill tokens as chunks of at most ``chunk_tokens``, in the routing model's effective
+    tokens; its decode tokens), the two counts ``RoutingModel.touch_probability`` takes."""
+    prefill_eff = np.zeros(len(timeline))
+    for i, prefill in enumerate(timeline["prefill_tokens"]):
         n = -(-int(prefill) // chunk_tokens)
-        chunks = [prefill / n] * n if n else []
-        out[i] = decode + routing.effective_tokens(chunks) if chunks else decode
-    return out
+        if n:
+            prefill_eff[i] = routing.effective_tokens([prefill / n] * n)
+    return prefill_eff, timeline["decode_tokens"].to_numpy(float)
+
+
+def fit_decode_gamma(runs: list[FitRun], waste: float, bounds: tuple[float, float] = (0.2, 5.0)) -> dict:
+    """The decode tempering (``RoutingModel`` ``decode_gamma``) of the profile the paged ``runs`` were served with
+    (one profile): over their decode-only steps, the gamma at which the routing model's expected loads equal the
+    recorded ones — a graphed step's misses read in place, an eager step's misses times ``1 + waste`` (the
+    predictor's, as the replay books them; expansions, ``adjust`` > 0, taken off the recorded loads). One equation in
+    one unknown (expected misses fall as gamma concentrates decode tokens on the cached, popular experts)."""
+    from scipy.optimize import brentq
+
+    parts = []
+    for run in runs:
+        if run.policy not in ("elastic", "fixed"):
+            continue
+        t = run.timeline[run.timeline["prefill_tokens"] == 0].reset_index(drop=True)
+        if t.empty:
+            continue
+        factor = np.where(t["cuda_graph"].to_numpy() == 1, 1.0, 1.0 + waste)
+        recorded = float((t["experts_loaded"] - t["adjust"].clip(lower=0)).sum())
+        parts.append((run, t, factor, recorded))
+    if not parts:
+        raise ValueError("no decode steps of a paged policy in the decode-gamma fit runs")
+    recorded = sum(r for *_, r in parts)
+
+    def expected(gamma: float) -> float:
+        return sum(float((factor * expected_misses(FitRun(run.name, t, run.spec, run.policy,
+                                                               run.routing.with_decode_gamma(gamma),
+                                                               run.cache_order))).sum())
+                   for run, t, factor, _ in parts)
+
+    lo, hi = bounds
+    f_lo, f_hi = expected(lo) - recorded, expected(hi) - recorded
+    gamma = lo if f_lo <= 0 else hi if f_hi >= 0 else brentq(lambda g: expected(g) - recorded, lo, hi, xtol=1e-4)
+    return {"decode_gamma": float(gamma), "runs": [run.name for run, *_ in parts],
+            "decode_steps": int(sum(len(t) for _, t, _, _ in parts)), "recorded_loads": recorded,
+            "expected_loads_at_gamma_1": expected(1.0), "expected_loads": expected(gamma), "waste": waste}
 
 
 def fit_chunk_routing(runs: list[FitRun]) -> dict:

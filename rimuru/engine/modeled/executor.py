@@ -96,7 +96,7 @@ class ModeledExecutor:
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
         samples = sum(1 for c in chunks if c.samples)
         expansions = self.loader.experts_loaded - self._loads_seen  # started by the adjuster this step
-        touched = self.routing.sample_touched(self.routing.effective_tokens(q))  # [M, E]
+        touched = self.routing.sample_touched(*self.routing.step_tokens(q))  # [M, E]
         layers = touched.shape[0]
         zeros = np.zeros(layers, dtype=np.int64)
         cpu_experts = cpu_share = None

@@ -20,9 +20,19 @@ fewer where the layer has more experts never chosen than that many independent t
 reference popularity curve (``effective_profile_tokens``). ``prior_tokens`` and the curve are fitted on profiles
 built from many prompts (``rimuru.engine.modeled.calibration.fit_routing_prior``) and applied to every profile: a
 profile of many tokens with no unseen expert barely moves.
+
+Decode tokens (``decode_gamma``, since wave 7): a hotset profile mixes the calibration prompts' tokens with the
+tokens they decoded (e2e_gpu.py: 1-128 decode tokens per prompt; the profile records no split), and a decode step's
+tokens may route differently from that mix. Decode tokens route by the profile tempered per layer, ``pi ** gamma``
+rescaled to top-k picks (``temper``; gamma > 1 concentrates them on the profile's popular experts, < 1 spreads
+them); gamma 1 (the default) is the profile itself. Fitted per profile on the decode steps of the fit runs served
+with that profile (``rimuru.engine.modeled.calibration.fit_decode_gamma``), and applied to the runs served with the
+same profile only (the fidelity config says which).
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 
@@ -83,10 +93,31 @@ def effective_profile_tokens(probability: np.ndarray, num_tokens: float, referen
     return out
 
 
+def temper(probability: np.ndarray, gamma: float, top_k: int) -> np.ndarray:
+    """[L, E] inclusion probabilities ``pi ** gamma`` per layer, rescaled to ``top_k`` picks per token with no
+    probability above 1 (what exceeds 1 is spread over the others in proportion, a few rounds); gamma 1: ``pi``."""
+    if gamma <= 0:
+        raise ValueError(f"decode_gamma must be > 0, got {gamma}")
+    p = np.asarray(probability, dtype=np.float64)
+    if gamma == 1.0:
+        return p
+    q = np.power(p, gamma, where=p > 0, out=np.zeros_like(p))
+    q = q / q.sum(axis=1, keepdims=True) * top_k
+    for _ in range(32):
+        over = q > 1.0
+        if not over.any():
+            break
+        excess = (q - 1.0).clip(min=0).sum(axis=1, keepdims=True)
+        q = np.where(over, 1.0, q)
+        free = np.where(q < 1.0, q, 0.0)
+        q = q + free / np.maximum(free.sum(axis=1, keepdims=True), 1e-300) * excess
+    return np.clip(q, 0.0, 1.0)
+
+
 class RoutingModel:
     def __init__(self, probability: np.ndarray, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
                  chunk_exponent: float = 1.0, num_tokens: float = 0, prior_tokens: float = 0.0,
-                 reference_curve: np.ndarray | None = None) -> None:
+                 reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0) -> None:
         if chunk_scale <= 0 or not 0 < chunk_exponent <= 1:
             raise ValueError(f"chunk_scale must be > 0 and chunk_exponent in (0, 1], got {chunk_scale}, "
                              f"{chunk_exponent}")
@@ -98,17 +129,29 @@ class RoutingModel:
         self.pi = np.clip(shrink_to_uniform(probability, top_k, n, prior_tokens), 0.0, 1.0)
         self.top_k = top_k
         self._log_miss = np.log1p(-np.minimum(self.pi, 1 - 1e-12))  # log(1 - pi)
+        self.decode_gamma = float(decode_gamma)
+        self.pi_decode = temper(self.pi, self.decode_gamma, top_k)  # decode tokens' routing (module docstring)
+        self._log_miss_decode = np.log1p(-np.minimum(self.pi_decode, 1 - 1e-12))
         self.rng = np.random.default_rng(seed)
-        self._touch: dict[int, np.ndarray] = {}  # tokens -> touch probabilities (batch sizes repeat)
+        self._touch: dict[tuple[float, float], np.ndarray] = {}  # (tokens, decode) -> touch probabilities
 
     @classmethod
     def from_hotset(cls, hotset: Hotset, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
                     chunk_exponent: float = 1.0, prior_tokens: float = 0.0,
-                    reference_curve: np.ndarray | None = None) -> RoutingModel:
+                    reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0) -> RoutingModel:
         """The hotset's profile, shrunk toward uniform by ``prior_tokens`` against its ``num_tokens`` (per layer:
         fewer where ``reference_curve`` says its unseen experts are too many for that many tokens)."""
         return cls(hotset.probability, top_k, seed, chunk_scale, chunk_exponent, hotset.num_tokens, prior_tokens,
-                   reference_curve)
+                   reference_curve, decode_gamma)
+
+    def with_decode_gamma(self, gamma: float) -> RoutingModel:
+        """The same profile with decode tokens tempered by ``gamma`` (a copy; it shares this model's generator)."""
+        out = copy.copy(self)
+        out.decode_gamma = float(gamma)
+        out.pi_decode = temper(self.pi, out.decode_gamma, self.top_k)
+        out._log_miss_decode = np.log1p(-np.minimum(out.pi_decode, 1 - 1e-12))
+        out._touch = {}
+        return out
 
     def effective_tokens(self, q_lens) -> float:
         """Independent tokens equivalent to a step's chunks (``q_lens``: tokens per scheduled request)."""
@@ -117,30 +160,44 @@ class RoutingModel:
             return float(q.sum())  # independent tokens, or decode tokens only
         return float(np.where(q > 1, np.minimum(q, self.chunk_scale * q ** self.chunk_exponent), q).sum())
 
+    def step_tokens(self, q_lens) -> tuple[float, float]:
+        """A step's (prefill, decode) tokens for ``touch_probability``: its chunks of more than one token in effective
+        tokens, and its one-token chunks (decode tokens; a one-token prompt chunk counts with them)."""
+        q = np.asarray(q_lens, dtype=np.float64)
+        single = float((q == 1).sum())
+        return self.effective_tokens(q[q != 1]), single
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.pi.shape
 
-    def touch_probability(self, tokens: float) -> np.ndarray:
-        """[L, E] P(expert touched by ``tokens`` independent tokens; fractional: effective tokens)."""
-        tokens = round(float(tokens), 2)
-        p = self._touch.get(tokens)
+    def touch_probability(self, tokens: float, decode: float = 0.0) -> np.ndarray:
+        """[L, E] P(expert touched by ``tokens`` independent tokens (fractional: effective tokens) routed by the
+        profile and ``decode`` decode tokens routed by its decode tempering; with gamma 1 the two are one count)."""
+        if self.decode_gamma == 1.0:
+            tokens, decode = float(tokens) + float(decode), 0.0
+        key = (round(float(tokens), 2), round(float(decode), 2))
+        p = self._touch.get(key)
         if p is None:
             if len(self._touch) > 4096:
                 self._touch.clear()
-            p = self._touch[tokens] = -np.expm1(self._log_miss * tokens)
+            log_miss = self._log_miss * key[0]
+            if key[1]:
+                log_miss = log_miss + self._log_miss_decode * key[1]
+            p = self._touch[key] = -np.expm1(log_miss)
         return p
 
-    def expected_touched(self, tokens: float, mask: np.ndarray | None = None) -> np.ndarray:
+    def expected_touched(self, tokens: float, mask: np.ndarray | None = None, decode: float = 0.0) -> np.ndarray:
         """[L] expected number of touched experts (within ``mask`` [L, E] if given)."""
-        p = self.touch_probability(tokens)
+        p = self.touch_probability(tokens, decode)
         return (p if mask is None else p * mask).sum(axis=1)
 
-    def sample_touched(self, tokens: float) -> np.ndarray:
-        """[L, E] bool: the experts this step's ``tokens`` (effective) tokens route to (a fresh draw per call)."""
-        if tokens <= 0:
+    def sample_touched(self, tokens: float, decode: float = 0.0) -> np.ndarray:
+        """[L, E] bool: the experts this step's ``tokens`` (effective) tokens and ``decode`` decode tokens route to
+        (a fresh draw per call)."""
+        if tokens + decode <= 0:
             return np.zeros(self.pi.shape, dtype=bool)
-        return self.rng.random(self.pi.shape) < self.touch_probability(tokens)
+        return self.rng.random(self.pi.shape) < self.touch_probability(tokens, decode)
 
     def share(self, mask: np.ndarray) -> np.ndarray:
         """[L] fraction of all token->expert assignments that go to the experts in ``mask`` [L, E]."""
