@@ -148,18 +148,24 @@ def lamport_add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_p
 
 @triton.jit
 def _empty_row(dt: tl.constexpr, BLOCK: tl.constexpr):
-    """``BLOCK`` negative zeros of ``dt``, built from their bits (a -0.0 literal could fold to +0.0)."""
+    """``BLOCK`` negative zeros of ``dt``, built from their bits (a -0.0 literal could fold to +0.0). (if/else, one
+    return: Triton's code generator compiles the statements after a static if's early return too, 2x H200 at
+    085f8ed — the fp32 kernel failed to compile on the bf16 line.)"""
     if dt == tl.float32:
-        return tl.full([BLOCK], -2147483648, tl.int32).to(tl.float32, bitcast=True)
-    return tl.full([BLOCK], -32768, tl.int16).to(dt, bitcast=True)
+        row = tl.full([BLOCK], -2147483648, tl.int32).to(tl.float32, bitcast=True)
+    else:
+        row = tl.full([BLOCK], -32768, tl.int16).to(dt, bitcast=True)
+    return row
 
 
 @triton.jit
 def _is_empty(p):
     """Elements holding exactly negative zero (the sign bit alone): compared as bits, since -0.0 == 0.0."""
     if p.dtype == tl.float32:
-        return p.to(tl.int32, bitcast=True) == -2147483648
-    return p.to(tl.int16, bitcast=True) == -32768
+        empty = p.to(tl.int32, bitcast=True) == -2147483648
+    else:
+        empty = p.to(tl.int16, bitcast=True) == -32768
+    return empty
 
 
 def empty_value_fill(buf: torch.Tensor) -> torch.Tensor:

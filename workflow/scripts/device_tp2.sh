@@ -61,7 +61,7 @@ if [ "$DEVICE" = cuda ] && [ "${FUSED:-1}" = 1 ]; then
   rc=$?
   echo "[$(( $(date +%s) - START ))s] fused kernel test rc=$rc" | tee -a "$OUT/driver.log"
   if [ $rc != 0 ]; then
-    AB=$(without 'symm_mem_\(fused\|lamport\)')
+    AB=$(without 'symm_mem_\(fused\|lamport\)\(+vocab\)\?')
     case "${FIRST:-nccl}" in symm_mem_fused|symm_mem_lamport) FIRST=nccl ;; esac
     echo "symm_mem_fused/lamport left out of the decode A/B (kernel test failed)" | tee -a "$OUT/driver.log"
   elif [ "${FUSED_CHECK:-1}" != 0 ]; then
@@ -75,7 +75,7 @@ if [ "$DEVICE" = cuda ] && [ "${FUSED:-1}" = 1 ]; then
              && ! grep -q '"greedy_identical": false' "$OUT/kill_${tag}_static/checks.json" 2>/dev/null \
              && grep -q '"greedy_identical": true' "$OUT/kill_${tag}_static/checks.json" 2>/dev/null; }; then
         for name in ${names//,/ }; do
-          AB=$(without "$name")
+          AB=$(without "${name//+/[+]}")
           [ "${FIRST:-nccl}" = "$name" ] && FIRST=nccl
         done
         echo "$names left out of the decode A/B (engine check failed)" | tee -a "$OUT/driver.log"
