@@ -290,7 +290,7 @@ def _launch_gemv(a, w, c, page_table, topk_weights, topk_ids, *, N, K, F, D, top
         a, w, w if host is None else host, c, page_table, topk_weights, topk_ids,
         N, K, F, D, pairs, a.stride(0), c.stride(0),
         TOP_K=top_k, GATE_UP=gate_up, PAGED=paged, HOST_PAGES=host is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, **chain(a.device))
+        num_warps=warps, **chain(a.device, 1))
 
 
 # ---------------------------------------------------------------------------------------------- configs
@@ -443,7 +443,7 @@ class DirectSchedule:
 
 # ---------------------------------------------------------------------------------------------- launch
 def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment | DirectSchedule, *, N, K, F, D, top_k, gate_up,
-            paged, cfg: MoeKernelConfig, host=None) -> None:
+            paged, cfg: MoeKernelConfig, host=None, tokens: int) -> None:
     grid = (align.max_blocks * triton.cdiv(N, cfg.block_n),)
     direct = isinstance(align, DirectSchedule)
     if direct:
@@ -459,7 +459,7 @@ def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment | DirectSched
         EVEN_K=K % cfg.block_k == 0, HOST_PAGES=host is not None,
         DOT_PRECISION=variants.dot_precision(a.dtype),
         DIRECT=direct, SINGLE=direct and align.single, BLOCK_P=DIRECT_MAX_PAIRS if direct else 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **chain(a.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **chain(a.device, tokens),
     )
 
 
@@ -514,7 +514,7 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
     w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
     h = intermediate if intermediate is not None else torch.empty(T * k, f, dtype=hidden.dtype, device=hidden.device)
     y = out if out is not None else torch.empty(T * k, d, dtype=hidden.dtype, device=hidden.device)
-    common = dict(F=f, D=d, top_k=k, paged=paged, host=host_pages)
+    common = dict(F=f, D=d, top_k=k, paged=paged, host=host_pages, tokens=T)
     _launch(hidden, weights, h, page_table, w_flat, align, N=f, K=d, gate_up=True, cfg=configs.gate_up, **common)
     _launch(h, weights, y, page_table, w_flat, align, N=d, K=f, gate_up=False, cfg=configs.down, **common)
     return y

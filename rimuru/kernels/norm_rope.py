@@ -160,7 +160,7 @@ def qkv_norm_rope_write(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, he
             slot_mapping, num_heads, head_dim, qkv.stride(0), cos.stride(0), eps,
             kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
             BLOCK_TOKENS=kv.shape[2], ROT=rotary_dim, NORM=q_norm is not None,
-            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2, **chain(qkv.device))
+            BLOCK_D=triton.next_power_of_2(head_dim), num_warps=1 if head_dim <= 128 else 2, **chain(qkv.device, T))
     return q
 
 
@@ -310,7 +310,7 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
         topk_softmax_kernel[(T,)](logits, weights, ids, valid, E, logits.stride(0), TOP_K=top_k,
                                   BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
                                   RENORM=renormalize, HAS_VALID=row_valid is not None,
-                                  num_warps=1 if E <= 256 else 4, **chain(logits.device))
+                                  num_warps=1 if E <= 256 else 4, **chain(logits.device, T))
     return weights, ids
 
 
@@ -390,7 +390,7 @@ def add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, ep
         h = h + s
         return h, rms_norm(h, weight, eps)
     return launch_residual_norm(add_rms_norm_kernel, h, addend, weight, eps, extra,
-                                pdl=chain(h.device, primary=True))
+                                pdl=chain(h.device, h.shape[0], primary=True))
 
 
 def addend_rows(addend: torch.Tensor, d: int) -> torch.Tensor:

@@ -512,8 +512,8 @@ def decode_attention(
     merge = variants.on("merge")  # the splits merge inside the decode kernel (no decode_reduce_kernel launch)
     # the ``pdl`` levers: with ``pdl`` the kernel that writes ``out`` lets the next (a programmatic dependent) start
     # at once; with ``pdl_chain`` both kernels are dependents too
-    trigger = chain(q.device, primary=True)
-    first = trigger if num_splits == 1 or merge else chain(q.device)
+    trigger = chain(q.device, num_req, primary=True)
+    first = trigger if num_splits == 1 or merge else chain(q.device, num_req)
     if num_splits > 1:
         part_out = torch.empty(num_req, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_req, heads, num_splits, dtype=torch.float32, device=q.device)

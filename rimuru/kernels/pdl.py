@@ -52,11 +52,18 @@ def pdl_enter(WAIT: tl.constexpr, LAUNCH: tl.constexpr):
         gdc_launch_dependents()
 
 
-def chain(device: torch.device, primary: bool = False) -> dict[str, bool]:
-    """Launch arguments of a decode-chain kernel (``PDL_WAIT``, ``LAUNCH_DEPENDENTS``, ``launch_pdl``): with the
-    ``pdl_chain`` lever every chain kernel is a programmatic dependent of the one before it and signals the one after
-    it; with only ``pdl``, a ``primary`` (a kernel before a projection) signals its dependent. None without them or
-    where :func:`pdl_launch` says no."""
+PDL_MAX_ROWS = 32  # above, no programmatic launches: measured a gain at 1-16 decode rows and none at 64 (replays
+#                    -0.5 %, whole steps within their spread) or 256 (whole steps +2 %), results/reference/engine/
+#                    run_38fd399_48L/; a step of more rows (a prefill, a large decode batch) launches the plain kernels
+
+
+def chain(device: torch.device, rows: int, primary: bool = False) -> dict[str, bool]:
+    """Launch arguments of a decode-chain kernel of a step of ``rows`` tokens (``PDL_WAIT``, ``LAUNCH_DEPENDENTS``,
+    ``launch_pdl``): with the ``pdl_chain`` lever every chain kernel is a programmatic dependent of the one before it
+    and signals the one after it; with only ``pdl``, a ``primary`` (a kernel before a projection) signals its
+    dependent. None without them, above ``PDL_MAX_ROWS`` rows, or where :func:`pdl_launch` says no."""
+    if rows > PDL_MAX_ROWS:
+        return {}
     if pdl_launch(variants.on("pdl_chain"), device):
         return {"PDL_WAIT": True, "LAUNCH_DEPENDENTS": True, "launch_pdl": True}
     if primary and pdl_launch(variants.on("pdl"), device):

@@ -142,7 +142,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     N = weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_n, block_k = gemv_blocks(N, K)
-    launch = chain(x.device)  # pdl_chain: a dependent that signals the next kernel too
+    launch = chain(x.device, M)  # pdl_chain: a dependent that signals the next kernel too
     if not launch and pdl_launch(pdl, x.device):
         launch = {"PDL_WAIT": True, "launch_pdl": True}
     gemv_kernel[(triton.cdiv(N, block_n),)](

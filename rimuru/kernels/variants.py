@@ -1,7 +1,8 @@
-"""Which small-batch decode kernel variants the wrappers launch (issue 11, wave 5), for A/B runs in one process.
+"""Which small-batch decode kernel variants the wrappers launch (issue 11, waves 5 and 7), for A/B runs in one process.
 
-Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: ``direct_moe`` and ``qkv_fused``, the two that
-measured faster on the H200; ``all``: every one):
+Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the six that measured faster on the H200,
+``direct_moe``, ``qkv_fused``, ``gemv``, ``pdl``, ``pdl_chain`` and ``moe_gemv``; ``wave5``: the wave-5 default,
+``direct_moe`` and ``qkv_fused``; ``all``: every one):
 
 * ``merge``: split-KV decode merges its splits inside the decode kernel (the last split of a request and KV head
   to finish merges; no ``decode_reduce_kernel`` launch);
@@ -40,25 +41,30 @@ from contextlib import contextmanager
 import torch
 
 LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv")
-# The levers that measured faster (H200, 48 layers, results/reference/engine/run_2445415_48L/ab_*): the others
-# made their kernels slower than what they replace and are off unless asked for (``all`` or by name).
-FAST = ("direct_moe", "qkv_fused")
-VARIANTS = ("fast", "baseline", "all")
+# The levers that measured faster (H200, 48 layers: results/reference/engine/run_2445415_48L/ab_* for the wave-5 two,
+# run_38fd399_48L/ for the wave-7 four): the others made their kernels slower than what they replace and are off
+# unless asked for (``all`` or by name).
+WAVE5 = ("direct_moe", "qkv_fused")
+FAST = WAVE5 + ("gemv", "pdl", "pdl_chain", "moe_gemv")
+VARIANTS = ("fast", "wave5", "baseline", "all")
 
 
 def parse(spec: str) -> frozenset[str]:
-    """``fast`` (the levers that measured faster), ``all`` (every lever), ``baseline`` (none) or levers separated
-    by commas, ``fast`` among them standing for its levers (``fast,gemv,pdl``)."""
+    """``fast`` (the levers that measured faster), ``wave5`` (wave 5's default), ``all`` (every lever), ``baseline``
+    (none) or levers separated by commas, ``fast`` / ``wave5`` among them standing for their levers
+    (``wave5,gemv``)."""
     if spec == "fast":
         return frozenset(FAST)
+    if spec == "wave5":
+        return frozenset(WAVE5)
     if spec == "all":
         return frozenset(LEVERS)
     if spec in ("baseline", ""):
         return frozenset()
     levers = set()
-    for s in spec.split(","):  # "fast" inside a list: the fast levers plus the others named
+    for s in spec.split(","):  # "fast" / "wave5" inside a list: their levers plus the others named
         s = s.strip()
-        levers |= set(FAST) if s == "fast" else {s}
+        levers |= {"fast": set(FAST), "wave5": set(WAVE5)}.get(s, {s})
     levers = frozenset(levers)
     unknown = sorted(levers - set(LEVERS))
     if unknown:
@@ -80,6 +86,8 @@ def on(lever: str) -> bool:
 def current() -> str:
     if _current == frozenset(FAST):
         return "fast"
+    if _current == frozenset(WAVE5):
+        return "wave5"
     return "all" if _current == frozenset(LEVERS) else ",".join(sorted(_current)) or "baseline"
 
 

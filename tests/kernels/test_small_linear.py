@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from rimuru.kernels import variants
-from rimuru.kernels.pdl import chain, pdl_launch
+from rimuru.kernels.pdl import PDL_MAX_ROWS, chain, pdl_launch
 from rimuru.kernels.small_linear import (
     GEMV_MAX_K,
     GEMV_MAX_ROWS,
@@ -123,29 +123,30 @@ def test_pdl_is_off_under_the_interpreter_and_off_the_gpu():
     assert not pdl_launch(True, torch.device("cpu"))
     assert not pdl_launch(False, torch.device("cuda", 0))
     with variants.use("fast,gemv,pdl,pdl_chain"):
-        assert chain(torch.device("cpu")) == {} and chain(torch.device("cpu"), primary=True) == {}
+        assert chain(torch.device("cpu"), 1) == {} and chain(torch.device("cpu"), 1, primary=True) == {}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pdl_launch_arguments_follow_the_levers():
     """Off: nothing; ``pdl``: only a kernel before a projection signals; ``pdl_chain``: every chain kernel waits,
-    signals and is launched as a dependent (on a GPU of compute capability >= 9.0)."""
+    signals and is launched as a dependent (on a GPU of compute capability >= 9.0); nothing above PDL_MAX_ROWS."""
     dev = torch.device("cuda", torch.cuda.current_device())
     if torch.cuda.get_device_capability(dev)[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    with variants.use("fast,gemv"):
-        assert chain(dev) == {} and chain(dev, primary=True) == {}
-    with variants.use("fast,gemv,pdl"):
-        assert chain(dev) == {} and chain(dev, primary=True) == {"LAUNCH_DEPENDENTS": True}
-    with variants.use("fast,gemv,pdl,pdl_chain"):
+    with variants.use("wave5,gemv"):
+        assert chain(dev, 1) == {} and chain(dev, 1, primary=True) == {}
+    with variants.use("wave5,gemv,pdl"):
+        assert chain(dev, 1) == {} and chain(dev, 1, primary=True) == {"LAUNCH_DEPENDENTS": True}
+    with variants.use("wave5,gemv,pdl,pdl_chain"):
         full = {"PDL_WAIT": True, "LAUNCH_DEPENDENTS": True, "launch_pdl": True}
-        assert chain(dev) == full and chain(dev, primary=True) == full
+        assert chain(dev, 1) == full and chain(dev, PDL_MAX_ROWS, primary=True) == full
+        assert chain(dev, PDL_MAX_ROWS + 1) == {} and chain(dev, PDL_MAX_ROWS + 1, primary=True) == {}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("spec", ["fast,gemv", "fast,gemv,pdl", "fast,gemv,pdl,pdl_chain"])
+@pytest.mark.parametrize("spec", ["wave5,gemv", "wave5,gemv,pdl", "wave5,gemv,pdl,pdl_chain"])
 def test_gemv_in_a_cuda_graph_reads_the_norm_it_follows(spec):
     """The decode chain add_rms_norm -> projection captured in a graph, the projection launched as a programmatic
     dependent (``pdl``; with ``pdl_chain`` the norm too): replayed on new inputs it reads the norm's output of that
@@ -198,9 +199,9 @@ def test_router_logits_through_gemv_route_like_cublas():
     hidden = torch.randn(4, 2048, generator=gen, device="cuda")
     gate = torch.randn(128, 2048, generator=gen, device="cuda") / 45
     for valid in (None, torch.tensor([[True], [True], [False], [True]], device="cuda")):
-        with variants.use("fast"):
+        with variants.use("wave5"):
             w0, ids0 = route(hidden, gate, 8, True, valid)
-        with variants.use("fast,gemv"):
+        with variants.use("wave5,gemv"):
             w1, ids1 = route(hidden, gate, 8, True, valid)
         assert torch.equal(ids0, ids1)
         torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)

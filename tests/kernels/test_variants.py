@@ -10,7 +10,9 @@ def test_named_variants_and_lever_lists():
     assert variants.parse("all") == frozenset(variants.LEVERS)
     assert variants.parse("fast") == frozenset(variants.FAST) < frozenset(variants.LEVERS)
     assert variants.parse("merge, qkv_fused") == {"merge", "qkv_fused"}
-    assert variants.parse("fast,gemv,pdl") == frozenset(variants.FAST) | {"gemv", "pdl"}  # "fast" in a list
+    assert variants.parse("wave5,gemv,pdl") == frozenset(variants.WAVE5) | {"gemv", "pdl"}  # a name in a list
+    assert variants.parse("wave5") < variants.parse("fast")
+    assert {"gemv", "pdl", "pdl_chain", "moe_gemv"} < variants.parse("fast")
 
 
 def test_unknown_levers_are_named_in_the_error():

@@ -144,13 +144,13 @@ SCHEDULE = [
 @pytest.mark.parametrize("impl", ["reference", pytest.param("triton", marks=needs_triton),
                                   pytest.param("triton-baseline", marks=needs_triton),
                                   pytest.param("triton-all", marks=needs_triton),
-                                  pytest.param("triton-gemv", marks=needs_triton)])
+                                  pytest.param("triton-wave5", marks=needs_triton)])
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
 def test_prefill_then_decode_matches_transformers_attention(kind, impl):
-    """``triton``: the default kernels (fused q/k norm + RoPE + KV write); ``triton-all``: also few-row projections
-    and the in-kernel split merge; ``triton-baseline``: the wave-4 kernels; ``triton-gemv``: the default kernels and
-    the matrix-vector projections of decode steps of <= 4 rows (rimuru.kernels.variants)."""
-    variant = {"triton-baseline": "baseline", "triton-all": "all", "triton-gemv": "fast,gemv,pdl"}.get(impl, "fast")
+    """``triton``: the default kernels (fused q/k norm + RoPE + KV write, matrix-vector projections of decode steps of
+    <= 4 rows); ``triton-all``: also the tiled few-row projections and the in-kernel split merge; ``triton-wave5``: the
+    wave-5 default (cuBLAS projections); ``triton-baseline``: the wave-4 kernels (rimuru.kernels.variants)."""
+    variant = {"triton-baseline": "baseline", "triton-all": "all", "triton-wave5": "wave5"}.get(impl, "fast")
     with variants.use(variant):
         _prefill_then_decode(kind, impl.split("-")[0])
 

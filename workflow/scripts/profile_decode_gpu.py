@@ -50,7 +50,7 @@ from rimuru.provenance import provenance  # noqa: E402
 from rimuru.units import parse_bytes  # noqa: E402
 
 CLASSES = (  # (class, substrings of the kernel name), first match wins
-    ("moe", ("fused_moe",)),
+    ("moe", ("fused_moe", "moe_gemv")),
     ("moe_align", ("moe_align", "moe_scatter")),
     ("attention", ("decode_attention", "decode_reduce")),
     ("kv_write", ("write_kv",)),
