@@ -20,7 +20,8 @@
   plain ``all_reduce`` (anything else that sums) is ``symm_mem``'s.
 * ``symm_mem_lamport`` — ``symm_mem_fused`` without the flags: the receive buffer holds an empty value (-0.0) where
   no row is pending, and a reader polls the pushed row itself (no fence, no atomic per call; the partial is never
-  sent as -0.0). Explicit only: measured against ``symm_mem_fused`` before it could become the default.
+  sent as -0.0). ``auto``'s first choice since wave 7: 3.9 vs 5.1 µs a sub-layer end at 64 rows, 0.11 ms off the
+  48-layer step (results/reference/e2e_tp2/lamport_48L/).
 
 Every backend answers ``add_rms_norm`` (the fused sub-layer end): ``None`` where it does not fuse it, and the
 communicator then composes :func:`rimuru.kernels.allreduce_norm.combine_partial`, ``all_reduce`` and
@@ -30,12 +31,14 @@ A symmetric-memory backend sends what it should not take to the process group (N
 (``max_bytes``, prefill's large sums), other dtypes, non-contiguous or misaligned tensors. The decision is a pure
 function of the tensor's size, dtype and layout (:func:`symm_mem_takes`), so every rank takes the same path.
 
-``auto`` (the default) is ``symm_mem_fused`` then ``nccl`` on GPUs (``nccl`` wherever the fused backend cannot run:
-not 2 ranks, no peer access, another dtype) and ``gloo`` on CPUs; ``symm_mem_or_nccl`` tries ``symm_mem`` then
-``nccl``. History: ``auto`` took ``symm_mem`` first until wave 5, then ``nccl`` (a killed rank of a graphed
-``symm_mem`` engine was not reported within 75 s, results/reference/e2e_tp2/async_48L/); since wave 6 the fused
-backend (results/reference/e2e_tp2/fused_48L/, 2x H200, 48-layer decode, async: 9.37 vs 10.27 ms NCCL at 64
-running, a killed rank reported in 5.2 s, as NCCL and ``symm_mem``). Every rank checks a candidate locally, then
+``auto`` (the default) is ``symm_mem_lamport``, ``symm_mem_fused``, then ``nccl`` on GPUs (``nccl`` wherever the
+fused backends cannot run: not 2 ranks, no peer access, another dtype) and ``gloo`` on CPUs; ``symm_mem_or_nccl``
+tries ``symm_mem`` then ``nccl``. History: ``auto`` took ``symm_mem`` first until wave 5, then ``nccl`` (a killed
+rank of a graphed ``symm_mem`` engine was not reported within 75 s, results/reference/e2e_tp2/async_48L/); in wave 6
+the fused backend (results/reference/e2e_tp2/fused_48L/, 2x H200, 48-layer decode, async: 9.37 vs 10.27 ms NCCL at
+64 running, a killed rank reported in 5.2 s, as NCCL and ``symm_mem``); since wave 7 the flag-free one
+(results/reference/e2e_tp2/lamport_48L/: 9.26 vs 9.37 ms with the fused one, both with a vocabulary-parallel head,
+fp32 greedy identical to TP=1, a killed rank reported in 5.15 s). Every rank checks a candidate locally, then
 the ranks agree (a MIN all-reduce over the group) before the collective set-up and again after it; the first
 candidate every rank could build is used by all (:func:`select_all_reduce`). A single name asked for explicitly
 gets no fallback: it works on every rank or the engine does not start, with the reason.
@@ -139,7 +142,7 @@ def all_reduce_candidates(requested: str, device_type: str) -> tuple[str, ...]:
             raise ValueError(f"all_reduce={requested!r} needs GPUs; on {device_type} the all-reduce is gloo")
         return ("gloo",)
     if requested == AUTO:
-        return ("symm_mem_fused", "nccl")
+        return ("symm_mem_lamport", "symm_mem_fused", "nccl")
     if requested == SYMM_MEM_OR_NCCL:
         return ("symm_mem", "nccl")
     if requested == "gloo":

@@ -31,7 +31,8 @@ CPU_CTX = AllReduceContext(torch.device("cpu"), 0, 2, torch.float32, "0")
 
 
 def test_candidates_per_device_and_clear_errors():
-    assert all_reduce_candidates("auto", "cuda") == ("symm_mem_fused", "nccl")  # wave 6: fused, NCCL where it cannot
+    # wave 7: the flag-free fused backend, the flag one, NCCL where neither can run
+    assert all_reduce_candidates("auto", "cuda") == ("symm_mem_lamport", "symm_mem_fused", "nccl")
     assert all_reduce_candidates("symm_mem_or_nccl", "cuda") == ("symm_mem", "nccl")  # NCCL is the fallback
     assert all_reduce_candidates("symm_mem_or_nccl", "cpu") == ("gloo",)
     assert all_reduce_candidates("auto", "cpu") == ("gloo",)

@@ -67,8 +67,8 @@ if [ "$DEVICE" = cuda ] && [ "${FUSED:-1}" = 1 ]; then
   elif [ "${FUSED_CHECK:-1}" != 0 ]; then
     # FUSED_CHECKS: the fused backends whose engine check (fp32 greedy vs TP=1, integrity, a killed rank) runs
     # before the A/B, each word a check (a comma list: one engine each in one process, the last one's rank killed;
-    # NAME+vocab: with a vocabulary-parallel LM head); a check that fails (or hangs: its own timeout) leaves its
-    # names out of the A/B
+    # at most one of them on symmetric memory, a process holds one such engine; NAME+vocab: with a
+    # vocabulary-parallel LM head); a check that fails (or hangs: its own timeout) leaves its names out of the A/B
     for names in ${FUSED_CHECKS:-symm_mem_fused}; do
       tag=$(echo "$names" | tr ',+' '__')
       if ! { kill_check "$names" static \

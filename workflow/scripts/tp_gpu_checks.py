@@ -44,6 +44,10 @@ def main() -> None:
                     help="attention/MoE implementations: reference (no kernel compile; not graph-capturable on GPUs) "
                     "or auto (the Triton kernels on GPUs: what --graphs needs there)")
     args = ap.parse_args()
+    peer_memory = [n for n in args.all_reduce.split(",") if n.partition("+")[0] not in ("nccl", "gloo")]
+    if args.device == "cuda" and len(peer_memory) > 1:  # (auto is one too: it takes a peer-memory backend on GPUs)
+        raise SystemExit(f"--all-reduce {args.all_reduce!r}: one engine per process can use symmetric memory "
+                         f"({', '.join(peer_memory)}); run a check per process")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
