@@ -58,7 +58,7 @@ T0 = time.perf_counter()
 NVLINK_GBPS = 450.0  # H200 NVLink 4: 900 GB/s bidirectional, 450 GB/s each way
 PCIE_GBPS = 55.4  # the PCIe Gen5 x16 rate the 1-GPU floor uses
 ALLREDUCE_LATENCY_US = 8.0  # a small NCCL all-reduce on one NVLink host: the floor of one call
-AR_KERNELS = ("nccl", "one_shot", "two_shot", "allreduce", "all_reduce")  # the profile's all-reduce class
+AR_KERNELS = ("nccl", "one_shot", "two_shot", "lamport", "allreduce", "all_reduce")  # the profile's all-reduce class
 
 
 def log(msg: str) -> None:
