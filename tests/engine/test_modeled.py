@@ -695,11 +695,13 @@ def test_engine_features_of_a_measured_commit_listed_or_default():
     from rimuru.engine.modeled.reference import engine_features
 
     listed = {"graph_cap": {"old": 8}, "async_scheduling": {"old": 0}, "next_step_prefetch": {"old": 0},
-              "kv_compaction": {"old": 0}, "short_lookahead": {"old": 0}, "expand_headroom": {"old": 0}}
+              "kv_compaction": {"old": 0}, "short_lookahead": {"old": 0}, "expand_headroom": {"old": 0},
+              "prefetch_before_graphs": {"old": 1}, "running_lookahead": {"old": 0}}
     default = {"graph_cap": 16, "async_scheduling": 1, "next_step_prefetch": 1, "kv_compaction": 1,
-               "short_lookahead": 1, "expand_headroom": 1}
+               "short_lookahead": 1, "expand_headroom": 1, "prefetch_before_graphs": 0, "running_lookahead": 1}
     assert engine_features("old", listed, default) == {"graph_cap": 8, "async_scheduling": 0, "next_step_prefetch": 0,
-                                                      "kv_compaction": 0, "short_lookahead": 0, "expand_headroom": 0}
+                                                      "kv_compaction": 0, "short_lookahead": 0, "expand_headroom": 0,
+                                                      "prefetch_before_graphs": 1, "running_lookahead": 0}
     assert engine_features("new", listed, default) == default
     with pytest.raises(ValueError, match="graph_cap for commit new"):
         engine_features("new", listed, None)

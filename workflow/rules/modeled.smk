@@ -92,6 +92,8 @@ rule modeled_fidelity:
         ablation=" ".join(f"{k}={v}" for k, v in FIDELITY.get("routing_ablation", {}).items()),
         headroom=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("expand_headroom", {}).items()),
         lookahead=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("short_lookahead", {}).items()),
+        before_graphs=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("prefetch_before_graphs", {}).items()),
+        running=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("running_lookahead", {}).items()),
         engine_default=" ".join(f"{k}={int(n)}" for k, n in FIDELITY.get("engine_default", {}).items()),
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
         gamma=" ".join(f"{folder}={profile}" for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
@@ -104,6 +106,7 @@ rule modeled_fidelity:
         "--arrivals {FIDELITY[arrivals]} --graph-cap {params.caps} --async-scheduling {params.overlap} "
         "--next-step-prefetch {params.next_step} --kv-compaction {params.compaction} "
         "--short-lookahead {params.lookahead} --expand-headroom {params.headroom} "
+        "--prefetch-before-graphs {params.before_graphs} --running-lookahead {params.running} "
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
         "--decode-gamma {params.gamma} {params.tp_gamma} "

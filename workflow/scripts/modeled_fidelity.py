@@ -114,9 +114,16 @@ def main() -> None:
     ap.add_argument("--expand-headroom", nargs="*", default=[],
                     help="COMMIT=0|1: whether the measured commit's elastic engine kept one step's KV free before "
                          "expanding (03fa546 and later; the modeled engine's expand_headroom)")
+    ap.add_argument("--prefetch-before-graphs", nargs="*", default=[],
+                    help="COMMIT=0|1: whether the measured commit's end-of-step prefetch also ran before a graphed "
+                         "step (the engine before 4e86d95; the modeled engine's prefetch_before_graphs)")
+    ap.add_argument("--running-lookahead", nargs="*", default=[],
+                    help="COMMIT=0|1: whether the measured commit's R_b look-ahead counted the running requests' "
+                         "next-step demand first (2d9b9ab and later; the modeled engine's running_lookahead)")
     ap.add_argument("--engine-default", nargs="*", default=[],
                     help="graph_cap=N async_scheduling=0|1 next_step_prefetch=0|1 kv_compaction=0|1 "
-                         "short_lookahead=0|1 expand_headroom=0|1: the engine of every measured "
+                         "short_lookahead=0|1 expand_headroom=0|1 prefetch_before_graphs=0|1 running_lookahead=0|1: "
+                         "the engine of every measured "
                          "commit the per-commit options above do not list (without it such a commit is an error)")
     ap.add_argument("--decode-floor", nargs="+", required=True,
                     help="decode-floor segments, newest first, as the calibration read them: figure")
@@ -161,6 +168,12 @@ def main() -> None:
     compaction = {c: bool(n) for c, n in graph_caps(args.kv_compaction, "--kv-compaction").items()}
     lookahead = {c: bool(n) for c, n in graph_caps(args.short_lookahead, "--short-lookahead").items()}
     headroom = {c: bool(n) for c, n in graph_caps(args.expand_headroom, "--expand-headroom").items()}
+    before_graphs = {c: bool(n) for c, n in
+                     graph_caps(args.prefetch_before_graphs, "--prefetch-before-graphs").items()}
+    running = {c: bool(n) for c, n in graph_caps(args.running_lookahead, "--running-lookahead").items()}
+    maps = {"graph_cap": caps, "async_scheduling": overlap, "next_step_prefetch": next_step,
+            "kv_compaction": compaction, "short_lookahead": lookahead, "expand_headroom": headroom,
+            "prefetch_before_graphs": before_graphs, "running_lookahead": running}
     fit = fit_names(args.fit)
     fitted_gamma = CostParams.load(args.cost_params).fitted.get("decode_gamma", {})
 
@@ -189,16 +202,13 @@ def main() -> None:
             raise SystemExit(f"{key}: repeats from different commits or commands")
         commit = str(row["commit"])
         try:
-            engine = engine_features(commit, {"graph_cap": caps, "async_scheduling": overlap,
-                                              "next_step_prefetch": next_step, "kv_compaction": compaction,
-                                              "short_lookahead": lookahead, "expand_headroom": headroom}, default)
+            engine = engine_features(commit, maps, default)
         except ValueError as exc:
             raise SystemExit(f"{key}: {exc} (--graph-cap, --async-scheduling, --next-step-prefetch, --kv-compaction, "
-                             f"--short-lookahead, --expand-headroom or "
+                             f"--short-lookahead, --expand-headroom, --prefetch-before-graphs, --running-lookahead or "
                              f"--engine-default {' '.join(f + '=N' for f in ENGINE_FEATURES)})") from None
-        caps[commit], overlap[commit], next_step[commit], compaction[commit], lookahead[commit], headroom[commit] = (
-            engine["graph_cap"], bool(engine["async_scheduling"]), bool(engine["next_step_prefetch"]),
-            bool(engine["kv_compaction"]), bool(engine["short_lookahead"]), bool(engine["expand_headroom"]))
+        for feature, value in engine.items():
+            maps[feature][commit] = value if feature == "graph_cap" else bool(value)
         name, layers = parse_run_model(row["model"])
         full, small = ModelSpec.from_pretrained(name), spec_with_layers(name, layers)
         budget = e2e_scaled_budget(full, small, parse_bytes(f"{row['budget_gib']}GiB"), policy)
@@ -210,6 +220,7 @@ def main() -> None:
                   offload_graph_max_batch=caps[commit], async_scheduling=overlap[commit],
                   modeled_next_step_prefetch=next_step[commit], kv_compaction=compaction[commit],
                   short_lookahead=lookahead[commit], expand_headroom=headroom[commit],
+                  prefetch_before_graphs=before_graphs[commit], running_lookahead=running[commit],
                   modeled_routing_profile=row["routing_profile"] or None,
                   modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1])
         initial = llm.memory_report["initial_cache_experts"]
@@ -242,7 +253,8 @@ def main() -> None:
                          "rel_error": (modeled - med) / med if med else float("nan"),
                          "goal": GOALS.get(m, float("nan")), "graph_cap": caps[commit],
                          "kv_compaction": compaction[commit], "short_lookahead": lookahead[commit],
-                         "expand_headroom": headroom[commit],
+                         "expand_headroom": headroom[commit], "prefetch_before_graphs": before_graphs[commit],
+                         "running_lookahead": running[commit],
                          "async_overlap": overlap[commit], "commit": commit, "hotset_prompts": cal,
                          "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n,
                          "decode_gamma": llm.config.modeled_decode_gamma,
@@ -251,9 +263,6 @@ def main() -> None:
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
         print(f"{key} (cap {caps[commit]}, {len(group)} measured): " + ", ".join(
             f"{m} {float(group[m].median()):.4g} -> {float(metrics[m]):.4g}" for m in METRICS), flush=True)
-    maps = {"graph_cap": caps, "async_scheduling": overlap, "next_step_prefetch": next_step,
-            "kv_compaction": compaction, "short_lookahead": lookahead, "expand_headroom": headroom}
-
     def tp_engine(commit: str) -> dict[str, int]:
         try:
             return engine_features(commit, maps, default)

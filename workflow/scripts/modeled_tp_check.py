@@ -27,7 +27,7 @@ METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "forward_steps",
 # the engine of 6f93de6 and c3b0f05 (the first TP runs): before async scheduling's overlap and the next-step prefetch
 # (a98ef5f), the one-step-ahead R_b (9a2935b) and the expansion headroom (03fa546); KV compaction never acts at TP > 1
 EARLY_TP_ENGINE = {"graph_cap": 16, "async_scheduling": 0, "next_step_prefetch": 0, "kv_compaction": 0,
-                   "short_lookahead": 0, "expand_headroom": 0}
+                   "short_lookahead": 0, "expand_headroom": 0, "prefetch_before_graphs": 1, "running_lookahead": 0}
 
 
 def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hardware: str, split: str,
@@ -56,7 +56,9 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
                   offload_graph_max_batch=features["graph_cap"], async_scheduling=bool(features["async_scheduling"]),
                   modeled_next_step_prefetch=bool(features["next_step_prefetch"]),
                   kv_compaction=bool(features["kv_compaction"]), short_lookahead=bool(features["short_lookahead"]),
-                  expand_headroom=bool(features["expand_headroom"]), modeled_decode_gamma=decode_gamma)
+                  expand_headroom=bool(features["expand_headroom"]),
+                  prefetch_before_graphs=bool(features["prefetch_before_graphs"]),
+                  running_lookahead=bool(features["running_lookahead"]), modeled_decode_gamma=decode_gamma)
         initial = llm.memory_report["initial_cache_experts"]
         if initial != int(g["initial_cache_experts"].iloc[0]):
             raise SystemExit(f"{policy}: modeled pool holds {initial} initial experts, measured "
