@@ -23,6 +23,7 @@ import triton
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.scheduler import SchedulerOutput
 from rimuru.experts.provider import DeviceTableExperts
+from rimuru.kernels import variants
 from rimuru.models.attention_layer import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -233,7 +234,8 @@ class DecodeGraphs:
             return
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        # for_graphs: the graph-only kernel levers (programmatic launches) act in these launches, eager pass included
+        with torch.cuda.stream(stream), variants.for_graphs():
             for bucket in sorted(self.buckets, reverse=True):
                 self._fill(None, bucket)
                 self._forward(bucket)  # eager once: compiles and autotunes outside the capture

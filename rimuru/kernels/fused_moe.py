@@ -19,6 +19,7 @@ Under TRITON_INTERPRET=1 (CPU) use fp32: Triton 3.9's interpreter mis-computes b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -272,9 +273,11 @@ def moe_gemv(num_tokens: int, f: int, d: int, enabled: bool) -> bool:
     return enabled and num_tokens == 1 and max(f, d) <= MOE_GEMV_TILE // 2
 
 
+@cache
 def moe_gemv_blocks(n: int, k: int, gate_up: bool) -> tuple[int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps)`` of one :func:`moe_gemv_kernel` pass: all of K per program, ``MOE_GEMV_TILE``
-    weight elements (gate/up: two tiles), at least ``MOE_GEMV_MIN_COLUMNS`` columns for DOWN, at most N's."""
+    weight elements (gate/up: two tiles), at least ``MOE_GEMV_MIN_COLUMNS`` columns for DOWN, at most N's. Resolved
+    once per shape (host time of eager steps)."""
     block_k = triton.next_power_of_2(k)
     block_n = max(1, MOE_GEMV_TILE // (block_k * (2 if gate_up else 1)))
     if not gate_up:
@@ -286,7 +289,7 @@ def moe_gemv_blocks(n: int, k: int, gate_up: bool) -> tuple[int, int, int]:
 def _launch_gemv(a, w, c, page_table, topk_weights, topk_ids, *, N, K, F, D, top_k, gate_up, paged, host) -> None:
     block_n, block_k, warps = moe_gemv_blocks(N, K, gate_up)
     pairs = topk_ids.shape[0]
-    moe_gemv_kernel[(pairs * triton.cdiv(N, block_n),)](
+    moe_gemv_kernel[(pairs * -(-N // block_n),)](
         a, w, w if host is None else host, c, page_table, topk_weights, topk_ids,
         N, K, F, D, pairs, a.stride(0), c.stride(0),
         TOP_K=top_k, GATE_UP=gate_up, PAGED=paged, HOST_PAGES=host is not None, BLOCK_N=block_n, BLOCK_K=block_k,

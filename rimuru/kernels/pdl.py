@@ -2,10 +2,11 @@
 while that one still runs, and waits for it only where it reads its results (``gdc_wait``); a kernel that calls
 ``gdc_launch_dependents`` lets its dependent start before it ends. CUDA graphs keep these edges.
 
-Both instructions are no-ops for a kernel launched without the attribute. The Triton interpreter does not run them,
-so kernels take them behind a ``tl.constexpr`` flag that :func:`pdl_launch` turns off there (and off the GPU, and
-below compute capability 9.0).
-"""
+The levers act only on launches that build a CUDA graph (``variants.GRAPH_ONLY``, :func:`variants.for_graphs`): an
+eager small-batch step is host-bound, each kernel launched after the one before it has ended, so there is no launch
+latency to hide. Both instructions are no-ops for a kernel launched without the attribute. The Triton interpreter
+does not run them, so kernels take them behind a ``tl.constexpr`` flag that :func:`pdl_launch` turns off there (and
+off the GPU, and below compute capability 9.0)."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def chain(device: torch.device, rows: int, primary: bool = False) -> dict[str, b
     """Launch arguments of a decode-chain kernel of a step of ``rows`` tokens (``PDL_WAIT``, ``LAUNCH_DEPENDENTS``,
     ``launch_pdl``): with the ``pdl_chain`` lever every chain kernel is a programmatic dependent of the one before it
     and signals the one after it; with only ``pdl``, a ``primary`` (a kernel before a projection) signals its
-    dependent. None without them, above ``PDL_MAX_ROWS`` rows, or where :func:`pdl_launch` says no."""
+    dependent. None without them, above ``PDL_MAX_ROWS`` rows, outside a CUDA graph's capture (the levers are
+    ``variants.GRAPH_ONLY``: :func:`rimuru.kernels.variants.for_graphs`), or where :func:`pdl_launch` says no."""
     if rows > PDL_MAX_ROWS:
         return {}
     if pdl_launch(variants.on("pdl_chain"), device):

@@ -19,6 +19,8 @@ batch of the same requests give the same values.
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -79,7 +81,9 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
-GEMV_MAX_ROWS = 4  # above, cuBLAS (or small_m_linear): the gemv re-reads its weight tile once per row
+GEMV_MAX_ROWS = 4  # the most rows gemv takes (and the ``gemv`` lever's row limit); above, cuBLAS or small_m_linear
+GEMV_NARROW_ROWS = 2  # the row limit with the ``gemv_le2`` lever: at 4 rows the gemv walks its register tile once
+#                       per row and lost to cuBLAS (1,447 vs 1,188 us a 48-layer step, run_38fd399_48L)
 GEMV_MAX_K = 8192  # a program holds all of K: BLOCK_K = next_power_of_2(K)
 GEMV_TILE = 8192  # weight elements per program (16 KB in bf16)
 GEMV_MIN_PROGRAMS = 264  # two programs per SM of an H200 at least, else fewer rows per program
@@ -114,9 +118,12 @@ def gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, strid
             tl.store(out_ptr + m * stride_out + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_valid)
 
 
+@cache
 def gemv_blocks(n: int, k: int) -> tuple[int, int]:
     """``(BLOCK_N, BLOCK_K)`` of :func:`gemv` for a weight ``[n, k]``: all of K per program, ``GEMV_TILE`` weight
-    elements per program, fewer rows per program while that would leave fewer than ``GEMV_MIN_PROGRAMS``."""
+    elements per program, fewer rows per program while that would leave fewer than ``GEMV_MIN_PROGRAMS``. Resolved
+    once per shape (an eager step launches the gemv three times a layer, and ``triton.cdiv`` /
+    ``triton.next_power_of_2`` called from Python cost microseconds each)."""
     block_k = triton.next_power_of_2(k)
     block_n = max(1, GEMV_TILE // block_k)
     while block_n > 1 and triton.cdiv(n, block_n) < GEMV_MIN_PROGRAMS:
@@ -131,6 +138,12 @@ def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[1] <= GEMV_MAX_K and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
 
 
+def gemv_rows() -> int:
+    """The most rows :func:`linear` sends through :func:`gemv` now: ``GEMV_NARROW_ROWS`` with the ``gemv_le2`` lever,
+    else ``GEMV_MAX_ROWS``."""
+    return GEMV_NARROW_ROWS if variants.on("gemv_le2") else GEMV_MAX_ROWS
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M <= GEMV_MAX_ROWS, K]`` (Triton, no tensor cores). ``pdl``: launched
     as a programmatic dependent of the previous kernel (the ``pdl`` lever; a no-op where unsupported)."""
@@ -138,6 +151,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError(f"gemv wants x [1..{GEMV_MAX_ROWS}, K <= {GEMV_MAX_K}] and weight [N, K] of one dtype with "
                          f"contiguous rows (bias [N]), got x {tuple(x.shape)} {x.dtype} and weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
+    return _gemv(x, weight, bias, pdl)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool) -> torch.Tensor:
+    """:func:`gemv` on arguments it takes (checked by the caller)."""
     M, K = x.shape
     N = weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -145,20 +163,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     launch = chain(x.device, M)  # pdl_chain: a dependent that signals the next kernel too
     if not launch and pdl_launch(pdl, x.device):
         launch = {"PDL_WAIT": True, "launch_pdl": True}
-    gemv_kernel[(triton.cdiv(N, block_n),)](
+    gemv_kernel[(-(-N // block_n),)](
         x, weight, weight if bias is None else bias, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, BLOCK_M=1 << (M - 1).bit_length(), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4, **launch)
     return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool,
            gemv_on: bool = False) -> torch.Tensor:
-    """A decode step's projection: :func:`gemv` for at most ``GEMV_MAX_ROWS`` rows (``gemv_on``: Triton kernels and
+    """A decode step's projection: :func:`gemv` for at most :func:`gemv_rows` rows (``gemv_on``: Triton kernels and
     the ``gemv`` lever), :func:`small_m_linear` for a few rows (``enabled``: Triton kernels and the ``small_gemm``
     lever), ``F.linear`` otherwise."""
-    if gemv_on and gemv_fits(x, weight):
-        return gemv(x, weight, bias, pdl=variants.on("pdl"))
+    if gemv_on and x.dim() == 2 and x.shape[0] <= gemv_rows() and gemv_fits(x, weight) \
+            and (bias is None or bias.shape == (weight.shape[0],)):
+        return _gemv(x, weight, bias, variants.on("pdl"))
     if enabled and x.dim() == 2 and small_m(x.shape[0], True) and weight.dtype == x.dtype \
             and x.stride(1) == 1 and weight.stride(1) == 1:
         return small_m_linear(x, weight, bias)
@@ -166,10 +185,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ena
 
 
 def warmup_gemv(weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
-    """Compile :func:`gemv` for each ``(weight, bias)`` at every row-block height it can launch (1, 2, 4 rows), as
-    :func:`linear` launches it now (the ``pdl`` lever's launch is a separate variant)."""
+    """Compile :func:`gemv` for each ``(weight, bias)`` at every row-block height :func:`linear` launches it at now
+    (1, 2, 4 rows; 1, 2 with ``gemv_le2``), as it launches it now: eager steps launch it without programmatic
+    launches, a graph's capture (whose eager pass compiles its own variant) with them."""
     for weight, bias in weights:
         for rows in (1, 2, 4):
+            if rows > gemv_rows():
+                break
             x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
             if gemv_fits(x, weight):
                 gemv(x, weight, bias, pdl=variants.on("pdl"))

@@ -24,7 +24,22 @@ Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the six t
   dependent of the one before it: it waits for it at its start and then lets the next one launch, so each launch's
   latency hides behind the kernel before it;
 * ``moe_gemv`` (wave 7): one token's experts (decode at batch 1) as matrix-vector products
-  (``rimuru/kernels/fused_moe.py``, ``moe_gemv_kernel``: whole-K rows per program, no 16-row ``tl.dot`` padding).
+  (``rimuru/kernels/fused_moe.py``, ``moe_gemv_kernel``: whole-K rows per program, no 16-row ``tl.dot`` padding);
+* ``gemv_le2`` (wave 7, with ``gemv``, off by default): the gemv only for projections of at most
+  ``small_linear.GEMV_NARROW_ROWS`` (2) rows, cuBLAS above (the gemv took 1,447 us a 48-layer step at 4 rows against
+  cuBLAS's 1,188, results/reference/engine/run_38fd399_48L/): the row limit A/B'd on the device;
+* ``pdl_eager`` (off by default): the programmatic-launch levers act outside CUDA graphs too (see below): the
+  engine as measured at 38fd399, for an eager A/B.
+
+Programmatic launches act only in CUDA graphs (``GRAPH_ONLY``: ``pdl``, ``pdl_chain``): a kernel launched inside
+:func:`for_graphs` (a graph's capture and the eager pass before it that compiles what the capture launches) takes
+them, any other launch does not, unless ``pdl_eager`` is on. Their gain is the launch latency a kernel hides behind
+the one before it, which needs the GPU to be behind the host; an eager decode step at <= 32 rows
+(``pdl.PDL_MAX_ROWS``) is host-bound (48 layers on the H200: 46-77 ms eager against 2.8-11 ms replayed), so each
+kernel is launched after its predecessor ended and there is nothing to hide, while the attribute still goes to the
+driver and every kernel still runs its ``griddepcontrol`` instructions. The decision is made once per capture by
+its owner (:class:`rimuru.engine.cuda_graphs.DecodeGraphs` and the scripts that capture), never per launch; the
+results are bit-equal either way (they only move when a kernel may start).
 
 CUDA graphs keep the levers that were on when they were captured (``workflow/scripts/profile_decode_gpu.py
 --ab`` captures one graph per variant and replays them alternately). The default comes from
@@ -40,13 +55,15 @@ from contextlib import contextmanager
 
 import torch
 
-LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv")
+LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv",
+          "gemv_le2", "pdl_eager")
 # The levers that measured faster (H200, 48 layers: results/reference/engine/run_2445415_48L/ab_* for the wave-5 two,
 # run_38fd399_48L/ for the wave-7 four): the others made their kernels slower than what they replace and are off
 # unless asked for (``all`` or by name).
 WAVE5 = ("direct_moe", "qkv_fused")
 FAST = WAVE5 + ("gemv", "pdl", "pdl_chain", "moe_gemv")
 VARIANTS = ("fast", "wave5", "baseline", "all")
+GRAPH_ONLY = ("pdl", "pdl_chain")  # act only on launches inside for_graphs() (or with pdl_eager)
 
 
 def parse(spec: str) -> frozenset[str]:
@@ -74,13 +91,27 @@ def parse(spec: str) -> frozenset[str]:
 
 
 _current = parse(os.environ.get("RIMURU_DECODE_KERNELS", "fast"))
+_graphs = False  # inside for_graphs(): the kernels launched now belong to a CUDA graph
 
 
 def on(lever: str) -> bool:
-    """Whether ``lever`` is on now."""
+    """Whether ``lever`` acts on the kernel launched now: on in the current variant and, for a ``GRAPH_ONLY``
+    lever, inside :func:`for_graphs` (or with ``pdl_eager``)."""
     if lever not in LEVERS:
         raise ValueError(f"unknown kernel lever {lever!r}")
-    return lever in _current
+    return lever in _current and (lever not in GRAPH_ONLY or _graphs or "pdl_eager" in _current)
+
+
+@contextmanager
+def for_graphs() -> Iterator[None]:
+    """The kernels launched inside build a CUDA graph (its capture, and the eager pass before it that compiles what
+    the capture will launch): the ``GRAPH_ONLY`` levers act. Entered once per capture by the capture's owner."""
+    global _graphs
+    before, _graphs = _graphs, True
+    try:
+        yield
+    finally:
+        _graphs = before
 
 
 def current() -> str:

@@ -10,6 +10,7 @@ from rimuru.kernels.small_linear import (
     GEMV_MAX_K,
     GEMV_MAX_ROWS,
     GEMV_MIN_PROGRAMS,
+    GEMV_NARROW_ROWS,
     GEMV_TILE,
     SMALL_M_MAX_ROWS,
     gemv,
@@ -117,6 +118,10 @@ def test_linear_takes_gemv_for_a_few_rows_only_when_on():
     assert torch.equal(linear(few, w, None, False, True), gemv(few, w))
     assert torch.equal(linear(few, w, None, False, False), F.linear(few, w))
     assert torch.equal(linear(many, w, None, False, True), F.linear(many, w))
+    with variants.use("fast,gemv_le2"):  # the row limit lever: at most GEMV_NARROW_ROWS rows through the gemv
+        narrow = few[:GEMV_NARROW_ROWS]
+        assert torch.equal(linear(narrow, w, None, False, True), gemv(narrow, w))
+        assert torch.equal(linear(few, w, None, False, True), F.linear(few, w))
 
 
 def test_pdl_is_off_under_the_interpreter_and_off_the_gpu():
@@ -126,19 +131,46 @@ def test_pdl_is_off_under_the_interpreter_and_off_the_gpu():
         assert chain(torch.device("cpu"), 1) == {} and chain(torch.device("cpu"), 1, primary=True) == {}
 
 
+def test_programmatic_launches_only_while_a_graph_is_built(monkeypatch):
+    """On a (pretended) Hopper GPU: the launch arguments ``chain`` gives are empty for an eager launch and those of
+    the levers inside ``variants.for_graphs()`` (a graph's capture); ``pdl_eager`` puts them on eager launches too;
+    the gemv takes the same rule (its ``pdl`` argument comes from ``variants.on``)."""
+    import rimuru.kernels.pdl as pdl
+
+    monkeypatch.setattr(pdl, "_interpreting", lambda: False)
+    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    dev = torch.device("cuda", 0)  # a device object only: nothing is launched
+    full = {"PDL_WAIT": True, "LAUNCH_DEPENDENTS": True, "launch_pdl": True}
+    with variants.use("fast"):
+        assert chain(dev, 1) == {} and chain(dev, 1, primary=True) == {}
+        assert not pdl_launch(variants.on("pdl"), dev)
+        with variants.for_graphs():
+            assert chain(dev, 1) == full and chain(dev, 1, primary=True) == full
+            assert chain(dev, PDL_MAX_ROWS + 1) == {}
+            assert pdl_launch(variants.on("pdl"), dev)
+        assert chain(dev, 1) == {}
+    with variants.use("fast,pdl_eager"):
+        assert chain(dev, 1) == full
+    with variants.use("wave5,gemv,pdl"), variants.for_graphs():
+        assert chain(dev, 1) == {} and chain(dev, 1, primary=True) == {"LAUNCH_DEPENDENTS": True}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pdl_launch_arguments_follow_the_levers():
     """Off: nothing; ``pdl``: only a kernel before a projection signals; ``pdl_chain``: every chain kernel waits,
-    signals and is launched as a dependent (on a GPU of compute capability >= 9.0); nothing above PDL_MAX_ROWS."""
+    signals and is launched as a dependent (on a GPU of compute capability >= 9.0, in a graph's capture); nothing
+    above PDL_MAX_ROWS."""
     dev = torch.device("cuda", torch.cuda.current_device())
     if torch.cuda.get_device_capability(dev)[0] < 9:
         pytest.skip("programmatic dependent launch needs compute capability 9.0")
-    with variants.use("wave5,gemv"):
+    with variants.use("fast,pdl_chain,pdl"):
+        assert chain(dev, 1) == {} and chain(dev, 1, primary=True) == {}  # eager: none
+    with variants.for_graphs(), variants.use("wave5,gemv"):
         assert chain(dev, 1) == {} and chain(dev, 1, primary=True) == {}
-    with variants.use("wave5,gemv,pdl"):
+    with variants.for_graphs(), variants.use("wave5,gemv,pdl"):
         assert chain(dev, 1) == {} and chain(dev, 1, primary=True) == {"LAUNCH_DEPENDENTS": True}
-    with variants.use("wave5,gemv,pdl,pdl_chain"):
+    with variants.for_graphs(), variants.use("wave5,gemv,pdl,pdl_chain"):
         full = {"PDL_WAIT": True, "LAUNCH_DEPENDENTS": True, "launch_pdl": True}
         assert chain(dev, 1) == full and chain(dev, PDL_MAX_ROWS, primary=True) == full
         assert chain(dev, PDL_MAX_ROWS + 1) == {} and chain(dev, PDL_MAX_ROWS + 1, primary=True) == {}
@@ -170,11 +202,12 @@ def test_gemv_in_a_cuda_graph_reads_the_norm_it_follows(spec):
                 return [linear(x, weights[0], None, False, True), linear(wide, weights[1], None, False, True),
                         linear(x, weights[2], None, False, True)], x
 
-            step()  # compile outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outs, x = step()
+            with variants.for_graphs():  # the levers act on a graph's launches (and its compiling pass)
+                step()  # compile outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    outs, x = step()
             for _ in range(3):  # new inputs each replay: a stale read of the norm's output would show
                 h.copy_(torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16))
                 a.copy_(torch.randn(rows, d, generator=gen, device="cuda", dtype=torch.bfloat16))

@@ -1,17 +1,19 @@
 """Decode step vs its floor on one GPU, eager against CUDA-graphed, per policy and batch size.
 
-For each policy an engine is built once (``--layers`` of the real shapes), warmed up (kernels compiled,
-graphs captured), then for each batch size ``b``: ``b`` requests of ``--prompt-len`` random tokens are
-prefilled and decoded. Eager and graphed decode segments (``--steps`` steps each, after ``--discard``
-discarded steps) alternate in ABBA order (``--repeats`` of each) on the same running batch; the eager
-segments use the very path ``enforce_eager=True`` takes. Where the engine schedules asynchronously (every policy,
-at batches the decode graphs cover), the graphed segments come twice: ``graph`` (async scheduling: step n+1
-launched before step n's tokens are read) and ``graph-sync`` (every step waits for its tokens), in A B C C B A
-order. Per segment: median step time of its decode-only steps, the floor of each (rimuru.engine.step_floor:
-HBM bytes / 4.26 TB/s, PCIe bytes / 55.4 GB/s, overlapped), stalls
-(decode steps over 3x that median), Triton compiles, and the requests preempted in it (under KV pressure a segment
-also holds preempted requests' recompute prefills: ``all_steps_ms`` is the median over every step; before 2026-11-30
-wave 5 ``step_ms`` was that median, against a floor of the decode steps only).
+For each policy an engine is built once (``--layers`` of the real shapes), warmed up (kernels compiled, graphs
+captured), then for each batch size ``b``: ``b`` requests of ``--prompt-len`` random tokens are prefilled and
+decoded. Eager and graphed decode segments (``--steps`` steps each, after ``--discard`` discarded steps) alternate
+in ABBA order (``--repeats`` of each) on the same running batch; the eager segments use the very path
+``enforce_eager=True`` takes. ``--ab-variant`` adds segments of other kernel variants (``graph-base``: their own
+captured graphs; with ``--ab-eager`` also ``eager-base``: eager steps) to the same order, the ``kernels`` column of
+the detail CSV naming each segment's variant. Where the engine schedules asynchronously (every policy, at batches
+the decode graphs cover), the graphed segments come twice: ``graph`` (async scheduling: step n+1 launched before
+step n's tokens are read) and ``graph-sync`` (every step waits for its tokens), in A B C C B A order. Per segment:
+median step time of its decode-only steps, the floor of each (rimuru.engine.step_floor: HBM bytes / 4.26 TB/s, PCIe
+bytes / 55.4 GB/s, overlapped), stalls (decode steps over 3x that median), Triton compiles, and the requests
+preempted in it (under KV pressure a segment also holds preempted requests' recompute prefills: ``all_steps_ms`` is
+the median over every step; before 2026-11-30 wave 5 ``step_ms`` was that median, against a floor of the decode
+steps only).
 
 Writes ``decode_floor.csv`` (model, layers, policy, batch, step_ms, floor_ms, ratio, cuda_graphs, device,
 commit, date: medians over the repeats) and ``decode_floor_detail.csv`` (every segment, with order,
@@ -66,7 +68,7 @@ def capture_with(llm: LLM, bucket: int, variant: str) -> tuple:
     (rimuru.kernels.variants) over the engine's persistent buffers, filled with padding first (no KV write), as
     ``DecodeGraphs.capture`` does: one eager pass (compiles that variant), then the capture. Nothing in flight."""
     graphs = llm.graphs
-    with variants.use(variant):
+    with variants.use(variant), variants.for_graphs():
         stream = torch.cuda.Stream(graphs.device)
         stream.wait_stream(torch.cuda.current_stream(graphs.device))
         with torch.cuda.stream(stream):
@@ -82,20 +84,20 @@ def capture_with(llm: LLM, bucket: int, variant: str) -> tuple:
 
 
 @contextlib.contextmanager
-def kernels_for(llm: LLM, mode: str, bucket: int | None, captured: dict):
-    """``graph-base`` segments: the ``--ab-variant`` kernels, eager steps and graph replays alike (its graph for the
-    bucket swapped in; on the CPU the graphs replay eagerly under the variant). Other modes: unchanged."""
-    if mode != "graph-base":
+def kernels_for(llm: LLM, mode: str, variant: str | None, bucket: int | None, captured: dict):
+    """``graph-base`` / ``eager-base`` segments: ``variant``'s kernels (one of ``--ab-variant``), eager steps and
+    graph replays alike (for ``graph-base`` its graph for the bucket swapped in; on the CPU the graphs replay eagerly
+    under the variant). The default's modes: unchanged."""
+    if not mode.endswith("-base"):
         yield
         return
-    variant = captured["variant"]
     with variants.use(variant):
         graphs = llm.graphs
-        if bucket is None or graphs is None or graphs.replay_eagerly:
+        if mode == "eager-base" or bucket is None or graphs is None or graphs.replay_eagerly:
             yield
             return
         saved = graphs.graphs[bucket]
-        graphs.graphs[bucket] = captured[bucket]
+        graphs.graphs[bucket] = captured[variant, bucket]
         try:
             yield
         finally:
@@ -103,18 +105,22 @@ def kernels_for(llm: LLM, mode: str, bucket: int | None, captured: dict):
 
 
 def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: int, discard: int, repeats: int,
-            rng: np.random.Generator, ab_variant: str | None = None) -> list[dict]:
+            rng: np.random.Generator, ab_variants: tuple[str, ...] = (), ab_eager: bool = False) -> list[dict]:
     rows = []
-    captured: dict = {"variant": ab_variant}
+    captured: dict = {}  # (variant, bucket) -> that variant's graph of the bucket
+    default = variants.current()
     for b in batches:
-        modes = ["eager"]
+        modes = [("eager", default)]
+        if ab_eager:  # eager-base: eager steps with an A/B variant's kernels, next to the default's eager segments
+            modes += [("eager-base", v) for v in ab_variants]
         bucket = None
         if llm.graphs is not None:  # graph: replays with async scheduling (every policy); graph-sync: without.
             # Above the graphs' largest batch (offloading policies: 16) every mode but eager runs the eager path
-            modes += ["graph", "graph-sync"] if llm.config.async_scheduling and b <= llm.graphs.bmax else ["graph"]
+            modes += [(m, default) for m in (["graph", "graph-sync"] if llm.config.async_scheduling
+                                             and b <= llm.graphs.bmax else ["graph"])]
             bucket = bucket_for(b, llm.graphs.buckets)
-            if ab_variant and bucket is not None:  # graph-base: graph (async) with the A/B variant's kernels
-                modes.append("graph-base")
+            if bucket is not None:  # graph-base: graph (async) with an A/B variant's kernels
+                modes += [("graph-base", v) for v in ab_variants]
         need = discard + steps
         total_steps = len(modes) * repeats * need + 8
         for i in range(b):
@@ -123,22 +129,25 @@ def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: i
         while llm.scheduler.waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
                                            for r in llm.scheduler.running):
             llm.step()
-        if "graph-base" in modes and bucket not in captured and not llm.graphs.replay_eagerly:
-            captured[bucket] = capture_with(llm, bucket, ab_variant)  # after a synchronous prefill: none in flight
+        for mode, v in modes:
+            if mode == "graph-base" and (v, bucket) not in captured and not llm.graphs.replay_eagerly:
+                captured[v, bucket] = capture_with(llm, bucket, v)  # after a synchronous prefill: none in flight
         order = []
         for r in range(repeats):  # ABBA: A B B A A B ... (A B C C B A with three modes)
             order += modes if r % 2 == 0 else modes[::-1]
-        for k, mode in enumerate(order):
+        for k, (mode, v) in enumerate(order):
             before = compile_count()
             # the eager segments take enforce_eager's path
-            with llm.use_graphs(mode != "eager"), llm.use_async_scheduling(mode in ("graph", "graph-base")), \
-                    kernels_for(llm, mode, bucket, captured):
+            with llm.use_graphs(not mode.startswith("eager")), \
+                    llm.use_async_scheduling(mode in ("graph", "graph-base")), \
+                    kernels_for(llm, mode, v, bucket, captured):
                 frame = segment(llm, steps, discard)
             floors = decode_floor(frame, llm.spec)
             decode = frame[frame["prefill_tokens"] == 0]  # the steps the floor is computed for: a segment under
             # KV pressure also holds the recompute prefills of preempted requests, whose time a decode floor omits
             med = float(decode["step_ms"].median()) if len(decode) else float("nan")
-            rows.append({**label, "batch": b, "mode": mode, "order": k, "repeat": order[:k + 1].count(mode) - 1,
+            rows.append({**label, "batch": b, "mode": mode, "kernels": v, "order": k,
+                         "repeat": order[:k + 1].count((mode, v)) - 1,
                          "running": int(frame["running"].median()), "step_ms": med,
                          "step_ms_p10": float(decode["step_ms"].quantile(0.1)),
                          "step_ms_p90": float(decode["step_ms"].quantile(0.9)),
@@ -151,9 +160,9 @@ def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: i
                          "experts_touched": float(frame["experts_touched"].median()),
                          "experts_loaded": float(frame["experts_loaded"].median()),
                          "cached_experts": int(frame["cached_experts"].iloc[-1])})
-            print(json.dumps({k2: rows[-1][k2] for k2 in ("policy", "layers", "batch", "mode", "order", "step_ms",
-                                                          "floor_ms", "stalls", "compiles", "experts_loaded")}),
-                  flush=True)
+            print(json.dumps({k2: rows[-1][k2] for k2 in ("policy", "layers", "batch", "mode", "kernels", "order",
+                                                          "step_ms", "floor_ms", "stalls", "compiles",
+                                                          "experts_loaded")}), flush=True)
         for i in range(b):
             llm.abort_request(f"b{b}-{i}")
     return rows
@@ -177,15 +186,21 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run (fp32; decode graphs replay eagerly)")
-    ap.add_argument("--ab-variant", default=None, help="kernel variant (rimuru.kernels.variants, e.g. baseline) of "
-                    "extra graph-base segments: graph (async) replays of graphs captured with those kernels, in the "
-                    "same ABBA order; reported in the detail CSV and a printed A/B table, not in decode_floor.csv")
+    ap.add_argument("--ab-variant", default=None, help="kernel variant(s) (rimuru.kernels.variants, e.g. wave5, or "
+                    "'wave5;fast,gemv_le2') of extra graph-base segments: graph (async) replays of graphs captured "
+                    "with those kernels, in the same ABBA order; reported in the detail CSV (column kernels) and a "
+                    "printed A/B table, not in decode_floor.csv")
+    ap.add_argument("--ab-eager", action="store_true", help="also eager-base segments: eager steps with each "
+                    "--ab-variant's kernels (an eager A/B against the default's eager segments)")
     args = ap.parse_args()
-    if args.ab_variant:
+    ab_variants = tuple(v.strip() for v in (args.ab_variant or "").split(";") if v.strip())
+    for v in ab_variants:
         try:
-            variants.parse(args.ab_variant)
+            variants.parse(v)
         except ValueError as exc:
             ap.error(str(exc))
+    if args.ab_eager and not ab_variants:
+        ap.error("--ab-eager needs --ab-variant")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(args.out)
@@ -210,7 +225,7 @@ def main() -> None:
         print(f"{policy}: warm-up {time.perf_counter() - t1:.1f} s, {info}", flush=True)
         label = {"model": args.model, "layers": args.layers, "policy": policy}
         rows += measure(llm, label, [int(b) for b in args.batches.split(",")], args.prompt_len, args.steps,
-                        args.discard, args.repeats, rng, args.ab_variant)
+                        args.discard, args.repeats, rng, ab_variants, args.ab_eager)
         detail = pd.DataFrame(rows)
         detail.assign(**provenance()).to_csv(out / "decode_floor_detail.csv", index=False)
         del llm
@@ -218,12 +233,13 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     detail = pd.DataFrame(rows)
-    if args.ab_variant:
-        ab = detail[detail["mode"].isin(["graph", "graph-base"])].groupby(["policy", "batch", "mode"])["step_ms"]
-        print(f"A/B: graph = {variants.current()} kernels, graph-base = {args.ab_variant} (async, medians of segment "
-              "medians, min-max)")
+    if ab_variants:
+        modes = ["graph", "graph-base"] + (["eager", "eager-base"] if args.ab_eager else [])
+        ab = detail[detail["mode"].isin(modes)].groupby(["policy", "batch", "mode", "kernels"])["step_ms"]
+        print(f"A/B: graph / eager = {variants.current()} kernels, graph-base / eager-base = each of "
+              f"{'; '.join(ab_variants)} (graph: async; medians of segment medians, min-max)")
         print(ab.agg(["median", "min", "max", "count"]).to_string(float_format=lambda v: f"{v:.3f}"), flush=True)
-        detail = detail[detail["mode"] != "graph-base"]
+        detail = detail[~detail["mode"].str.endswith("-base")]
     summary = (detail.groupby(["model", "layers", "policy", "batch", "mode"], as_index=False)
                .agg(step_ms=("step_ms", "median"), floor_ms=("floor_ms", "median")))
     summary["ratio"] = summary["step_ms"] / summary["floor_ms"]

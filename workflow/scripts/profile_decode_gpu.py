@@ -153,11 +153,12 @@ def moe_sweep(llm: LLM, tokens: list[int], replays: int = 5, shard: int = 1) -> 
                 continue
             args = (x, w, ids, aligns, cfgs, y, h)
             try:
-                _moe_layers(view, tables, *args)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with variants.for_graphs():  # the eager pass compiles what the capture launches
                     _moe_layers(view, tables, *args)
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        _moe_layers(view, tables, *args)
             except Exception as exc:  # noqa: BLE001 - a tile the chip cannot run: say so, keep sweeping
                 print(f"moe sweep T={T} {which} {cfg}: {type(exc).__name__}: {exc}"[:300], flush=True)
                 continue
@@ -182,7 +183,7 @@ def capture_variant(graphs, bucket: int, variant: str) -> tuple[torch.cuda.CUDAG
     """The bucket's decode graph captured with ``variant``'s kernels (rimuru.kernels.variants) over the engine's
     persistent buffers and the last step's inputs: one eager pass (compiles that variant), then the capture.
     Returns the graph and its logits."""
-    with variants.use(variant):
+    with variants.use(variant), variants.for_graphs():
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
