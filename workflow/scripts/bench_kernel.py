@@ -40,6 +40,7 @@ import triton.language  # noqa: F401  (triton.testing needs it loaded)
 from triton.testing import do_bench
 
 from rimuru.experts.moe_reference import moe_reference
+from rimuru.kernels import variants
 from rimuru.kernels.fused_moe import MoeConfigs, MoeKernelConfig, _launch, fused_moe, pick_configs
 from rimuru.kernels.moe_align import moe_align
 from rimuru.provenance import provenance
@@ -193,14 +194,15 @@ def graph_time_us(run_all, n_calls: int, target_ms: float = 2.0, batches: int = 
         return (time.perf_counter() - t) * 1e6 / n_calls
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run_all()  # compile and warm up outside the capture
-        run_all()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run_all()
+    with variants.for_graphs():  # the kernels as the engine's decode graphs launch them (programmatic launches)
+        with torch.cuda.stream(side):
+            run_all()  # compile and warm up outside the capture
+            run_all()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_all()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
