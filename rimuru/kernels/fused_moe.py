@@ -267,10 +267,13 @@ MOE_GEMV_TILE = 8192  # weight elements a program holds (16 KB in bf16)
 MOE_GEMV_MIN_COLUMNS = 16  # DOWN reads BLOCK_N contiguous columns of each W2^T row: 32 bytes, one sector
 
 
-def moe_gemv(num_tokens: int, f: int, d: int, enabled: bool) -> bool:
-    """Whether a batch runs :func:`moe_gemv_kernel` (the ``moe_gemv`` lever): one token, and both K (d for the gate
-    and up projections, f for the down projection) within one program's tile."""
-    return enabled and num_tokens == 1 and max(f, d) <= MOE_GEMV_TILE // 2
+def moe_gemv(num_tokens: int, f: int, d: int, enabled: bool, host_pages: bool = False) -> bool:
+    """Whether a batch runs :func:`moe_gemv_kernel` (the ``moe_gemv`` lever): one token, both K (d for the gate
+    and up projections, f for the down projection) within one program's tile, and no misses read in place from host
+    pages (``host_pages``: the offloading policies' graphs): there the DOWN pass's 32-byte column reads cross PCIe,
+    and one-token misses took ~0.21 ms an expert against the tiled kernel's 0.17 (H200, 4 layers, Poisson runs at
+    f7b685e vs d9f9d41: results/reference/e2e/poisson_f7b685e/), so those steps keep the tiled kernel."""
+    return enabled and num_tokens == 1 and max(f, d) <= MOE_GEMV_TILE // 2 and not host_pages
 
 
 @cache
@@ -493,7 +496,7 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         page_table = topk_ids  # unused pointer
     if weights.shape[-1] != d or not weights.is_contiguous() or not hidden.is_contiguous():
         raise ValueError(f"want contiguous hidden [T, {weights.shape[-1]}] and weights, got {tuple(hidden.shape)}")
-    if align is None and configs is None and moe_gemv(T, f, d, variants.on("moe_gemv")):
+    if align is None and configs is None and moe_gemv(T, f, d, variants.on("moe_gemv"), host_pages is not None):
         flat = topk_ids.reshape(-1)
         if flat.dtype != torch.int32 or not flat.is_contiguous():
             flat = flat.to(torch.int32).contiguous()

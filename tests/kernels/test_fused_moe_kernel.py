@@ -236,6 +236,7 @@ def test_one_token_gemv_path_matches_the_reference_contiguous_and_paged(f, d):
     ref = moe_reference(x, w, ids, view, table)
     with variants.use("wave5,moe_gemv"):
         assert moe_gemv(1, f, d, variants.on("moe_gemv")) and not moe_gemv(2, f, d, True)
+        assert not moe_gemv(1, f, d, True, host_pages=True)  # in-place host reads keep the tiled kernel
         assert _rel(fused_moe(x, w, ids, view, table), ref) <= 1e-5
         assert _rel(fused_moe(x, w, ids, view[table.long()].contiguous(), None), ref) <= 1e-5
         w2, ids2 = _routing(3, E, k, gen)
@@ -243,6 +244,30 @@ def test_one_token_gemv_path_matches_the_reference_contiguous_and_paged(f, d):
         tiled = fused_moe_experts(x2, w2, ids2, view, table)
     with variants.use("wave5"):
         assert torch.equal(tiled, fused_moe_experts(x2, w2, ids2, view, table))
+
+
+@needs_triton
+def test_one_token_gemv_kernel_reads_host_pages():
+    """The gemv kernel's own host-page path (``HOST_PAGES``; ``fused_moe`` no longer dispatches it there, see
+    ``moe_gemv``): table entries ``-(1 + j)`` read page ``j`` of the host store, as the tiled kernel does."""
+    from rimuru.kernels.fused_moe import _launch_gemv
+
+    gen = torch.Generator().manual_seed(23)
+    E, f, d, k = 8, 32, 64, 4
+    view, table = _pool(E, f, d, "cache", gen)
+    host = torch.randn(3 * E, f, d, generator=gen) / d**0.5
+    for e in (1, 4):
+        table[e] = -(1 + torch.arange(3 * e, 3 * e + 3, dtype=torch.int32))
+    w, ids = _routing(1, E, k, gen)
+    ids[0, 0] = 4 if 4 not in ids[0, 1:].tolist() else ids[0, 0]
+    x = torch.randn(1, d, generator=gen)
+    ref = moe_reference(x, w, ids, view, table, host_pages=host)
+    flat, w_flat = ids.reshape(-1).contiguous(), w.reshape(-1).float().contiguous()
+    h, y = torch.empty(k, f), torch.empty(k, d)
+    common = dict(F=f, D=d, top_k=k, paged=True, host=host)
+    _launch_gemv(x, view, h, table, w_flat, flat, N=f, K=d, gate_up=True, **common)
+    _launch_gemv(h, view, y, table, w_flat, flat, N=d, K=f, gate_up=False, **common)
+    assert 4 in ids[0].tolist() and _rel(y.sum(0, keepdim=True), ref) <= 1e-5  # y: one row per routed expert
 
 
 def test_one_token_gemv_blocks_at_qwen3_shapes():
