@@ -80,6 +80,8 @@ rule modeled_fidelity:
         csv="results/modeled/fidelity.csv",
         steps="results/modeled/fidelity_steps.csv",  # written beside csv: the step-time model per run, kind, batch
         kinds="results/modeled/fidelity_kinds.csv",  # beside csv: measured vs replayed steps summed per step kind
+        positions="results/modeled/fidelity_decode_position.csv",  # beside csv: fixed Poisson misses by decode position
+        pairs="results/modeled/fidelity_policy_pairs.csv",  # beside csv: TP fixed minus elastic at the same steps
         figure="figures/modeled_fidelity.png",
         timelines=directory("results/modeled/fidelity_timelines"),
     params:

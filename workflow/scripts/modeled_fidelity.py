@@ -280,8 +280,13 @@ def main() -> None:
     frame = pd.DataFrame(rows)
     Path(args.out_csv).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_csv, index=False)
-    kinds = step_kinds(args.reference, [p.partition("=")[2] for p in args.tp_runs], timelines)
+    tp_paths = [p.partition("=")[2] for p in args.tp_runs]
+    kinds = step_kinds(args.reference, tp_paths, timelines)
     kinds.to_csv(Path(args.out_csv).with_name("fidelity_kinds.csv"), index=False)
+    positions = decode_positions(args.reference, timelines, args.cost_params)
+    positions.to_csv(Path(args.out_csv).with_name("fidelity_decode_position.csv"), index=False)
+    pairs = policy_pairs(tp_paths, timelines)
+    pairs.to_csv(Path(args.out_csv).with_name("fidelity_policy_pairs.csv"), index=False)
     serving = serving_steps(args.reference, fit, args.cost_params, args.hardware, overlap)
     serving.to_csv(Path(args.out_csv).with_name("fidelity_steps.csv"), index=False)
     figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), serving, args.figure)
@@ -301,21 +306,8 @@ def step_kinds(references: list[str], tp_runs: list[str], timelines: Path) -> pd
     replay (``modeled``; the timelines ``main`` wrote to ``timelines``), for every run with a per-step timeline
     (e2e ``timelines*.csv.gz``; TP runs' ``timeline.csv(.gz)`` beside their e2e_runs.csv). Where a replay's error
     comes from: which kind of step diverges, and whether in routing (touched, loaded) or in time per work."""
-    pairs = []
-    for ref in map(Path, references):
-        runs = pd.read_csv(ref / "e2e.csv")
-        for path in sorted(ref.glob("timelines*.csv.gz")):
-            trace_run = path.name.removeprefix("timelines").removeprefix("_").removesuffix(".csv.gz")
-            run = trace_run if "run" in runs else folder_run(ref)
-            pairs.append((run, pd.read_csv(path)))
-    for runs_path in map(Path, tp_runs):
-        found = [p for p in (runs_path.parent / "timeline.csv.gz", runs_path.parent / "timeline.csv") if p.exists()]
-        if found:
-            pairs.append((f"tp2_{runs_path.parent.name}", pd.read_csv(found[0])))
     out = []
-    for run, measured in pairs:
-        if "workload" not in measured:
-            measured = measured.assign(workload="burst")  # a TP folder's timeline: bursts only
+    for run, measured, _ in measured_timelines(references, tp_runs):
         for (policy, workload), m in measured.groupby(["policy", "workload"]):
             safe = re.sub(r"[^a-z0-9_]+", "_", f"{run}/{policy}/{workload}")
             modeled = timelines / f"{safe}.csv"
@@ -330,6 +322,105 @@ def step_kinds(references: list[str], tp_runs: list[str], timelines: Path) -> pd
                 out.append(agg.assign(run=f"{run}/{policy}/{workload}", source=source, repeat=repeat))
     cols = ["run", "source", "repeat", "kind", "steps", "tokens", "touched", "loaded", "step_ms"]
     return pd.concat(out, ignore_index=True)[cols] if out else pd.DataFrame(columns=cols)
+
+
+def measured_timelines(references: list[str], tp_runs: list[str]) -> list[tuple[str, pd.DataFrame, Path]]:
+    """(run as fidelity.csv names it, every measured step of its timeline file, the folder's hotset) per timeline file
+    of the e2e folders (``timelines*.csv.gz``) and of the TP runs' folders (``timeline.csv(.gz)``)."""
+    out = []
+    for ref in map(Path, references):
+        runs = pd.read_csv(ref / "e2e.csv")
+        for path in sorted(ref.glob("timelines*.csv.gz")):
+            trace_run = path.name.removeprefix("timelines").removeprefix("_").removesuffix(".csv.gz")
+            out.append((trace_run if "run" in runs else folder_run(ref), pd.read_csv(path), ref / "hotset.json"))
+    for runs_path in map(Path, tp_runs):
+        found = [p for p in (runs_path.parent / "timeline.csv.gz", runs_path.parent / "timeline.csv") if p.exists()]
+        if found:
+            frame = pd.read_csv(found[0])
+            if "workload" not in frame:
+                frame = frame.assign(workload="burst")  # a TP folder's timeline: bursts only
+            out.append((f"tp2_{runs_path.parent.name}", frame, runs_path.parent / "hotset.json"))
+    return out
+
+
+def decode_positions(references: list[str], timelines: Path, cost_params: str,
+                     buckets=(0, 2, 8, 32, 64, 128, 256, 100_000)) -> pd.DataFrame:
+    """The fixed policy's Poisson runs (a static cache: one decode token's expected misses are one number): over the
+    stretches of one running request after its own prefill, the recorded experts read in place per step against
+    the routing model's expectation (the served hotset's routing, the calibration's shrinkage), by the request's
+    decode position (steps since its prefill), for the measured repeats and the replay."""
+    from rimuru.engine.modeled.routing import RoutingModel
+    from rimuru.experts.hotset import Hotset
+
+    params = CostParams.load(cost_params)
+    out = []
+    for run, frame, hotset_path in measured_timelines(references, []):
+        for (policy, workload), m in frame.groupby(["policy", "workload"]):
+            modeled = timelines / f"{re.sub(r'[^a-z0-9_]+', '_', f'{run}/{policy}/{workload}')}.csv"
+            if policy != "fixed" or workload != "poisson" or not modeled.exists():
+                continue
+            hotset = Hotset.load(hotset_path)
+            layers, experts = hotset.probability.shape
+            routing = RoutingModel.from_hotset(hotset, int(round(hotset.probability.sum(axis=1).mean())),
+                                               chunk_scale=params.routing_chunk_scale,
+                                               chunk_exponent=params.routing_chunk_exponent,
+                                               prior_tokens=params.routing_prior_tokens,
+                                               reference_curve=params.routing_reference_curve)
+            order = hotset.global_order()
+            rank = np.empty(layers * experts, dtype=np.int64)
+            rank[order[:, 0] * experts + order[:, 1]] = np.arange(layers * experts)
+            rank = rank.reshape(layers, experts)
+            one_token = routing.touch_probability(0.0, 1.0)
+            sources = [("measured", r, g) for r, g in m.groupby("repeat")] + [("modeled", -1, pd.read_csv(modeled))]
+            for source, repeat, g in sources:
+                g = g.reset_index(drop=True)
+                prefill, running = g["prefill_tokens"].to_numpy() > 0, g["running"].to_numpy()
+                position = np.full(len(g), -1)
+                for i in range(len(g)):  # steps since the one running request's prefill; -1 elsewhere
+                    if prefill[i]:
+                        position[i] = 0 if running[i] == 1 else -1
+                    elif running[i] == 1 and i and position[i - 1] >= 0:
+                        position[i] = position[i - 1] + 1
+                sel = (position > 0) & ~prefill
+                expected = np.array([one_token[rank >= c].sum() for c in g["cached_experts"][sel]])
+                d = pd.DataFrame({"bucket": pd.cut(position[sel], list(buckets)).astype(str),
+                                  "recorded": g["experts_loaded"].to_numpy(float)[sel], "expected": expected})
+                agg = d.groupby("bucket", sort=False).agg(steps=("recorded", "size"), recorded=("recorded", "mean"),
+                                                          expected=("expected", "mean")).reset_index()
+                out.append(agg.assign(run=f"{run}/{policy}/{workload}", source=source, repeat=repeat,
+                                      ratio=agg["recorded"] / agg["expected"]))
+    cols = ["run", "source", "repeat", "bucket", "steps", "recorded", "expected", "ratio"]
+    return pd.concat(out, ignore_index=True)[cols] if out else pd.DataFrame(columns=cols)
+
+
+def policy_pairs(tp_runs: list[str], timelines: Path) -> pd.DataFrame:
+    """TP runs whose timeline holds both policies (they serve the same requests in the same steps): per step kind
+    (prefill: with prompt tokens; decode), over the steps where both did the same tokens, the median of fixed's step
+    time minus elastic's and the mean of their loads' difference, measured (repeat r against repeat r) and replayed."""
+    out = []
+    for run, frame, _ in measured_timelines([], tp_runs):
+        names = [timelines / f"{run}_{p}_burst.csv" for p in ("elastic", "fixed")]
+        if set(frame["policy"]) < {"elastic", "fixed"} or not all(n.exists() for n in names):
+            continue
+        by = {(p, r): g for (p, r), g in frame.groupby(["policy", "repeat"])}
+        pairs = [("measured", r, by[("elastic", r)], by[("fixed", r)]) for r in sorted(frame["repeat"].unique())
+                 if ("elastic", r) in by and ("fixed", r) in by]
+        pairs.append(("modeled", -1, *(pd.read_csv(n) for n in names)))
+        for source, repeat, e, f in pairs:
+            e, f = e.reset_index(drop=True), f.reset_index(drop=True)
+            n = min(len(e), len(f))
+            e, f = e.iloc[:n], f.iloc[:n]
+            same = (e["tokens"].to_numpy() == f["tokens"].to_numpy())
+            for kind, sel in (("prefill", same & (e["prefill_tokens"].to_numpy() > 0)),
+                              ("decode", same & (e["prefill_tokens"].to_numpy() == 0))):
+                diff = (f["step_ms"] - e["step_ms"]).to_numpy()[sel]
+                loads = (f["experts_loaded"] - e["experts_loaded"]).to_numpy()[sel]
+                out.append({"run": run, "source": source, "repeat": repeat, "kind": kind, "steps": int(sel.sum()),
+                            "elastic_median_ms": float(np.median(e["step_ms"].to_numpy()[sel])),
+                            "fixed_median_ms": float(np.median(f["step_ms"].to_numpy()[sel])),
+                            "fixed_minus_elastic_median_ms": float(np.median(diff)),
+                            "fixed_minus_elastic_loads_mean": float(loads.mean())})
+    return pd.DataFrame(out)
 
 
 def serving_steps(references: list[str], fit: list[str], cost_params: str, hardware: str,
