@@ -145,11 +145,57 @@ def test_warmup_or_eager_reports_a_failed_warmup_and_serves_eagerly(monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-def _gpu_engine(policy: str, **options) -> LLM:
+def _gpu_engine(policy: str, max_num_seqs: int = 24, **options) -> LLM:
     ckpt = synthetic_checkpoint_in_memory("tiny-qwen3-moe", seed=0, dtype=torch.bfloat16, device="cuda",
                                           routing_skew=0.7, progress=False)
     return LLM(ckpt, device="cuda", dtype=torch.bfloat16, gpu_memory_budget="1GiB", policy=policy,
-               activation_reserve="64MiB", max_num_seqs=24, **options)
+               activation_reserve="64MiB", max_num_seqs=max_num_seqs, **options)
+
+
+def serve_wide_decode(llm: LLM, requests: int = 48, seed: int = 11):
+    """``requests`` short prompts at once (one prefill step), then decode steps of every request together: a pure
+    decode step wider than ``rimuru.kernels.pdl.PDL_MAX_ROWS`` (eager where no graph covers it). The timeline."""
+    rng = np.random.default_rng(seed)
+    for i in range(requests):
+        llm.add_request(f"w{i}", rng.integers(0, 1000, int(rng.integers(3, 20))).tolist(),
+                        SamplingParams(max_tokens=6, ignore_eos=True))
+    while llm.has_unfinished_requests():
+        llm.step()
+    llm.check_integrity()
+    return llm.timeline.frame()
+
+
+def wide_eager_decode_steps(frame, rows: int):
+    return frame[(frame["prefill_tokens"] == 0) & (frame["cuda_graph"] == 0) & (frame["tokens"] > rows)]
+
+
+def test_the_wide_decode_workload_reaches_an_eager_pure_decode_step_above_the_pdl_rows():
+    """The premise of the GPU test below, on the CPU (no graphs: every step eager)."""
+    from rimuru.kernels.pdl import PDL_MAX_ROWS
+
+    ckpt = synthetic_checkpoint_in_memory("tiny-qwen3-moe", seed=0, dtype=torch.float32, progress=False)
+    llm = LLM(ckpt, device="cpu", dtype=torch.float32, gpu_memory_budget="400MiB", policy="elastic",
+              activation_reserve="1MiB", max_num_seqs=64)
+    frame = serve_wide_decode(llm)
+    assert len(wide_eager_decode_steps(frame, PDL_MAX_ROWS)) >= 3
+    assert frame["prefill_tokens"].iloc[0] > 0 and (frame["prefill_tokens"].iloc[1:] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy,options", [("static", {"enforce_eager": True}), ("elastic", {}),
+                                            ("fixed", {"initial_cache_experts": 5})])
+def test_gpu_no_compile_after_warmup_at_an_eager_decode_step_above_the_pdl_rows(policy, options):
+    """An eager pure-decode step of more rows than programmatic launches take (``PDL_MAX_ROWS``) launches the
+    plain variants of the decode-chain kernels: warm-up must have compiled them (the elastic 400 burst at f7b685e
+    compiled one at its first such step, 970 ms: results/reference/e2e/poisson_f7b685e). Offloading policies
+    replay graphs only up to 16 rows, so their 48-row decode steps are eager; ``static`` runs eagerly here."""
+    from rimuru.kernels.pdl import PDL_MAX_ROWS
+
+    llm = _gpu_engine(policy, max_num_seqs=64, **options)
+    llm.warmup()
+    frame = serve_wide_decode(llm)
+    assert len(wide_eager_decode_steps(frame, PDL_MAX_ROWS)) >= 3  # the case this test is about was reached
+    assert frame["compiles"].sum() == 0, frame[frame["compiles"] > 0][["step", "tokens", "running", "compiles"]]
 
 
 @pytest.mark.gpu
