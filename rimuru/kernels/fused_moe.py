@@ -272,7 +272,8 @@ def moe_gemv(num_tokens: int, f: int, d: int, enabled: bool, host_pages: bool = 
     and up projections, f for the down projection) within one program's tile, and no misses read in place from host
     pages (``host_pages``: the offloading policies' graphs): there the DOWN pass's 32-byte column reads cross PCIe,
     and one-token misses took ~0.21 ms an expert against the tiled kernel's 0.17 (H200, 4 layers, Poisson runs at
-    f7b685e vs d9f9d41: results/reference/e2e/poisson_f7b685e/), so those steps keep the tiled kernel."""
+    f7b685e vs d9f9d41: results/reference/e2e/poisson_f7b685e/), so those steps keep the tiled kernel (the caller
+    passes False for ``host_pages`` under the ``moe_gemv_host`` lever, the f7b685e behaviour)."""
     return enabled and num_tokens == 1 and max(f, d) <= MOE_GEMV_TILE // 2 and not host_pages
 
 
@@ -496,7 +497,8 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         page_table = topk_ids  # unused pointer
     if weights.shape[-1] != d or not weights.is_contiguous() or not hidden.is_contiguous():
         raise ValueError(f"want contiguous hidden [T, {weights.shape[-1]}] and weights, got {tuple(hidden.shape)}")
-    if align is None and configs is None and moe_gemv(T, f, d, variants.on("moe_gemv"), host_pages is not None):
+    if align is None and configs is None and moe_gemv(T, f, d, variants.on("moe_gemv"),
+                                                      host_pages is not None and not variants.on("moe_gemv_host")):
         flat = topk_ids.reshape(-1)
         if flat.dtype != torch.int32 or not flat.is_contiguous():
             flat = flat.to(torch.int32).contiguous()

@@ -28,6 +28,9 @@ Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the six t
 * ``gemv_le2`` (wave 7, with ``gemv``, off by default): the gemv only for projections of at most
   ``small_linear.GEMV_NARROW_ROWS`` (2) rows, cuBLAS above (the gemv took 1,447 us a 48-layer step at 4 rows against
   cuBLAS's 1,188, results/reference/engine/run_38fd399_48L/): the row limit A/B'd on the device;
+* ``moe_gemv_host`` (off by default): ``moe_gemv`` also where misses are read in place from host pages (the
+  offloading policies' graphs), as at ``f7b685e``; without it those launches keep the tiled kernel
+  (``fused_moe.moe_gemv``), for a same-call A/B;
 * ``pdl_eager`` (off by default): the programmatic-launch levers act outside CUDA graphs too (see below): the
   engine as measured at 38fd399, for an eager A/B.
 
@@ -56,7 +59,7 @@ from contextlib import contextmanager
 import torch
 
 LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv",
-          "gemv_le2", "pdl_eager")
+          "gemv_le2", "moe_gemv_host", "pdl_eager")
 # The levers that measured faster (H200, 48 layers: results/reference/engine/run_2445415_48L/ab_* for the wave-5 two,
 # run_38fd399_48L/ for the wave-7 four): the others made their kernels slower than what they replace and are off
 # unless asked for (``all`` or by name).

@@ -198,6 +198,9 @@ def test_negative_page_ids_read_host_pages_zero_copy(T, kernel_variant):
     ref = moe_reference(ref_in, w, ids, view, table, host_pages=host)
     assert torch.isfinite(got).all()
     assert _rel(got, ref) < 1e-4
+    if kernel_variant == "fast":  # the one-token gemv on host pages (the moe_gemv_host lever) reads them too
+        with variants.use("fast,moe_gemv_host"):
+            assert _rel(fused_moe(ref_in, w, ids, view, table, host_pages=host), ref) < 1e-4
     with_host_copy = view.clone()
     # the same weights copied into pool pages give the same answer
     free = torch.arange(view.shape[0] - 3 * len(missing), view.shape[0]).reshape(-1, 3)

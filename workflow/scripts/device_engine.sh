@@ -3,7 +3,8 @@
 # Steps are chosen with env vars so that one script serves every call:
 #   TESTS=1              pytest -m gpu over the whole suite (every helper's GPU tests)
 #   KERNEL_TESTS="paths" pytest without a marker filter first (kernel tests run on CUDA when it is there)
-#   FLOOR_LAYERS="4 48"  decode_floor_gpu.py per layer count (FLOOR_POLICIES_<n>, FLOOR_BATCHES)
+#   FLOOR_LAYERS="4 48"  decode_floor_gpu.py per layer count (FLOOR_POLICIES_<n>; FLOOR_BATCHES and FLOOR_ARGS, or
+#                        FLOOR_BATCHES_<n> / FLOOR_ARGS_<n> for that layer count alone)
 #   PROFILE=1            profile_decode_gpu.py at 48 layers (per-kernel-class time vs floor)
 #   AB="fast;baseline"   profile_decode_gpu.py --ab: kernel variants (rimuru/kernels/variants.py) A/B'd on the same
 #                        48-layer graphs, ABBA rounds of replays per batch (AB_BATCHES), per-kernel times of each;
@@ -63,12 +64,12 @@ if [ "${FLOOR_KERNELS:-}" = auto ]; then
 fi
 FLOOR_KERNELS=${FLOOR_KERNELS:-${RIMURU_DECODE_KERNELS:-fast}}
 for n in ${FLOOR_LAYERS:-}; do
-  pol_var="FLOOR_POLICIES_$n"
+  pol_var="FLOOR_POLICIES_$n" bat_var="FLOOR_BATCHES_$n" args_var="FLOOR_ARGS_$n"
   echo "floor kernels: RIMURU_DECODE_KERNELS=$FLOOR_KERNELS" | tee "$RES/floor_${n}_kernels.log"
   RIMURU_DECODE_KERNELS=$FLOOR_KERNELS timeout "${FLOOR_TIMEOUT:-300}" python3 workflow/scripts/decode_floor_gpu.py \
     --model "$MODEL" --layers "$n" \
-    --fast-synth --policies "${!pol_var:-static}" --batches "${FLOOR_BATCHES:-1,4,16,64,256}" \
-    --steps "${FLOOR_STEPS:-10}" --discard "${FLOOR_DISCARD:-3}" --device "$DEVICE" ${FLOOR_ARGS:-} \
+    --fast-synth --policies "${!pol_var:-static}" --batches "${!bat_var:-${FLOOR_BATCHES:-1,4,16,64,256}}" \
+    --steps "${FLOOR_STEPS:-10}" --discard "${FLOOR_DISCARD:-3}" --device "$DEVICE" ${!args_var:-${FLOOR_ARGS:-}} \
     --out "$RES/floor_$n" 2>&1 | grep -v Warning > "$RES/floor_$n.log"
   tail -12 "$RES/floor_$n.log"
   pack
