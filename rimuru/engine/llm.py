@@ -744,6 +744,7 @@ class LLM:
 
         warmup_routing(experts, spec.hidden_size, k, spec.norm_topk_prob, dtype, dev)
         self.model.warmup_projections()  # the few-row projection kernel (``gemv`` lever) at each row-block height
+        self.model.warmup_eager(kv)  # the first norm and the q/k norm + RoPE + KV write, as eager steps launch them
         h = torch.randn(2, spec.hidden_size, device=dev, dtype=dtype)
         norm = torch.ones(spec.hidden_size, device=dev, dtype=dtype)
         for addend in (h, torch.randn(2, k, spec.hidden_size, device=dev, dtype=dtype)):

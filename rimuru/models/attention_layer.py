@@ -183,11 +183,22 @@ class Attention:
         small = triton_kernels and variants.on("small_gemm")
         gemv = triton_kernels and variants.on("gemv")
         qkv = linear(hidden_states, self.qkv_weight, self.qkv_bias, small, gemv)
+        cos_sin = cos_sin if cos_sin is not None else self.rope.cos_sin(meta.positions)
+        q = self._rope_and_write(qkv, cos_sin, kv_view, meta.slot_mapping, triton_kernels)
+        attn = paged_attention(q, kv_view, meta.block_tables, meta.cu_query_lens, meta.seq_lens, c.scale,
+                               impl=self.impl, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
+        return linear(attn.reshape(num_tokens, c.num_heads * c.head_dim), self.o_proj, self.o_bias, small, gemv)
+
+    def _rope_and_write(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_view,
+                        slot_mapping: torch.Tensor, triton_kernels: bool) -> torch.Tensor:
+        """q/k RMSNorm + RoPE of ``qkv [T, (H + 2 Hkv) D]`` and the K/V write at ``slot_mapping`` (negative: skipped);
+        returns ``q [T, H, D]``."""
+        c = self.config
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.qkv_sizes, dim=-1)
         q = q.view(num_tokens, c.num_heads, c.head_dim)
         k = k.view(num_tokens, c.num_kv_heads, c.head_dim)
         v = v.view(num_tokens, c.num_kv_heads, c.head_dim)
-        cos_sin = cos_sin if cos_sin is not None else self.rope.cos_sin(meta.positions)
         kv = kv_tensor(kv_view)
         fused = fused_qkv_path(triton_kernels, q.dtype, None if self.q_norm is None else self.q_norm.dtype, kv.dtype,
                                variants.on("qkv_fused"))
@@ -195,7 +206,7 @@ class Attention:
             from rimuru.kernels.norm_rope import qkv_norm_rope_write
 
             q = qkv_norm_rope_write(qkv, c.num_heads, c.num_kv_heads, c.head_dim, self.q_norm, self.k_norm,
-                                    *cos_sin, c.rms_norm_eps, self.rope.rotary_dim, kv, meta.slot_mapping)
+                                    *cos_sin, c.rms_norm_eps, self.rope.rotary_dim, kv, slot_mapping)
         elif q.is_cuda and self.impl in ("auto", "triton") and (self.q_norm is None or self.q_norm.dtype == q.dtype):
             from rimuru.kernels.norm_rope import norm_rope  # q/k norm + RoPE: one launch per tensor
 
@@ -208,7 +219,16 @@ class Attention:
                 k = rms_norm(k, self.k_norm, c.rms_norm_eps)
             q, k = self.rope.apply(q, k, cos_sin)
         if not fused:
-            write_kv(k, v, kv_view, meta.slot_mapping, impl=self.impl)
-        attn = paged_attention(q, kv_view, meta.block_tables, meta.cu_query_lens, meta.seq_lens, c.scale,
-                               impl=self.impl, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
-        return linear(attn.reshape(num_tokens, c.num_heads * c.head_dim), self.o_proj, self.o_bias, small, gemv)
+            write_kv(k, v, kv_view, slot_mapping, impl=self.impl)
+        return q
+
+    def warmup(self, kv_view) -> None:
+        """Compile what :meth:`forward` launches between the qkv projection and the attention (q/k norm + RoPE and
+        the KV write; one launch with the ``qkv_fused`` lever) as an eager step launches it: two tokens at position
+        0, nothing written (negative slots, int32 as the executor uploads them). Outside a graph's capture."""
+        dev = self.qkv_weight.device
+        qkv = torch.zeros(2, self.qkv_weight.shape[0], dtype=self.qkv_weight.dtype, device=dev)
+        cos_sin = self.rope.cos_sin(torch.zeros(2, dtype=torch.long, device=dev))
+        triton_kernels = self.impl == "triton" or (self.impl == "auto" and qkv.is_cuda)
+        self._rope_and_write(qkv, cos_sin, kv_view, torch.full((2,), -1, dtype=torch.int32, device=dev),
+                             triton_kernels)

@@ -87,6 +87,14 @@ class QwenMoeModel:
         if variants.on("gemv"):
             warmup_gemv(self.decode_projections())
 
+    def warmup_eager(self, kv_view) -> None:
+        """Compile the kernels an eager step launches that the engine's warm-up does not call itself (the first
+        RMSNorm; the attention's q/k norm + RoPE + KV write, which otherwise only a decode graph's capture compiled:
+        ``enforce_eager`` engines compiled them in their first step). Writes nothing."""
+        x = torch.zeros(2, self.spec.hidden_size, dtype=self.embed.dtype, device=self.embed.device)
+        rms_norm(x, self.layers[0].input_norm, self.spec.rms_norm_eps)
+        self.attn[0].warmup(kv_view)
+
     def use_vocab_parallel(self, on: bool) -> None:
         """Tensor parallelism: the LM head over this rank's contiguous block of vocabulary rows only (``on``), so
         each rank reads 1/world of it; ``forward`` then returns ``[S, V / world]`` logits, which the communicator

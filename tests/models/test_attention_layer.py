@@ -183,6 +183,22 @@ def _prefill_then_decode(kind, impl):
     assert cache.kv[layer0].isnan().all()
 
 
+@pytest.mark.parametrize("impl,variant", [("reference", "fast"), pytest.param("triton", "fast", marks=needs_triton),
+                                          pytest.param("triton", "wave5,gemv", marks=needs_triton)])
+def test_warmup_runs_the_qk_path_and_writes_no_kv(impl, variant):
+    """``Attention.warmup`` (LLM.warmup's eager pass over the q/k norm + RoPE + KV write, fused or not): the same
+    path as forward, with negative slots, so every page keeps its contents."""
+    config, module = make_hf_attention("qwen3_moe")
+    weights = {f"self_attn.{k}": v.to(DEVICE) for k, v in module.state_dict().items()}
+    spec = ModelSpec.from_hf_config(config)
+    attn = Attention(AttentionConfig.from_spec(spec), weights, layer_idx=0,
+                     rope=RotaryEmbedding.from_spec(spec, device=DEVICE), impl=impl)
+    cache = PagedKV(num_layers=1, num_pages=8, block=4, kv_heads=2, head_dim=16)
+    with variants.use(variant):
+        attn.warmup(cache.kv)
+    assert cache.kv.isnan().all()
+
+
 def test_metadata_for_layer_selects_stacked_tables_and_keeps_per_layer_ones():
     cache = PagedKV(num_layers=3, num_pages=20, block=4, kv_heads=1, head_dim=16)
     meta = cache.metadata([(0, 0, 5), (1, 2, 1)])
