@@ -301,19 +301,19 @@ class TensorParallelGroup:
     def use_all_reduce(self, llm, name: str) -> None:
         """Every rank switches its all-reduce to backend ``name`` and recaptures its decode graphs with it (an A/B
         of all-reduce backends on one engine: the same weights, pools and graphs' buckets)."""
-        self.send(("all_reduce", name))
-        try:
-            switch_all_reduce(llm, name)
-        except Exception as exc:  # noqa: BLE001
-            raise self.fail(exc) from exc
-        self.gather("switched")
+        self._switch(llm, "all_reduce", name)
 
     def use_vocab_parallel(self, llm, on: bool) -> None:
         """Every rank switches its LM head to its vocabulary block (``on``) or the whole vocabulary, and recaptures
         its decode graphs (the A/B of a vocabulary-parallel head on one engine)."""
-        self.send(("vocab_parallel", on))
+        self._switch(llm, "vocab_parallel", on)
+
+    def _switch(self, llm, kind: str, value) -> None:
+        """Every rank applies the switch ``SWITCHES[kind]`` with ``value`` (rank 0 here, the workers on the
+        message), in lockstep: the workers answer once theirs is done."""
+        self.send((kind, value))
         try:
-            switch_vocab_parallel(llm, on)
+            SWITCHES[kind](llm, value)
         except Exception as exc:  # noqa: BLE001
             raise self.fail(exc) from exc
         self.gather("switched")
@@ -503,6 +503,10 @@ def switch_vocab_parallel(llm, on: bool) -> None:
     _recapture(llm)
 
 
+# message kind -> this rank's part of a run-time switch that every rank applies in lockstep
+SWITCHES = {"all_reduce": switch_all_reduce, "vocab_parallel": switch_vocab_parallel}
+
+
 def _recapture(llm) -> None:
     graphs = llm.graphs
     if graphs is not None and graphs.graphs:
@@ -595,11 +599,8 @@ def worker_main(rank: int, world: int, port: int, source, options: dict, conn, p
                 from rimuru.distributed.comm import time_all_reduces
 
                 conn.send(("benched", time_all_reduces(llm.comm, *message[1:])))
-            elif kind == "all_reduce":
-                switch_all_reduce(llm, message[1])
-                conn.send(("switched",))
-            elif kind == "vocab_parallel":
-                switch_vocab_parallel(llm, message[1])
+            elif kind in SWITCHES:
+                SWITCHES[kind](llm, message[1])
                 conn.send(("switched",))
             elif kind == "check":
                 apply_ops(message[1], llm.kv, llm.cache)
