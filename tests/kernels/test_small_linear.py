@@ -24,13 +24,19 @@ from tests.markers import needs_triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@needs_triton
-@pytest.mark.parametrize("M,N,K,bias", [(1, 40, 512, False), (5, 16, 300, True), (16, 33, 256, True)])
-def test_small_m_linear_matches_f_linear(M, N, K, bias):
+def _linear_inputs(M: int, N: int, K: int, bias: bool):
+    """Seeded x [M, K], w [N, K] (scaled by 1/sqrt(K)) and an optional bias [N] on DEVICE."""
     gen = torch.Generator().manual_seed(M * N + K)
     x = torch.randn(M, K, generator=gen).to(DEVICE)
     w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEVICE)
     b = torch.randn(N, generator=gen).to(DEVICE) if bias else None
+    return x, w, b
+
+
+@needs_triton
+@pytest.mark.parametrize("M,N,K,bias", [(1, 40, 512, False), (5, 16, 300, True), (16, 33, 256, True)])
+def test_small_m_linear_matches_f_linear(M, N, K, bias):
+    x, w, b = _linear_inputs(M, N, K, bias)
     got = small_m_linear(x, w, b)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
@@ -56,10 +62,7 @@ def test_small_m_takes_only_a_few_rows_when_enabled():
 @pytest.mark.parametrize("M,N,K,bias", [(1, 40, 512, False), (3, 33, 300, True), (4, 128, 2048, False),
                                         (2, 700, 64, True)])
 def test_gemv_matches_f_linear(M, N, K, bias):
-    gen = torch.Generator().manual_seed(M * N + K)
-    x = torch.randn(M, K, generator=gen).to(DEVICE)
-    w = (torch.randn(N, K, generator=gen) / K**0.5).to(DEVICE)
-    b = torch.randn(N, generator=gen).to(DEVICE) if bias else None
+    x, w, b = _linear_inputs(M, N, K, bias)
     got = gemv(x, w, b)
     assert got.shape == (M, N) and got.dtype == x.dtype
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
