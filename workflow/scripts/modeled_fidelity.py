@@ -56,6 +56,34 @@ def draw_arrivals(kind: str, n: int, rate: float | None, seed: int) -> np.ndarra
     return np.asarray(arrival_times(spec, n, seed), dtype=float)
 
 
+# ENGINE_FEATURES' per-commit options: nargs and help (the option is the feature's name, --with-dashes)
+FEATURE_OPTIONS = {
+    "graph_cap": ("+", "COMMIT=N: offloading decode-graph cap of a commit"),
+    "async_scheduling": ("+", "COMMIT=0|1: whether the measured commit's async scheduling overlapped a graphed step's "
+                              "host work with the step before (the modeled engine's async_scheduling)"),
+    "next_step_prefetch": ("+", "COMMIT=0|1: whether the measured commit's eager steps prefetch the next step's "
+                                "first-layer misses (a98ef5f and later; the modeled engine's "
+                                "modeled_next_step_prefetch)"),
+    "kv_compaction": ("*", "COMMIT=0|1: whether the measured commit's elastic engine packed its KV pages "
+                           "(5432607 and later; the modeled engine's kv_compaction)"),
+    "short_lookahead": ("*", "COMMIT=0|1: whether the measured commit's scheduler counted the waiting queue's "
+                             "next-step demand in R_b (9a2935b and later; the modeled engine's short_lookahead)"),
+    "expand_headroom": ("*", "COMMIT=0|1: whether the measured commit's elastic engine kept one step's KV free before "
+                             "expanding (03fa546 and later; the modeled engine's expand_headroom)"),
+    "prefetch_before_graphs": ("*", "COMMIT=0|1: whether the measured commit's end-of-step prefetch also ran before a "
+                                    "graphed step (the engine before 4e86d95; the modeled engine's "
+                                    "prefetch_before_graphs)"),
+    "running_lookahead": ("*", "COMMIT=0|1: whether the measured commit's R_b look-ahead counted the running "
+                               "requests' next-step demand first (2d9b9ab and later; the modeled engine's "
+                               "running_lookahead)"),
+}
+
+
+def feature_option(feature: str) -> str:
+    """The per-commit option of an engine feature: ``kv_compaction`` -> ``--kv-compaction``."""
+    return "--" + feature.replace("_", "-")
+
+
 def graph_caps(items: list[str], option: str = "--graph-cap") -> dict[str, int]:
     """KEY=N words of ``option`` (COMMIT=N, or FEATURE=N for --engine-default)."""
     caps = {}
@@ -95,31 +123,12 @@ def main() -> None:
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--arrivals", choices=("inproc", "legacy"), default="inproc",
                     help="how the measuring script drew Poisson arrivals (see the module docstring)")
-    ap.add_argument("--graph-cap", nargs="+", default=[], help="COMMIT=N: offloading decode-graph cap of a commit")
-    ap.add_argument("--next-step-prefetch", nargs="+", default=[],
-                    help="COMMIT=0|1: whether the measured commit's eager steps prefetch the next step's first-layer "
-                         "misses (a98ef5f and later; the modeled engine's modeled_next_step_prefetch)")
+    for feature in ENGINE_FEATURES:  # one per-commit option each: COMMIT=N words
+        nargs, text = FEATURE_OPTIONS[feature]
+        ap.add_argument(feature_option(feature), dest=feature, nargs=nargs, default=[], help=text)
     ap.add_argument("--fit", nargs="*", default=[],
                     help="DIR/RUN:POLICY (the calibration's --fit-timelines, DIR under results/reference) of runs "
                          "whose per-step timelines the calibration fitted on: their rows are `fit`")
-    ap.add_argument("--async-scheduling", nargs="+", default=[],
-                    help="COMMIT=0|1: whether the measured commit's async scheduling overlapped a graphed step's host "
-                         "work with the step before (the modeled engine's async_scheduling)")
-    ap.add_argument("--kv-compaction", nargs="*", default=[],
-                    help="COMMIT=0|1: whether the measured commit's elastic engine packed its KV pages "
-                         "(5432607 and later; the modeled engine's kv_compaction)")
-    ap.add_argument("--short-lookahead", nargs="*", default=[],
-                    help="COMMIT=0|1: whether the measured commit's scheduler counted the waiting queue's next-step "
-                         "demand in R_b (9a2935b and later; the modeled engine's short_lookahead)")
-    ap.add_argument("--expand-headroom", nargs="*", default=[],
-                    help="COMMIT=0|1: whether the measured commit's elastic engine kept one step's KV free before "
-                         "expanding (03fa546 and later; the modeled engine's expand_headroom)")
-    ap.add_argument("--prefetch-before-graphs", nargs="*", default=[],
-                    help="COMMIT=0|1: whether the measured commit's end-of-step prefetch also ran before a graphed "
-                         "step (the engine before 4e86d95; the modeled engine's prefetch_before_graphs)")
-    ap.add_argument("--running-lookahead", nargs="*", default=[],
-                    help="COMMIT=0|1: whether the measured commit's R_b look-ahead counted the running requests' "
-                         "next-step demand first (2d9b9ab and later; the modeled engine's running_lookahead)")
     ap.add_argument("--engine-default", nargs="*", default=[],
                     help="graph_cap=N async_scheduling=0|1 next_step_prefetch=0|1 kv_compaction=0|1 "
                          "short_lookahead=0|1 expand_headroom=0|1 prefetch_before_graphs=0|1 running_lookahead=0|1: "
@@ -162,18 +171,9 @@ def main() -> None:
                                         routing_profile=profile))
     e2e = pd.concat(frames, ignore_index=True)
     lengths = pd.read_csv(args.lengths)
-    caps = graph_caps(args.graph_cap)
-    overlap = {c: bool(n) for c, n in graph_caps(args.async_scheduling, "--async-scheduling").items()}
-    next_step = {c: bool(n) for c, n in graph_caps(args.next_step_prefetch, "--next-step-prefetch").items()}
-    compaction = {c: bool(n) for c, n in graph_caps(args.kv_compaction, "--kv-compaction").items()}
-    lookahead = {c: bool(n) for c, n in graph_caps(args.short_lookahead, "--short-lookahead").items()}
-    headroom = {c: bool(n) for c, n in graph_caps(args.expand_headroom, "--expand-headroom").items()}
-    before_graphs = {c: bool(n) for c, n in
-                     graph_caps(args.prefetch_before_graphs, "--prefetch-before-graphs").items()}
-    running = {c: bool(n) for c, n in graph_caps(args.running_lookahead, "--running-lookahead").items()}
-    maps = {"graph_cap": caps, "async_scheduling": overlap, "next_step_prefetch": next_step,
-            "kv_compaction": compaction, "short_lookahead": lookahead, "expand_headroom": headroom,
-            "prefetch_before_graphs": before_graphs, "running_lookahead": running}
+    maps = {feature: {c: n if feature == "graph_cap" else bool(n)
+                      for c, n in graph_caps(getattr(args, feature), feature_option(feature)).items()}
+            for feature in ENGINE_FEATURES}
     fit = fit_names(args.fit)
     fitted_gamma = CostParams.load(args.cost_params).fitted.get("decode_gamma", {})
 
@@ -204,11 +204,11 @@ def main() -> None:
         try:
             engine = engine_features(commit, maps, default)
         except ValueError as exc:
-            raise SystemExit(f"{key}: {exc} (--graph-cap, --async-scheduling, --next-step-prefetch, --kv-compaction, "
-                             f"--short-lookahead, --expand-headroom, --prefetch-before-graphs, --running-lookahead or "
+            raise SystemExit(f"{key}: {exc} ({', '.join(feature_option(f) for f in ENGINE_FEATURES)} or "
                              f"--engine-default {' '.join(f + '=N' for f in ENGINE_FEATURES)})") from None
         for feature, value in engine.items():
             maps[feature][commit] = value if feature == "graph_cap" else bool(value)
+        feat = {feature: maps[feature][commit] for feature in ENGINE_FEATURES}
         name, layers = parse_run_model(row["model"])
         full, small = ModelSpec.from_pretrained(name), spec_with_layers(name, layers)
         budget = e2e_scaled_budget(full, small, parse_bytes(f"{row['budget_gib']}GiB"), policy)
@@ -217,10 +217,10 @@ def main() -> None:
         seed = int(command_arg(command, "--seed", 0))
         llm = LLM(small, executor="modeled", gpu_memory_budget=budget, policy=policy, kv_reserve=kv_reserve,
                   hotset=row["hotset"], hardware=args.hardware, cost_params=args.cost_params, seed=seed,
-                  offload_graph_max_batch=caps[commit], async_scheduling=overlap[commit],
-                  modeled_next_step_prefetch=next_step[commit], kv_compaction=compaction[commit],
-                  short_lookahead=lookahead[commit], expand_headroom=headroom[commit],
-                  prefetch_before_graphs=before_graphs[commit], running_lookahead=running[commit],
+                  offload_graph_max_batch=feat["graph_cap"], async_scheduling=feat["async_scheduling"],
+                  modeled_next_step_prefetch=feat["next_step_prefetch"], kv_compaction=feat["kv_compaction"],
+                  short_lookahead=feat["short_lookahead"], expand_headroom=feat["expand_headroom"],
+                  prefetch_before_graphs=feat["prefetch_before_graphs"], running_lookahead=feat["running_lookahead"],
                   modeled_routing_profile=row["routing_profile"] or None,
                   modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1])
         initial = llm.memory_report["initial_cache_experts"]
@@ -251,17 +251,18 @@ def main() -> None:
                          "measured_min": float(measured.min()),
                          "measured_max": float(measured.max()), "repeats": len(measured), "modeled": modeled,
                          "rel_error": (modeled - med) / med if med else float("nan"),
-                         "goal": GOALS.get(m, float("nan")), "graph_cap": caps[commit],
-                         "kv_compaction": compaction[commit], "short_lookahead": lookahead[commit],
-                         "expand_headroom": headroom[commit], "prefetch_before_graphs": before_graphs[commit],
-                         "running_lookahead": running[commit],
-                         "async_overlap": overlap[commit], "commit": commit, "hotset_prompts": cal,
+                         "goal": GOALS.get(m, float("nan")), "graph_cap": feat["graph_cap"],
+                         "kv_compaction": feat["kv_compaction"], "short_lookahead": feat["short_lookahead"],
+                         "expand_headroom": feat["expand_headroom"],
+                         "prefetch_before_graphs": feat["prefetch_before_graphs"],
+                         "running_lookahead": feat["running_lookahead"],
+                         "async_overlap": feat["async_scheduling"], "commit": commit, "hotset_prompts": cal,
                          "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n,
                          "decode_gamma": llm.config.modeled_decode_gamma,
                          "decode_gamma_profile": gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[0]})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
-        print(f"{key} (cap {caps[commit]}, {len(group)} measured): " + ", ".join(
+        print(f"{key} (cap {feat['graph_cap']}, {len(group)} measured): " + ", ".join(
             f"{m} {float(group[m].median()):.4g} -> {float(metrics[m]):.4g}" for m in METRICS), flush=True)
     def tp_engine(commit: str) -> dict[str, int]:
         try:
@@ -287,7 +288,7 @@ def main() -> None:
     positions.to_csv(Path(args.out_csv).with_name("fidelity_decode_position.csv"), index=False)
     pairs = policy_pairs(tp_paths, timelines)
     pairs.to_csv(Path(args.out_csv).with_name("fidelity_policy_pairs.csv"), index=False)
-    serving = serving_steps(args.reference, fit, args.cost_params, args.hardware, overlap)
+    serving = serving_steps(args.reference, fit, args.cost_params, args.hardware, maps["async_scheduling"])
     serving.to_csv(Path(args.out_csv).with_name("fidelity_steps.csv"), index=False)
     figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), serving, args.figure)
 
