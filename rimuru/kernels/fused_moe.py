@@ -395,29 +395,30 @@ def warmup_token_counts(num_experts: int, top_k: int, f: int, d: int) -> list[in
     ``FUSED_SCATTER_MAX_PAIRS``). Running ``fused_moe`` once at each compiles them all, so no request pays a
     JIT compile. Tile choices are constant over intervals of the batch size, so the first batch past the
     limit stands for every interval that crosses it."""
-    from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS
+    from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS, PARALLEL_MAX_PAIRS
 
-    seen: dict[tuple[MoeConfigs, bool, bool, bool], int] = {}
+    seen: dict[tuple[MoeConfigs, bool, bool, bool, bool], int] = {}
     table = TUNED.get((num_experts, f, d))
     counts = sorted(table) if table else [max(1, int(min(b, 64.0) * num_experts / top_k)) for b, _ in
                                           BY_ROWS_PER_EXPERT]
     limit, direct = FUSED_SCATTER_MAX_PAIRS // top_k, DIRECT_MAX_PAIRS // top_k
-    for m in sorted({1, 2, *counts, limit, limit + 1, direct, direct + 1}):
+    par = PARALLEL_MAX_PAIRS // top_k
+    for m in sorted({1, 2, *counts, limit, limit + 1, direct, direct + 1, par, par + 1}):
         seen.setdefault(kernel_variant(m, top_k, num_experts, f, d), m)
     return sorted(seen.values())
 
 
 def kernel_variant(num_tokens: int, top_k: int, num_experts: int, f: int, d: int,
-                   enabled: bool = True) -> tuple[MoeConfigs, bool, bool, bool]:
+                   enabled: bool = True) -> tuple[MoeConfigs, bool, bool, bool, bool]:
     """What decides which kernels a batch of ``num_tokens`` compiles: its tiles, whether ``moe_align`` fuses the
-    scatter, whether the kernel schedules from the top-k ids (:func:`direct_schedule`), and whether that schedule
-    is one token's (no scan)."""
-    from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS
+    scatter, whether the kernel schedules from the top-k ids (:func:`direct_schedule`), whether that schedule
+    is one token's (no scan), and whether the ``align_par`` lever would align it in one parallel launch."""
+    from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS, parallel_align
 
     cfgs = pick_configs(num_tokens, top_k, num_experts, f, d)
     pairs = num_tokens * top_k
     direct = direct_schedule(pairs, cfgs.gate_up.block_m, enabled)
-    return cfgs, pairs <= FUSED_SCATTER_MAX_PAIRS, direct, direct and num_tokens == 1
+    return cfgs, pairs <= FUSED_SCATTER_MAX_PAIRS, direct, direct and num_tokens == 1, parallel_align(pairs, True)
 
 
 # ---------------------------------------------------------------------------------------------- schedule

@@ -10,6 +10,13 @@ one program, ``moe_scatter_kernel`` places pairs in parallel) on the GPU, where 
 launches cost ~0.4 ms of host time on the H200 machine, more than the MoE itself at decode; and
 plain torch ops on the CPU. Within an expert the Triton order is arbitrary (atomics); every row
 is computed independently, so results do not depend on it.
+
+With the ``align_par`` lever (:mod:`rimuru.kernels.variants`, issue 13 wave 8) a decode batch past the
+fused-scatter limit (up to ``PARALLEL_MAX_PAIRS`` pairs) takes one launch of many programs instead
+(``moe_align_parallel_kernel``): every program counts all pairs itself (a few hundred ids from L2), so no
+program waits for another, and places its pairs at their rank within their expert (stable: pair order,
+the torch version's exact result). The 48-layer decode profile at 64 running (2x H200, wave 7) had the
+one-program count at 7.7 us a layer plus 2.0 us of scatter, on every tensor-parallel rank alike.
 """
 
 from __future__ import annotations
@@ -21,9 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
+from rimuru.kernels import variants
+
 # Up to here (decode of <= 32 requests at top-8) the counting program also scatters. H200, 48 layers
 # (profile_decode_gpu.py): one launch saves ~0.7 us per layer at 8 pairs, breaks even at 512, costs ~4 us at 2048.
 FUSED_SCATTER_MAX_PAIRS = 256
+# Up to here (decode of <= 256 requests at top-8) the ``align_par`` lever aligns in one parallel launch: each program
+# counts every pair and ranks its own pairs against all of them ([PAIRS, n] comparisons), fine for a decode batch,
+# not for a long prefill.
+PARALLEL_MAX_PAIRS = 2048
+PARALLEL_PAIRS = 32  # pairs a program places
+PARALLEL_CHUNK = 256  # pairs a program counts (and ranks against) per iteration
+PARALLEL_ROWS = 256  # schedule rows a program pads (and whose blocks it labels); a multiple of BLOCK_M
 
 
 @dataclass(frozen=True)
@@ -105,6 +121,72 @@ def moe_scatter_kernel(topk_ids_ptr, sorted_ids_ptr, cursor_ptr, num_pairs, CHUN
     tl.store(sorted_ids_ptr + pos, offs, mask=m)
 
 
+@triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_blocks"],
+            do_not_specialize_on_alignment=["num_pairs", "max_padded", "max_blocks"])
+def moe_align_parallel_kernel(
+    topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+    num_pairs, num_experts, max_padded, max_blocks,
+    BLOCK_M: tl.constexpr, E_BINS: tl.constexpr, PAIRS: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr,
+):
+    """The whole schedule in one launch. Grid ``max(cdiv(num_pairs, PAIRS), cdiv(max_padded, ROWS))``; no program
+    reads what another writes. Each program counts every pair (the same histogram everywhere), then
+
+    * places pairs ``[pid PAIRS, (pid+1) PAIRS)``: pair i goes to its expert's first row plus the number of earlier
+      pairs routed to the same expert (pair order within an expert, as :func:`moe_align_torch`);
+    * writes the padding id to rows ``[pid ROWS, (pid+1) ROWS)`` that no pair takes (an expert's rows past its
+      count, and every row past the total), and the expert of each block starting there (-1 past the total).
+
+    E_BINS: a power of two > num_experts (bin E takes masked lanes). ROWS: a multiple of BLOCK_M.
+    """
+    pid = tl.program_id(0)
+    offs_e = tl.arange(0, E_BINS)
+    valid_e = offs_e < num_experts
+    counts = tl.zeros((E_BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=num_experts)
+        counts += tl.histogram(ids, E_BINS)
+    counts = tl.where(valid_e, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    if pid == 0:
+        tl.store(num_post_ptr, total)
+    # this program's pairs: the expert's first row + the rank among that expert's pairs
+    offs_p = pid * PAIRS + tl.arange(0, PAIRS)
+    mine = offs_p < num_pairs
+    if pid * PAIRS < num_pairs:
+        ids_p = tl.load(topk_ids_ptr + offs_p, mask=mine, other=num_experts)
+        rank = tl.zeros((PAIRS,), dtype=tl.int32)
+        for start in range(0, num_pairs, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=num_experts)
+            earlier = (ids[None, :] == ids_p[:, None]) & (offs[None, :] < offs_p[:, None])
+            rank += tl.sum(earlier.to(tl.int32), 1)
+        first = tl.sum(tl.where(offs_e[None, :] < ids_p[:, None], padded[None, :], 0), 1)
+        tl.store(sorted_ids_ptr + first + rank, offs_p, mask=mine)
+    # this program's blocks: each lies in one expert's rows (the first expert whose end lies past it)
+    NB: tl.constexpr = ROWS // BLOCK_M
+    b = pid * NB + tl.arange(0, NB)
+    before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & valid_e[None, :]  # [NB, E_BINS]: experts ending before b
+    e = tl.sum(before.to(tl.int32), 1)
+    live = b * BLOCK_M < total
+    tl.store(expert_ids_ptr + b, tl.where(live, e, -1), mask=b < max_blocks)
+    e_start = tl.sum(tl.where(before, padded[None, :], 0), 1)
+    e_count = tl.sum(tl.where(offs_e[None, :] == e[:, None], counts[None, :], 0), 1)
+    rows = b[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]  # [NB, BLOCK_M]
+    pad = (rows - e_start[:, None] >= e_count[:, None]) | (~live[:, None])
+    tl.store(sorted_ids_ptr + rows, tl.zeros((NB, BLOCK_M), dtype=tl.int32) + num_pairs,
+             mask=pad & (rows < max_padded))
+
+
+def parallel_align(num_pairs: int, enabled: bool) -> bool:
+    """Whether ``num_pairs`` pairs align in one parallel launch (:func:`moe_align_parallel_kernel`) rather than the
+    counting program and its scatter: past the fused-scatter limit, up to ``PARALLEL_MAX_PAIRS``, with the
+    ``align_par`` lever on."""
+    return enabled and FUSED_SCATTER_MAX_PAIRS < num_pairs <= PARALLEL_MAX_PAIRS
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -119,11 +201,19 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
     sorted_ids = torch.empty(size, dtype=torch.int32, device=flat.device)
     expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=flat.device)
     num_post = torch.empty(1, dtype=torch.int32, device=flat.device)
+    e_bins = triton.next_power_of_2(num_experts + 1)
+    if parallel_align(n, variants.on("align_par")) and block_m & (block_m - 1) == 0:
+        rows = max(PARALLEL_ROWS, block_m)
+        grid = max(triton.cdiv(n, PARALLEL_PAIRS), triton.cdiv(size, rows))
+        moe_align_parallel_kernel[(grid,)](
+            flat, sorted_ids, expert_ids, num_post, n, num_experts, size, size // block_m,
+            BLOCK_M=block_m, E_BINS=e_bins, PAIRS=PARALLEL_PAIRS, CHUNK=PARALLEL_CHUNK, ROWS=rows, num_warps=4)
+        return MoeAlignment(sorted_ids, expert_ids, num_post, block_m, n)
     cursor = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
     moe_align_kernel[(1,)](
         flat, sorted_ids, expert_ids, num_post, cursor,
         n, num_experts, size, size // block_m,
-        BLOCK_M=block_m, E_BINS=triton.next_power_of_2(num_experts + 1), CHUNK=1024, BLOCKS_CHUNK=64,
+        BLOCK_M=block_m, E_BINS=e_bins, CHUNK=1024, BLOCKS_CHUNK=64,
         SCATTER=n <= FUSED_SCATTER_MAX_PAIRS, num_warps=8,
     )
     if n > FUSED_SCATTER_MAX_PAIRS:

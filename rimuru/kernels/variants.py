@@ -31,6 +31,9 @@ Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the six t
 * ``moe_gemv_host`` (off by default): ``moe_gemv`` also where misses are read in place from host pages (the
   offloading policies' graphs), as at ``f7b685e``; without it those launches keep the tiled kernel
   (``fused_moe.moe_gemv``), for a same-call A/B;
+* ``align_par`` (issue 13 wave 8, off until measured): ``moe_align`` of a decode batch past its fused-scatter limit
+  (65-256 requests at top-8) in one launch of many programs (``moe_align_parallel_kernel``) instead of a
+  one-program count and a scatter launch;
 * ``pdl_eager`` (off by default): the programmatic-launch levers act outside CUDA graphs too (see below): the
   engine as measured at 38fd399, for an eager A/B.
 
@@ -59,7 +62,7 @@ from contextlib import contextmanager
 import torch
 
 LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv",
-          "gemv_le2", "moe_gemv_host", "pdl_eager")
+          "gemv_le2", "moe_gemv_host", "pdl_eager", "align_par")
 # The levers that measured faster (H200, 48 layers: results/reference/engine/run_2445415_48L/ab_* for the wave-5 two,
 # run_38fd399_48L/ for the wave-7 four): the others made their kernels slower than what they replace and are off
 # unless asked for (``all`` or by name).
