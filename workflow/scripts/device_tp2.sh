@@ -15,7 +15,8 @@
 # checks as all_reduce:policy words, '' for none; PY: the interpreter; FUSED=0: no step 0; FUSED_CHECK=0: step 0's
 # kernel test only; FUSED_CHECKS: the fused backends step 0 checks on an engine (symm_mem_fused); FIRST: the TP
 # engine's first all-reduce (nccl; nccl again if step 0 left it out); AB: the A/B's other all-reduces; SKIP_TP1=1: no
-# TP=1 engine (the A/B among the TP all-reduces); BATCHES, PROFILE, MOE_SWEEP: e2e_tp_gpu.py's lists)
+# TP=1 engine (the A/B among the TP all-reduces); BATCHES, PROFILE, MOE_SWEEP: e2e_tp_gpu.py's lists; ROUTING_BENCH=1:
+# tp_routing_bench.py before the A/B, =auto: and the A/B with the kernel levers it finds faster)
 set -u
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
@@ -83,6 +84,19 @@ if [ "$DEVICE" = cuda ] && [ "${FUSED:-1}" = 1 ]; then
     done
   fi
 fi
+
+if [ "$DEVICE" = cuda ] && [ -n "${ROUTING_BENCH:-}" ]; then
+  # the replicated routing work alone (tp_routing_bench.py); with ROUTING_BENCH=auto the decode A/B (and the checks)
+  # run with the levers it finds faster (levers.txt: fast, or fast,align_par)
+  echo "[$(( $(date +%s) - START ))s] routing bench (timeout 90 s)" | tee -a "$OUT/driver.log"
+  timeout 90 $PY workflow/scripts/tp_routing_bench.py --out "$OUT/routing" > "$OUT/routing.log" 2>&1
+  echo "[$(( $(date +%s) - START ))s] routing bench rc=$? levers $(cat "$OUT/routing/levers.txt" 2>/dev/null)" \
+    | tee -a "$OUT/driver.log"
+  if [ "$ROUTING_BENCH" = auto ] && [ -s "$OUT/routing/levers.txt" ]; then
+    export RIMURU_DECODE_KERNELS=$(cat "$OUT/routing/levers.txt")
+  fi
+fi
+echo "decode kernels: ${RIMURU_DECODE_KERNELS:-fast (default)}" | tee -a "$OUT/driver.log"
 
 T=$(( $(left) - ${CHECK_RESERVE:-100} )); [ "$T" -gt 220 ] && T=220  # CHECK_RESERVE: seconds kept for the checks
 if [ "$DEVICE" = cuda ] && [ -z "${SKIP_STEP:-}" ]; then

@@ -46,6 +46,7 @@ from rimuru.engine.llm import LLM
 from rimuru.engine.memory_policy import scaled_budget
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.timeline import stall_mask
+from rimuru.kernels import variants as kernel_variants
 from rimuru.models.checkpoint import hub_config, write_synthetic_checkpoint
 from rimuru.models.loader import load_checkpoint
 from rimuru.models.spec import ModelSpec
@@ -310,7 +311,7 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                     "step_ms_max": max(steps), "steps": len(steps), **seg,
                     "all_reduce_calls_per_step": 2 * args.static_layers if is_tp else 0,
                     "all_reduce_floor_ms": allreduce_floor_ms(many.spec, bucket, tp, gbps) if is_tp else None,
-                    "link": link, "model": label,
+                    "link": link, "model": label, "decode_kernels": kernel_variants.current(),
                     "budget": args.static_budget if is_tp else args.static_budget_tp1, **prov})
                 log(json.dumps({k: step_rows[-1][k] for k in (
                     "batch", "engine", "repeat", "step_ms_median", "step_ms_min", "step_ms_max", "graphed_steps",
