@@ -26,8 +26,23 @@ _LINEAR_ATTN = re.compile(r"\.linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_p
                           r"|out_proj)(\.weight|\.bias)?$")
 
 
-def check_shardable(spec: ModelSpec, shard: Shard, vocab_parallel: bool = False) -> None:
-    """Clear errors for a model that cannot be split ``shard.world`` ways (``vocab_parallel``: its LM head too)."""
+VOCAB_PARALLEL_AUTO = False  # what vocab_parallel_head=None (auto) gives a plain MoE model at TP > 1
+
+
+def vocab_parallel(setting: bool | None, spec: ModelSpec, world: int) -> bool:
+    """Whether the LM head is vocabulary-parallel at ``world`` ranks: ``setting`` (``EngineConfig.vocab_parallel_head``)
+    True or False as given; None (auto) ``VOCAB_PARALLEL_AUTO`` where it can be (a plain MoE model whose vocabulary
+    divides by ``world``). Never on one rank."""
+    if world == 1:
+        return False
+    if setting is None:
+        return VOCAB_PARALLEL_AUTO and not spec.is_hybrid and spec.vocab_size % world == 0
+    return bool(setting)
+
+
+def check_shardable(spec: ModelSpec, shard: Shard, vocab_parallel: bool | None = False) -> None:
+    """Clear errors for a model that cannot be split ``shard.world`` ways (``vocab_parallel`` True: its LM head too;
+    None, auto, asks for nothing: :func:`vocab_parallel` leaves the head replicated where it cannot be split)."""
     w = shard.world
     if w == 1:
         return

@@ -56,11 +56,11 @@ class EngineConfig:
     # (symm_mem_lamport, symm_mem_fused, then nccl on GPUs; gloo on CPUs) | nccl | symm_mem (a one-shot over NVLink
     # peer memory) | symm_mem_two_shot | symm_mem_fused (2 ranks: all-reduce + residual add + RMSNorm in one launch)
     # | symm_mem_lamport (the same, flag-free) | symm_mem_or_nccl | gloo
-    vocab_parallel_head: bool = False  # tensor parallelism: each rank projects its block of the vocabulary (the LM
-    # head read once over all ranks instead of on each); greedy tokens from every rank's first maximum, the logits
-    # gathered where the whole row is needed (sampling, logprobs). Plain MoE models; no effect on one rank. Off by
-    # default: on 2x H200 it cut the LM head's kernel time by ~80 us a 48-layer step (lamport_48L) but was not A/B'd
-    # against the same engine without it
+    vocab_parallel_head: bool | None = None  # tensor parallelism: each rank projects its block of the vocabulary
+    # (the LM head read once over all ranks instead of on each); greedy tokens from every rank's first maximum, the
+    # logits gathered where the whole row is needed (sampling, logprobs). Plain MoE models; no effect on one rank.
+    # None (auto): rimuru.distributed.sharding.vocab_parallel decides (VOCAB_PARALLEL_AUTO for plain MoE models whose
+    # vocabulary divides by the ranks); True: on (an error where it cannot be); False: off
     enforce_eager: bool = False  # no CUDA graphs: every step runs the eager forward
     offload_graph_max_batch: int | None = None  # offloading policies replay decode graphs up to this batch
     # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice
@@ -88,6 +88,8 @@ class EngineConfig:
             raise ValueError(f"prefetch must be 'predict' or 'none', got {self.prefetch!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if self.vocab_parallel_head not in (None, True, False):
+            raise ValueError(f"vocab_parallel_head must be True, False or None (auto), got {self.vocab_parallel_head!r}")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
         from rimuru.distributed.allreduce import all_reduce_candidates

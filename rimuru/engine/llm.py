@@ -36,7 +36,7 @@ from rimuru.distributed.replica import (
     RecordingKVCacheManager,
     state_digest,
 )
-from rimuru.distributed.sharding import check_shardable
+from rimuru.distributed.sharding import check_shardable, vocab_parallel
 from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.cuda_graphs import DecodeGraphs, decode_graphs_allowed, graph_max_batch
@@ -212,7 +212,7 @@ class LLM:
             else:
                 self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl,
                                           self.comm)
-                if config.vocab_parallel_head and tp > 1:
+                if vocab_parallel(config.vocab_parallel_head, spec, tp):
                     self.model.use_vocab_parallel(True)
                 self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV),
                                               self.pool.view(EXPERT).tensor, self.provider, device,

@@ -69,6 +69,29 @@ def test_clear_errors():
         check_shardable(hybrid, Shard(0, 2), vocab_parallel=True)
 
 
+@pytest.mark.parametrize("auto", [False, True])
+def test_auto_setting_follows_the_default_where_the_head_can_split(auto, monkeypatch):
+    """``vocab_parallel_head=None`` (auto) gives ``VOCAB_PARALLEL_AUTO`` for a plain MoE model at TP > 1 and a
+    replicated head where it cannot split (one rank, a hybrid, an odd vocabulary) instead of an error; True and
+    False are kept as given."""
+    from rimuru.distributed import sharding
+    from rimuru.engine.config import EngineConfig
+
+    monkeypatch.setattr(sharding, "VOCAB_PARALLEL_AUTO", auto)
+    spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
+    odd = ModelSpec.from_pretrained("tiny-qwen3-moe")
+    object.__setattr__(odd, "vocab_size", spec.vocab_size + 1)
+    hybrid = ModelSpec.from_pretrained("tiny-qwen3.5-moe")
+    assert sharding.vocab_parallel(None, spec, 2) is auto
+    assert not sharding.vocab_parallel(None, spec, 1)
+    assert not sharding.vocab_parallel(None, hybrid, 2) and not sharding.vocab_parallel(None, odd, 2)
+    assert sharding.vocab_parallel(True, spec, 2) and not sharding.vocab_parallel(False, spec, 2)
+    assert not sharding.vocab_parallel(True, spec, 1)
+    check_shardable(hybrid, Shard(0, 2), vocab_parallel=None)  # auto asks for nothing
+    with pytest.raises(ValueError, match="vocab_parallel_head must be"):
+        EngineConfig(vocab_parallel_head="yes")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from rimuru.models.checkpoint import write_synthetic_checkpoint
