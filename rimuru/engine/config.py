@@ -89,7 +89,8 @@ class EngineConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.vocab_parallel_head not in (None, True, False):
-            raise ValueError(f"vocab_parallel_head must be True, False or None (auto), got {self.vocab_parallel_head!r}")
+            raise ValueError(f"vocab_parallel_head must be True, False or None (auto), "
+                             f"got {self.vocab_parallel_head!r}")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
         from rimuru.distributed.allreduce import all_reduce_candidates
