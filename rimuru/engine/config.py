@@ -44,6 +44,8 @@ class EngineConfig:
     modeled_decode_gamma: float = 1.0  # modeled: decode tokens route by the profile tempered to this power (per layer,
     # rescaled to top-k; rimuru.engine.modeled.routing.temper): the calibration's correction for the profile a run
     # was served with (fitted on that profile's fit runs' decode steps); 1: the profile as measured
+    modeled_chunk_law: tuple[float, float] | None = None  # modeled: a prefill chunk law (scale, exponent) instead of
+    # the calibration's routing_chunk_*: one the calibration fitted for the model build a run served (fitted.chunk_law)
     modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
     # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
     prefetch_before_graphs: bool = False  # an eager step's end-of-step prefetch also runs when the next step is
@@ -109,6 +111,11 @@ class EngineConfig:
             raise ValueError("modeled_step_ms is a positive step time of the modeled executor (executor='modeled')")
         if self.modeled_routing_profile is not None and self.executor != "modeled":
             raise ValueError("modeled_routing_profile is the modeled executor's routing profile (executor='modeled')")
+        if self.modeled_chunk_law is not None and (
+                self.executor != "modeled" or len(self.modeled_chunk_law) != 2 or not self.modeled_chunk_law[0] > 0
+                or not 0 < self.modeled_chunk_law[1] <= 1):
+            raise ValueError("modeled_chunk_law is the modeled executor's prefill chunk law (scale > 0, exponent in "
+                             f"(0, 1]; executor='modeled'), got {self.modeled_chunk_law!r}")
         if self.modeled_decode_gamma != 1.0 and (self.executor != "modeled" or not self.modeled_decode_gamma > 0):
             raise ValueError("modeled_decode_gamma is a positive exponent of the modeled executor's decode routing "
                              "(executor='modeled')")

@@ -279,6 +279,51 @@ def test_chunk_routing_fit_recovers_the_correlation_it_was_drawn_with():
     assert fit["median_abs_rel_error"] < 0.005 < fit["independent_median_abs_rel_error"]
 
 
+def test_prefill_chunks_follow_the_prompts_first_come_first_served():
+    """prefill_chunks: each step's recorded prefill tokens continue through the trace's prompts in order, the last
+    chunk of a step cut at its budget; more tokens than the prompts hold is an error, not a silent wrap."""
+    from rimuru.engine.modeled.calibration import prefill_chunks
+
+    assert prefill_chunks([10, 0, 7], [4, 9, 3, 5]) == [[4, 6], [], [3, 3, 1]]
+    assert prefill_chunks([21], [4, 9, 3, 5]) == [[4, 9, 3, 5]]
+    with pytest.raises(ValueError, match="exceed"):
+        prefill_chunks([10, 12], [4, 9, 3, 5])
+
+
+def test_chunk_law_fit_recovers_a_law_from_steps_of_several_chunks():
+    """fit_chunk_law on burst-like steps (several chunks of different sizes beside decode tokens) whose touched counts
+    follow a known strong sharing (scale 6, exponent 0.1: a chunk of any size routes like a few tokens): it finds
+    it, where the independent-token model over-counts."""
+    from rimuru.engine.modeled.calibration import fit_chunk_law
+
+    rng = np.random.default_rng(1)
+    pi = rng.dirichlet(np.full(64, 0.5), size=6) * 8
+    truth, routing = RoutingModel(pi, 8, chunk_scale=6.0, chunk_exponent=0.1), RoutingModel(pi, 8)
+    steps = [(0, [15, 211, 82, 256, 300]), (3, [256, 40]), (7, [120, 9, 33]), (0, [500]), (12, [64, 64, 64]),
+             (1, [2, 3]), (5, [1000])]
+    rows = [(routing, d, c, truth.expected_touched(d + truth.effective_tokens(c)).sum()) for d, c in steps]
+    fit = fit_chunk_law(rows)
+    assert fit["routing_chunk_scale"] == pytest.approx(6.0, rel=0.05)
+    assert fit["routing_chunk_exponent"] == pytest.approx(0.1, abs=0.02)
+    assert fit["max_abs_rel_error"] < 0.005 < fit["independent_median_abs_rel_error"]
+    assert fit["steps"] == len(steps)
+
+
+def test_a_run_can_take_a_named_chunk_law():
+    """EngineConfig.modeled_chunk_law replaces the calibration's routing_chunk_* in the modeled executor's routing
+    model; a law outside (scale > 0, exponent in (0, 1]) or on the torch executor is a clear error."""
+    plain = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", policy="fixed")
+    law = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", policy="fixed",
+              modeled_chunk_law=(6.0, 0.1))
+    assert (law.executor.routing.chunk_scale, law.executor.routing.chunk_exponent) == (6.0, 0.1)
+    assert law.executor.routing.effective_tokens([256]) < plain.executor.routing.effective_tokens([256])
+    for bad in ((0.0, 0.5), (1.0, 1.5)):
+        with pytest.raises(ValueError, match="modeled_chunk_law"):
+            LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", modeled_chunk_law=bad)
+    with pytest.raises(ValueError, match="modeled_chunk_law"):
+        LLM("qwen3-30b-a3b", executor="torch", modeled_chunk_law=(6.0, 0.1))
+
+
 def test_decode_tempering_by_hand():
     """temper: gamma 1 is the profile; otherwise pi ** gamma rescaled to top-k with nothing above 1. Decode tokens
     route by it, prefill tokens by the profile; with gamma 1 the split changes nothing."""

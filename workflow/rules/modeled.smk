@@ -20,7 +20,13 @@ def calibration_inputs(w):
             + [f"{REF}/{d}/{f}" for d in MODELED.get("routing_prior_fit", []) for f in ("hotset.json", "e2e.csv")]
             + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv",
                 f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"] if "tp_fit" in MODELED else [])
-            + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})])
+            + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})]
+            + [f"{REF}/{key.rpartition(':')[0]}/{f}" for keys in MODELED.get("chunk_law_fit", {}).values()
+               for key in keys for f in ("e2e.csv", "hotset.json")]
+            + [t for keys in MODELED.get("chunk_law_fit", {}).values() for key in keys
+               for t in glob.glob(f"{REF}/{key.rpartition(':')[0]}/timelines*.csv.gz")]
+            + ([f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv"]
+               if MODELED.get("chunk_law_fit") else []))
 
 
 FIDELITY = MODELED["fidelity"]
@@ -55,6 +61,8 @@ rule modeled_calibrate:
         tp=(f"--tp-step {MODELED['tp_fit']['step_tp']} --tp-timelines {MODELED['tp_fit']['timelines']}"
             if "tp_fit" in MODELED else ""),
         gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
+        laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
+        lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
     log: "results/logs/modeled/calibrate.log"
     shell:
         CPU + "results/logs/modeled/cpu/calibrate.json -- "
@@ -62,6 +70,7 @@ rule modeled_calibrate:
         "--routing-fit-runs {params.routing} --routing-prior-fit {params.prior} --fit-timelines {params.timelines} "
         "--async-floor {params.async_floor} "
         "{params.fit_loop} {params.tp} --decode-gamma-fit {params.gamma} "
+        "--chunk-law-fit {params.laws} --lengths {params.lengths} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
@@ -99,6 +108,7 @@ rule modeled_fidelity:
         engine_default=" ".join(f"{k}={int(n)}" for k, n in FIDELITY.get("engine_default", {}).items()),
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
         gamma=" ".join(f"{folder}={profile}" for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
+        laws=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("chunk_law", {}).items()),
         tp_gamma=(f"--tp-decode-gamma {FIDELITY['tp_decode_gamma']}" if FIDELITY.get("tp_decode_gamma") else ""),
     log: "results/logs/modeled/fidelity.log"
     shell:
@@ -111,7 +121,7 @@ rule modeled_fidelity:
         "--prefetch-before-graphs {params.before_graphs} --running-lookahead {params.running} "
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
-        "--decode-gamma {params.gamma} {params.tp_gamma} "
+        "--decode-gamma {params.gamma} {params.tp_gamma} --chunk-law {params.laws} "
         "--fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"

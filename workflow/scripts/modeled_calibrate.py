@@ -18,6 +18,7 @@ import pandas as pd
 from rimuru.engine.modeled.calibration import (
     FitRun,
     fit_attention,
+    fit_chunk_law,
     fit_chunk_routing,
     fit_decode_floor,
     fit_decode_gamma,
@@ -28,6 +29,7 @@ from rimuru.engine.modeled.calibration import (
     floor_check,
     load_floor,
     prefetch_waste,
+    prefill_chunks,
 )
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import load_gpu
@@ -90,6 +92,12 @@ def main() -> None:
                          "decode steps give its decode tempering (RoutingModel decode_gamma; fitted.decode_gamma); RUN "
                          "DIR/TRACE:POLICY (DIR/timelines_TRACE.csv.gz, e2e.csv) or DIR:POLICY (a TP folder's "
                          "timeline.csv and e2e_runs.csv)")
+    ap.add_argument("--chunk-law-fit", nargs="*", default=[],
+                    help="NAME=DIR:POLICY+DIR:POLICY...: a named prefill chunk law (fitted.chunk_law[NAME]) fitted on "
+                         "the prefill steps of these e2e folders' timelines (DIR/timelines*.csv.gz under --reference, "
+                         "every repeat of POLICY, served with DIR/hotset.json), their chunks recovered from --lengths")
+    ap.add_argument("--lengths", default="",
+                    help="CSV prompt_len,output_len (modeled_trace.py): the trace the --chunk-law-fit runs served")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -182,6 +190,39 @@ def main() -> None:
                 gamma_runs.append(FitRun(f"{key}#{repeat}", t.reset_index(drop=True), spec, policy,
                                          RoutingModel.from_hotset(hotset, spec.top_k, **chunk), hotset.global_order()))
         decode_gamma[profile] = fit_decode_gamma(gamma_runs, base.prefetch_waste)
+    chunk_laws = {}
+    for item in args.chunk_law_fit:
+        name, _, keys = item.partition("=")
+        if not keys or not args.lengths:
+            raise SystemExit(f"--chunk-law-fit takes NAME=DIR:POLICY+... and needs --lengths, got {item!r}")
+        prompt_lens = pd.read_csv(args.lengths)["prompt_len"].to_numpy()
+        rows = []
+        for key in keys.split("+"):
+            folder, _, policy = key.rpartition(":")
+            runs_path, hotset_path = ref / folder / "e2e.csv", ref / folder / "hotset.json"
+            paths = sorted((ref / folder).glob("timelines*.csv.gz"))
+            if not paths or not runs_path.exists():
+                raise SystemExit(f"--chunk-law-fit {key}: no timelines*.csv.gz or e2e.csv in {ref / folder}")
+            runs = pd.read_csv(runs_path)
+            spec = spec_with_layers(*parse_run_model(runs["model"].iloc[0]))
+            prompts = int(prompt_lens[: int(runs["num_requests"].iloc[0])].sum())
+            routing = RoutingModel.from_hotset(Hotset.load(hotset_path), spec.top_k, prior_tokens=chunk["prior_tokens"],
+                                               reference_curve=chunk["reference_curve"])
+            data.extend([data_entry(runs_path), data_entry(hotset_path)] + [data_entry(p) for p in paths])
+            for path in paths:
+                frame = pd.read_csv(path)
+                for _, t in frame[frame["policy"] == policy].groupby("repeat"):
+                    if t["preempted"].any():
+                        raise SystemExit(f"--chunk-law-fit {key}: a preempted request (chunks not recoverable)")
+                    if int(t["prefill_tokens"].sum()) != prompts:
+                        raise SystemExit(f"--chunk-law-fit {key}: {int(t['prefill_tokens'].sum())} prefill tokens, "
+                                         f"the trace's first prompts {prompts}: --lengths is not the run's trace")
+                    chunks = prefill_chunks(t["prefill_tokens"], prompt_lens)
+                    rows += [(routing, int(d), c, float(m)) for d, c, m in
+                             zip(t["decode_tokens"], chunks, t["experts_touched"]) if sum(c) > 1]
+        if not rows:
+            raise SystemExit(f"--chunk-law-fit {name}: no prefill steps")
+        chunk_laws[name] = fit_chunk_law(rows) | {"runs": keys.split("+")}
     floor = load_floor([ref / path for path in args.decode_floor])
     for path, rows in floor.groupby("source", sort=False):
         data.append(data_entry(Path(path), rows) | {"layers": sorted(map(int, rows["layers"].unique()))})
@@ -236,6 +277,7 @@ def main() -> None:
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
         "routing_fit": routing_fit, "routing_prior_fit": prior_fit, "decode_gamma": decode_gamma,
+        "chunk_law": chunk_laws,
         "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
         "fit_runs": args.fit_runs.split(","), "fit_timelines": list(filter(None, args.fit_timelines.split(","))),
         "data": data,
@@ -259,6 +301,10 @@ def main() -> None:
     for profile, g in decode_gamma.items():
         print(f"decode gamma of {profile}: {g['decode_gamma']:.3f} ({g['decode_steps']} decode steps, recorded loads "
               f"{g['recorded_loads']:.0f}, expected {g['expected_loads_at_gamma_1']:.0f} at gamma 1)")
+    for name, law in chunk_laws.items():
+        print(f"chunk law {name}: scale {law['routing_chunk_scale']:.3f} exponent {law['routing_chunk_exponent']:.3f} "
+              f"({law['steps']} steps, median error {law['median_abs_rel_error']:.1%}, worst "
+              f"{law['max_abs_rel_error']:.1%}; independent tokens {law['independent_median_abs_rel_error']:.1%})")
     print("serving loop:", {k: round(v, 3) for k, v in loop.items()}, "applied" if args.fit_loop else "not applied")
     if tp:
         print(f"TP: tp_step_ms {tp['tp_step_ms']:.3f} ({tp['tp_step_segments']} segments), tp_layer_ms "

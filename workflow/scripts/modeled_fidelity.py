@@ -152,6 +152,10 @@ def main() -> None:
     ap.add_argument("--tp-decode-gamma", default="",
                     help="PROFILE (fitted.decode_gamma) whose decode_gamma the TP runs (served with --tp-hotset) "
                          "replay with")
+    ap.add_argument("--chunk-law", nargs="*", default=[],
+                    help="FOLDER=NAME: FOLDER's runs replay with the prefill chunk law NAME the calibration fitted "
+                         "for their model build (fitted.chunk_law; its fit runs' rows are `fit`); other folders with "
+                         "the calibration's routing_chunk_*")
     ap.add_argument("--out-csv", required=True)
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
     ap.add_argument("--figure", required=True)
@@ -191,6 +195,20 @@ def main() -> None:
         if Path(folder) not in [Path(r) for r in args.reference]:
             raise SystemExit(f"--decode-gamma takes FOLDER=PROFILE with FOLDER one of --reference, got {item!r}")
         gamma_folder[str(Path(folder) / "hotset.json")] = (profile, gamma_of(profile))
+    fitted_laws = CostParams.load(args.cost_params).fitted.get("chunk_law", {})
+    for law in fitted_laws.values():  # the runs a named chunk law was fitted on (calibration --chunk-law-fit)
+        for key in law["runs"]:
+            folder, _, policy = key.rpartition(":")
+            fit.add(f"{folder_run(Path('results/reference') / folder)}/{policy}")
+    law_folder = {}
+    for item in args.chunk_law:
+        folder, _, name = item.partition("=")
+        if Path(folder) not in [Path(r) for r in args.reference] or name not in fitted_laws:
+            raise SystemExit(f"--chunk-law takes FOLDER=NAME with FOLDER one of --reference and NAME a chunk law "
+                             f"of {args.cost_params} (fitted: {', '.join(fitted_laws) or 'none'}), got {item!r}")
+        law = fitted_laws[name]
+        law_folder[str(Path(folder) / "hotset.json")] = (name, (float(law["routing_chunk_scale"]),
+                                                                float(law["routing_chunk_exponent"])))
     default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
     rows = []
     timelines = Path(args.out_timelines)
@@ -222,7 +240,8 @@ def main() -> None:
                   short_lookahead=feat["short_lookahead"], expand_headroom=feat["expand_headroom"],
                   prefetch_before_graphs=feat["prefetch_before_graphs"], running_lookahead=feat["running_lookahead"],
                   modeled_routing_profile=row["routing_profile"] or None,
-                  modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1])
+                  modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1],
+                  modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1])
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
@@ -259,7 +278,8 @@ def main() -> None:
                          "async_overlap": feat["async_scheduling"], "commit": commit, "hotset_prompts": cal,
                          "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n,
                          "decode_gamma": llm.config.modeled_decode_gamma,
-                         "decode_gamma_profile": gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[0]})
+                         "decode_gamma_profile": gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[0],
+                         "chunk_law": law_folder.get(str(Path(row["hotset"])), ("", None))[0]})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
         print(f"{key} (cap {feat['graph_cap']}, {len(group)} measured): " + ", ".join(

@@ -36,9 +36,10 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     from rimuru.experts.hotset import Hotset
 
     profile = Hotset.load(config.modeled_routing_profile) if config.modeled_routing_profile else llm.hotset
-    routing = RoutingModel.from_hotset(profile, llm.spec.top_k, seed=config.seed,
-                                       chunk_scale=params.routing_chunk_scale,
-                                       chunk_exponent=params.routing_chunk_exponent,
+    # the calibration's chunk law, or one fitted for this run's model build (EngineConfig.modeled_chunk_law)
+    scale, exponent = config.modeled_chunk_law or (params.routing_chunk_scale, params.routing_chunk_exponent)
+    routing = RoutingModel.from_hotset(profile, llm.spec.top_k, seed=config.seed, chunk_scale=scale,
+                                       chunk_exponent=exponent,
                                        prior_tokens=params.routing_prior_tokens,
                                        reference_curve=params.routing_reference_curve,
                                        decode_gamma=config.modeled_decode_gamma)

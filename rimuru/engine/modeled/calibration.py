@@ -19,6 +19,10 @@ Four fits, each on the data that identifies its terms:
 5. **Prefill routing correlation** (``fit_chunk_routing``: e2e timelines of Poisson runs, one new prompt per
    step): a prompt's tokens share experts, so a chunk of ``q`` tokens touches as many experts as
    ``min(q, scale x q^exponent)`` independent tokens; fitted to the recorded experts touched per step.
+5c. **Named chunk laws** (``fit_chunk_law`` on ``prefill_chunks``: e2e timelines of burst runs of one model build,
+   e.g. the 48-layer synthetic model whose layers repeat layer 0): the same law fitted on that build's own prefill
+   steps (several chunks a step, each step's chunks recovered from the trace), applied only to the runs of that
+   build (the fidelity config names them): a 48-layer prompt's tokens share far more experts than fit 5's.
 5b. **Routing prior** (``fit_routing_prior``: hotsets of fit runs built from many calibration prompts): their
    mean sorted popularity curve (against which a served hotset's unseen experts give each layer's effective
    tokens) and the pseudo-token count by which every hotset is shrunk toward uniform, chosen so that small
@@ -166,30 +170,57 @@ def fit_decode_gamma(runs: list[FitRun], waste: float, bounds: tuple[float, floa
 def fit_chunk_routing(runs: list[FitRun]) -> dict:
     """``routing_chunk_scale`` and ``routing_chunk_exponent`` from the steps that computed one prefill chunk
     (Poisson runs: one new request at a time) beside their decode tokens: recorded experts touched against the
-    routing model's expectation, relative least squares."""
+    routing model's expectation, relative least squares (``fit_chunk_law``)."""
     rows = []
     for run in runs:
         t = run.timeline
         t = t[(t["prefill_tokens"] > 1) & (t["prefill_tokens"] <= 2048)]
-        rows += [(run.routing, int(d), float(q), float(m)) for d, q, m in
+        rows += [(run.routing, int(d), [int(q)], float(m)) for d, q, m in
                  zip(t["decode_tokens"], t["prefill_tokens"], t["experts_touched"])]
     if not rows:
         raise ValueError("no prefill steps in the routing fit runs")
+    return fit_chunk_law(rows)
 
+
+def prefill_chunks(prefill_tokens, prompt_lens) -> list[list[int]]:
+    """Each step's prefill chunks (tokens per request) of a run that computed its prompts first come, first served
+    and never preempted (a burst, or Poisson arrivals): step by step, the recorded prefill tokens continue through
+    the prompts in order (``prompt_lens``: the run's trace), the last one of a step cut where its token budget ended.
+    The timelines record the step's prefill tokens, not its chunks."""
+    lens = [int(n) for n in prompt_lens]
+    out, i, left = [], 0, lens[0] if lens else 0
+    for step, n in enumerate(int(x) for x in prefill_tokens):
+        chunks = []
+        while n > 0:
+            if i >= len(lens):
+                raise ValueError(f"step {step}: the timeline's prefill tokens exceed the prompts' ({sum(lens)})")
+            take = min(n, left)
+            chunks.append(take)
+            n, left = n - take, left - take
+            if left == 0:
+                i += 1
+                left = lens[i] if i < len(lens) else 0
+        out.append(chunks)
+    return out
+
+
+def fit_chunk_law(rows: list[tuple[RoutingModel, int, list[int], float]],
+                  x0: tuple[float, float] = (1.0, 0.9)) -> dict:
+    """A prefill chunk law (``RoutingModel`` ``chunk_scale``, ``chunk_exponent``: a chunk of ``q`` tokens routes like
+    ``min(q, scale * q ** exponent)`` independent tokens) from recorded steps ``(routing, decode tokens, prefill
+    chunks, experts touched)``: relative least squares of the routing model's expected touched against the recorded.
+    Also the fit's median and maximum absolute relative error and those of independent tokens (1, 1)."""
     def residuals(theta):
         scale, exponent = theta
-        out = np.empty(len(rows))
-        for i, (routing, decode, q, measured) in enumerate(rows):
-            teff = decode + min(q, scale * q ** exponent)
-            out[i] = routing.expected_touched(teff).sum() / measured - 1
-        return out
+        return np.array([routing.expected_touched(decode + sum(min(q, scale * q ** exponent) for q in chunks)).sum()
+                         / measured - 1 for routing, decode, chunks, measured in rows])
 
     # diff_step: touch probabilities are cached per 0.01 effective tokens
-    fit = least_squares(residuals, x0=[1.0, 0.9], bounds=([0.1, 0.2], [10.0, 1.0]), diff_step=0.01)
-    err = np.abs(residuals(fit.x))
-    base = np.abs(residuals([1.0, 1.0]))
+    fit = least_squares(residuals, x0=list(x0), bounds=([0.1, 0.01], [10.0, 1.0]), diff_step=0.01)
+    err, base = np.abs(residuals(fit.x)), np.abs(residuals([1.0, 1.0]))
     return {"routing_chunk_scale": float(fit.x[0]), "routing_chunk_exponent": float(fit.x[1]), "steps": len(rows),
-            "median_abs_rel_error": float(np.median(err)), "independent_median_abs_rel_error": float(np.median(base))}
+            "median_abs_rel_error": float(np.median(err)), "max_abs_rel_error": float(err.max()),
+            "independent_median_abs_rel_error": float(np.median(base))}
 
 
 def reference_curve(profiles: list[np.ndarray]) -> np.ndarray:
