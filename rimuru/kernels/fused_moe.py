@@ -72,6 +72,28 @@ def _dot_k_loop(acc, a_ptrs, w_ptrs, row_mask, K, w_step, BLOCK_K: tl.constexpr,
     return acc
 
 
+@triton.jit
+def _page_id(table_row, expert, SLOT: tl.constexpr, PAGED: tl.constexpr):
+    """Page id of an expert's weight ``SLOT`` (0 = W1, 1 = W3, 2 = W2^T): its page-table entry (PAGED) or its place
+    in the contiguous ``[E, 3, F, D]`` weights."""
+    if PAGED:
+        p = tl.load(table_row + SLOT).to(tl.int64)
+    else:
+        p = expert * 3 + SLOT
+    return p
+
+
+@triton.jit
+def _page_base(w_ptr, host_ptr, p, page_elems, HOST_PAGES: tl.constexpr):
+    """Start of page ``p``: in the expert view, or (``HOST_PAGES``, negative ``p = -(1 + j)``) page ``j`` of the
+    pinned host pages, read over PCIe in place."""
+    base = w_ptr + p * page_elems
+    if HOST_PAGES:
+        if p < 0:
+            base = host_ptr + (-1 - p) * page_elems
+    return base
+
+
 @triton.jit(do_not_specialize=["num_pairs"],
             do_not_specialize_on_alignment=["num_pairs"])
 def fused_moe_kernel(
@@ -120,12 +142,11 @@ def fused_moe_kernel(
     # DIRECT: the pair's expert (>= 0); aligned: the block's (-1 past the end of the schedule)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
     table_row = page_table_ptr + tl.maximum(expert, 0) * 3  # page ids read before the block checks: their
-    if PAGED:  #                                             latency overlaps the schedule's
-        if GATE_UP:
-            p1 = tl.load(table_row).to(tl.int64)
-            p3 = tl.load(table_row + 1).to(tl.int64)
-        else:
-            p2 = tl.load(table_row + 2).to(tl.int64)
+    if GATE_UP:  #                                           latency overlaps the schedule's
+        p1 = _page_id(table_row, expert, 0, PAGED)
+        p3 = _page_id(table_row, expert, 1, PAGED)
+    else:
+        p2 = _page_id(table_row, expert, 2, PAGED)
     if DIRECT:
         if SINGLE:  # one token: its k experts are distinct, every pair is its own block
             pair = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_pairs).to(tl.int64)
@@ -149,17 +170,9 @@ def fused_moe_kernel(
 
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
     if GATE_UP:
-        if not PAGED:
-            p1 = expert * 3
-            p3 = expert * 3 + 1
         # page [F, D] row-major: W[n, t] at n * D + t; tile [BLOCK_K, BLOCK_N]
-        w1_base = w_ptr + p1 * page_elems
-        w3_base = w_ptr + p3 * page_elems
-        if HOST_PAGES:
-            if p1 < 0:
-                w1_base = host_ptr + (-1 - p1) * page_elems
-            if p3 < 0:
-                w3_base = host_ptr + (-1 - p3) * page_elems
+        w1_base = _page_base(w_ptr, host_ptr, p1, page_elems, HOST_PAGES)
+        w3_base = _page_base(w_ptr, host_ptr, p3, page_elems, HOST_PAGES)
         w1_ptrs = w1_base + offs_wn[None, :] * D + offs_k[:, None]
         w3_ptrs = w3_base + offs_wn[None, :] * D + offs_k[:, None]
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -181,13 +194,8 @@ def fused_moe_kernel(
             w3_ptrs += BLOCK_K
         out = acc1 * tl.sigmoid(acc1) * acc3  # silu(gate) * up
     else:
-        if not PAGED:
-            p2 = expert * 3 + 2
         # W2^T page [F, D]: element (j, n) at j * D + n; tile [BLOCK_K, BLOCK_N]
-        w2_base = w_ptr + p2 * page_elems
-        if HOST_PAGES:
-            if p2 < 0:
-                w2_base = host_ptr + (-1 - p2) * page_elems
+        w2_base = _page_base(w_ptr, host_ptr, p2, page_elems, HOST_PAGES)
         w2_ptrs = w2_base + offs_k[:, None] * D + offs_wn[None, :]
         out = _dot_k_loop(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptrs, w2_ptrs, row_mask, K, BLOCK_K * D,
                           BLOCK_K, EVEN_K, DOT_PRECISION)
@@ -227,19 +235,8 @@ def moe_gemv_kernel(
     page_elems = F.to(tl.int64) * D
     table_row = page_table_ptr + expert * 3
     if GATE_UP:
-        if PAGED:
-            p1 = tl.load(table_row).to(tl.int64)
-            p3 = tl.load(table_row + 1).to(tl.int64)
-        else:
-            p1 = expert * 3
-            p3 = expert * 3 + 1
-        w1_base = w_ptr + p1 * page_elems
-        w3_base = w_ptr + p3 * page_elems
-        if HOST_PAGES:
-            if p1 < 0:
-                w1_base = host_ptr + (-1 - p1) * page_elems
-            if p3 < 0:
-                w3_base = host_ptr + (-1 - p3) * page_elems
+        w1_base = _page_base(w_ptr, host_ptr, _page_id(table_row, expert, 0, PAGED), page_elems, HOST_PAGES)
+        w3_base = _page_base(w_ptr, host_ptr, _page_id(table_row, expert, 1, PAGED), page_elems, HOST_PAGES)
         tile = offs_wn[:, None] * D + offs_k[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
         w1 = tl.load(w1_base + tile, mask=k_valid[None, :], other=0.0, eviction_policy="evict_first")
         w3 = tl.load(w3_base + tile, mask=k_valid[None, :], other=0.0, eviction_policy="evict_first")
@@ -248,14 +245,7 @@ def moe_gemv_kernel(
         u = tl.sum(w3.to(tl.float32) * x[None, :], 1)
         out = g * tl.sigmoid(g) * u  # silu(gate) * up
     else:
-        if PAGED:
-            p2 = tl.load(table_row + 2).to(tl.int64)
-        else:
-            p2 = expert * 3 + 2
-        w2_base = w_ptr + p2 * page_elems
-        if HOST_PAGES:
-            if p2 < 0:
-                w2_base = host_ptr + (-1 - p2) * page_elems
+        w2_base = _page_base(w_ptr, host_ptr, _page_id(table_row, expert, 2, PAGED), page_elems, HOST_PAGES)
         w2 = tl.load(w2_base + offs_k[:, None] * D + offs_wn[None, :], mask=k_valid[:, None], other=0.0,
                      eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N], N contiguous
         h = tl.load(a_ptr + pair * stride_am + offs_k, mask=k_valid, other=0.0).to(tl.float32)
