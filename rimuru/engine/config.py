@@ -48,6 +48,10 @@ class EngineConfig:
     # the calibration's routing_chunk_*: one the calibration fitted for the model build a run served (fitted.chunk_law)
     modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
     # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
+    loading_buffers: str = "layer"  # layer: two loading buffers of one MoE layer's experts each, for the engine's
+    # life | sized: each buffer holds what its layers can miss (E minus the fewest resident experts of a layer it
+    # serves, rimuru.experts.loader.buffer_need), resized as the cache changes; the rest of their pages serve the
+    # cache and KV (fixed: its cache grows into them at start; elastic: its adjuster expands into them)
     prefetch_before_graphs: bool = False  # an eager step's end-of-step prefetch also runs when the next step is
     # expected to replay a decode graph, which reads misses in place and never the buffer (the engine before this
     # switch: every measured run up to d9f9d41/2268456; the modeled fidelity of those runs)
@@ -86,6 +90,8 @@ class EngineConfig:
 
         if self.tokenizer not in TOKENIZER_CHOICES:
             raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got {self.tokenizer!r}")
+        if self.loading_buffers not in ("layer", "sized"):
+            raise ValueError(f"loading_buffers must be 'layer' or 'sized', got {self.loading_buffers!r}")
         if self.prefetch not in ("predict", "none"):
             raise ValueError(f"prefetch must be 'predict' or 'none', got {self.prefetch!r}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -93,6 +99,9 @@ class EngineConfig:
         if self.vocab_parallel_head not in (None, True, False):
             raise ValueError(f"vocab_parallel_head must be True, False or None (auto), "
                              f"got {self.vocab_parallel_head!r}")
+        if self.loading_buffers == "sized" and self.tensor_parallel_size > 1:
+            raise ValueError("loading_buffers='sized' runs on one device (tensor parallelism's ranks would have to "
+                             "replay every resize): use loading_buffers='layer' with tensor_parallel_size > 1")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
         from rimuru.distributed.allreduce import all_reduce_candidates

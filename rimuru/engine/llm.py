@@ -778,6 +778,7 @@ class LLM:
         state equal to rank 0's."""
         self.allocator.check_integrity()
         self.cache.check()
+        self.policy.check()  # the loading buffers' pages
         if isinstance(self.kv, HybridCacheManager):
             self.kv.check({r.request_id for r in self.scheduler.running})
         if self.tp_group is not None:

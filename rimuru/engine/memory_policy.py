@@ -20,13 +20,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
 from rimuru.engine.state_manager import state_l2_pages
 from rimuru.experts.adjuster import AdjusterConfig, compaction_due, decide
 from rimuru.experts.cache import ExpertCache
 from rimuru.experts.hotset import Hotset
-from rimuru.experts.loader import ExpertLoader
+from rimuru.experts.loader import ExpertLoader, buffer_need, shrink_release
 from rimuru.experts.provider import CpuComputedExperts, ExpertProvider, PagedExperts, ResidentExperts
 from rimuru.memory import EXPERT, KV, PAGES_PER_EXPERT, PagePool, PoolLayout
 from rimuru.units import format_bytes, parse_bytes
@@ -105,7 +106,11 @@ class MemoryPolicy:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.cache: ExpertCache | None = None  # set by build()
+        self.loader: ExpertLoader | None = None  # set by build()
         self.plan_: MemoryPlan | None = None
+        # the loading buffers follow what the cache can miss (EngineConfig.loading_buffers; the plan reserves
+        # one layer's experts per buffer, what an empty cache needs, so KV capacity never counts on the rest)
+        self.sized_buffers = config.loading_buffers == "sized" and self.loads_experts
 
     # ------------------------------------------------------------------ plan (pure)
     @classmethod
@@ -195,8 +200,10 @@ class MemoryPolicy:
         cache = self.cache_cls(alloc, hotset.global_order(), layers, experts, loader.copy_expert)
         cache.expand(plan.initial_cache_experts)
         cache.poll(wait=True)
+        self.cache, self.loader, self.plan_ = cache, loader, plan
+        if self.sized_buffers:
+            self._fill_freed_buffer_pages()
         loader.bytes_loaded = loader.experts_loaded = 0  # count serving-time I/O only
-        self.cache, self.plan_ = cache, plan
         return loader, cache, self._provider(ckpt, cache, loader, device) if ckpt is not None else None
 
     def _provider(self, ckpt: LoadedCheckpoint, cache: ExpertCache, loader: ExpertLoader,
@@ -207,10 +214,49 @@ class MemoryPolicy:
                             prefetch=self.config.prefetch == "predict",
                             prefetch_before_graphs=self.config.prefetch_before_graphs)
 
+    # ------------------------------------------------------------------ sized loading buffers
+    def buffer_need(self) -> tuple[int, int]:
+        """Slots each loading buffer needs for the cache's page table now (``rimuru.experts.loader.buffer_need``)."""
+        return buffer_need(self.cache.resident_per_layer(), self.cache.num_experts)
+
+    def _fit_buffers(self) -> int:
+        """Resize the loading buffers to what the cache can miss now; pages taken from the pool (< 0: returned)."""
+        return self.loader.fit(self.buffer_need()) if self.sized_buffers else 0
+
+    def _fill_freed_buffer_pages(self) -> None:
+        """At start: the cache grows into the pages the loading buffers do not need (the KV share the plan made
+        stays free); a larger cache needs smaller buffers, so this repeats until nothing more is freed. With
+        ``initial_cache_experts`` given the cache keeps that size and the pages stay free."""
+        freed = -self._fit_buffers()
+        if self.config.initial_cache_experts is not None:
+            return
+        while freed >= PAGES_PER_EXPERT:
+            started = self.cache.expand(freed // PAGES_PER_EXPERT)
+            if not started:
+                break
+            self.cache.poll(wait=True)
+            freed += -PAGES_PER_EXPERT * started - self._fit_buffers()
+
+    def check(self) -> None:
+        """The loading buffers' invariants: their pages are allocated, held by nothing else (cache pages), and,
+        sized, cover what the cache can miss."""
+        if self.loader is None:
+            return
+        mine = np.concatenate([b.ravel() for b in self.loader.buffers]) if self.loader.buffer_pages else np.zeros(0)
+        assert len(np.unique(mine)) == len(mine), "a page is in a loading buffer twice"
+        assert np.isin(mine, self.cache.allocator.allocated_ids(EXPERT)).all(), "a buffer page is not allocated"
+        cached = self.cache.page_table[self.cache.page_table >= 0]
+        assert not np.isin(mine, cached).any(), "a buffer page is also a cache page"
+        if self.sized_buffers:
+            need, have = self.buffer_need(), self.loader.capacities
+            assert all(h >= n for h, n in zip(have, need, strict=True)), f"buffers {have} below the need {need}"
+
     # ------------------------------------------------------------------ step hooks
     def begin_step(self) -> None:
-        """Before scheduling: publish expert loads that finished into the page table."""
+        """Before scheduling: publish expert loads that finished into the page table (sized buffers: return the
+        slots the larger cache no longer needs to the pool)."""
         self.cache.poll()
+        self._fit_buffers()
 
     def releasable_l2_pages(self) -> int:
         """L2 pages this policy can hand to KV after the current step (the scheduler defers instead of
@@ -226,8 +272,10 @@ class MemoryPolicy:
         return False
 
     def after_forward(self) -> None:
-        """After the forward pass: free the pages of experts shrunk this step."""
+        """After the forward pass: free the pages of experts shrunk this step (sized buffers: grow by what the
+        smaller cache can miss more, out of those pages)."""
         self.cache.reclaim()
+        self._fit_buffers()
 
 
 class FixedPolicy(MemoryPolicy):
@@ -277,7 +325,13 @@ class ElasticPolicy(MemoryPolicy):
         return max(0, total - eol) if eol is not None else 0
 
     def releasable_l2_pages(self) -> int:
-        return self.cache.releasable_l2_pages(self.plan_.min_cache_experts)
+        floor = self.plan_.min_cache_experts
+        pages = self.cache.releasable_l2_pages(floor)
+        if self.sized_buffers:  # net of what the buffers take back once the cache is down to the floor
+            cache = self.cache
+            need = buffer_need(cache.resident_per_layer(prefix=floor), cache.num_experts)
+            pages -= PAGES_PER_EXPERT * sum(max(0, n - c) for n, c in zip(need, self.loader.capacities, strict=True))
+        return max(0, pages)
 
     def build(self, plan: MemoryPlan, ckpt: LoadedCheckpoint | None, pool: PagePool, hotset: Hotset,
               device: torch.device, spec: ModelSpec | None = None,
@@ -302,8 +356,20 @@ class ElasticPolicy(MemoryPolicy):
         if change > 0:
             return cache.expand(change)
         if change < 0:
-            return -cache.shrink(-change)
+            return -cache.shrink(self._net_shrink(-change))
         return 0
+
+    def _net_shrink(self, experts: int) -> int:
+        """Experts to shrink so that ``experts`` experts' pages reach KV: more than that with sized buffers when the
+        smaller cache makes them grow (``shrink_release``; the buffers grow by at most 2 E experts in all)."""
+        if not self.sized_buffers:
+            return experts
+        cache = self.cache
+        room = max(0, cache.num_cached - self.plan_.min_cache_experts)
+        tail = cache.shrink_tail(min(room, experts + sum(cache.num_experts - c for c in self.loader.capacities)))
+        release = shrink_release(cache.resident_per_layer(), tail, self.loader.capacities, cache.num_experts)
+        enough = np.flatnonzero(release >= PAGES_PER_EXPERT * experts)
+        return int(enough[0]) + 1 if len(enough) else len(tail)
 
 
 POLICIES: dict[str, type[MemoryPolicy]] = {p.name: p for p in (ElasticPolicy, FixedPolicy, StaticPolicy, CpuPolicy)}

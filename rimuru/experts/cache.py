@@ -50,6 +50,24 @@ class ExpertCache:
     def num_resident(self) -> int:
         return int(np.count_nonzero(self.page_table[:, :, 0] >= 0))
 
+    def resident_per_layer(self, prefix: int | None = None) -> np.ndarray:
+        """[L] experts in the page table per layer (published; shrunk ones until ``reclaim``), or, with ``prefix``,
+        those of them among the order's first ``prefix`` (what a shrink down to ``prefix`` experts leaves)."""
+        if prefix is None:
+            return np.count_nonzero(self.page_table[:, :, 0] >= 0, axis=1)
+        head = self.order[:prefix]
+        published = self.page_table[head[:, 0], head[:, 1], 0] >= 0
+        return np.bincount(head[published, 0], minlength=self.num_layers)
+
+    def shrink_tail(self, n: int) -> np.ndarray:
+        """The layers of the experts a ``shrink(n)`` would remove, last cached first; -1 for one still loading
+        (not in the page table yet)."""
+        slots = range(self.num_cached - 1, max(-1, self.num_cached - 1 - n), -1)
+        layers = [int(self.order[s, 0]) for s in slots]
+        loading = {ld.slot for ld in self._loading}
+        return np.array([-1 if s in loading else layer for s, layer in zip(slots, layers, strict=True)],
+                        dtype=np.int64)
+
     @property
     def num_evicting(self) -> int:
         """Experts shrunk but not yet reclaimed (their pages still mapped: a step in flight may read them)."""

@@ -96,7 +96,7 @@ def test_a_miss_is_read_from_the_buffer_after_its_copy_and_the_buffer_is_reused_
     table2 = loader.layer_table(2, np.array([5, 6]), absent)  # buffer 0 again (layer % 2)
     read2 = view[table2[rows2].long()].clone()
     torch.cuda.synchronize()
-    buf0 = loader.buffers[0, :2]
+    buf0 = loader.buffers[0][:2]
     assert set(table0[rows0].cpu().numpy().ravel().tolist()) == set(buf0.ravel().tolist())
     assert torch.equal(read0.cpu(), host[0, [1, 3]]), "read layer 0's buffer before its copy landed"
     assert torch.equal(read0_late.cpu(), host[0, [1, 3]]), "layer 2's copy overwrote the buffer mid-read"
