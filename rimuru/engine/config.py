@@ -65,8 +65,9 @@ class EngineConfig:
     vocab_parallel_head: bool | None = None  # tensor parallelism: each rank projects its block of the vocabulary
     # (the LM head read once over all ranks instead of on each); greedy tokens from every rank's first maximum, the
     # logits gathered where the whole row is needed (sampling, logprobs). Plain MoE models; no effect on one rank.
-    # None (auto): rimuru.distributed.sharding.vocab_parallel decides (VOCAB_PARALLEL_AUTO for plain MoE models whose
-    # vocabulary divides by the ranks); True: on (an error where it cannot be); False: off
+    # None (auto): rimuru.distributed.sharding.vocab_parallel decides (on for plain MoE models whose vocabulary
+    # divides by the ranks, VOCAB_PARALLEL_AUTO; replicated for hybrids); True: on (an error where it cannot be);
+    # False: off (the head replicated, as before wave 8)
     enforce_eager: bool = False  # no CUDA graphs: every step runs the eager forward
     offload_graph_max_batch: int | None = None  # offloading policies replay decode graphs up to this batch
     # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice
