@@ -18,11 +18,13 @@ def route(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk
     gate = gate_weight if gate_weight.dtype == hidden.dtype else gate_weight.to(hidden.dtype)
     if hidden.is_cuda:
         from rimuru.kernels import variants
-        from rimuru.kernels.norm_rope import fused_router, router_topk, topk_softmax
+        from rimuru.kernels.norm_rope import fused_router, router_tiles, router_topk, tiled_router, topk_softmax
         from rimuru.kernels.small_linear import linear
 
         if fused_router(hidden.shape[0], variants.on("router_fused")):  # the gate GEMV and the routing: one launch
             return router_topk(hidden, gate, top_k, norm_topk_prob, row_valid)
+        if tiled_router(hidden.shape[0], gate.shape[0], gate.shape[1], variants.on("router_tiles")):  # decode batches
+            return router_tiles(hidden, gate, top_k, norm_topk_prob, row_valid)
         # softmax, top-k, renormalisation, the id cast and the padding rule in one launch after the GEMM (the
         # ``gemv`` lever: a Triton matrix-vector product for a few rows instead of cuBLAS)
         logits = linear(hidden, gate, None, False, variants.on("gemv"))

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from rimuru.kernels import sync, variants
+from rimuru.kernels.fused_moe import _dot_k_loop
 from rimuru.kernels.pdl import chain, pdl_enter
 from rimuru.kernels.sync import last_to_arrive, reset
 
@@ -252,6 +253,110 @@ FUSED_ROUTER_MAX_TOKENS = 16  # above, cuBLAS's GEMM and topk_softmax (each prog
 #                               slice of the router weights per token: fine for a few tokens, not for a prefill)
 
 
+@triton.jit
+def _softmax_topk_rows(x, offs, valid, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+    """:func:`_softmax_topk` of ``BLOCK_T`` tokens at once: ``x [BLOCK_T, BLOCK_E]`` -> (weights fp32, ids int32)
+    ``[BLOCK_T, BLOCK_K]``, each row largest first, first index on ties."""
+    p = tl.exp(x - tl.max(x, 1)[:, None])
+    p = tl.where(valid[None, :], p / tl.sum(p, 1)[:, None], -1.0)
+    slots = tl.arange(0, BLOCK_K)
+    w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(p, 1)
+        idx = tl.min(tl.where(p == best[:, None], offs[None, :], BLOCK_E), 1)
+        w = tl.where(slots[None, :] == j, best[:, None], w)
+        ids = tl.where(slots[None, :] == j, idx[:, None], ids)
+        p = tl.where(offs[None, :] == idx[:, None], -1.0, p)
+    if RENORM:
+        w = w / tl.sum(w, 1)[:, None]
+    return w, ids
+
+
+@triton.jit
+def router_tiles_kernel(x_ptr, gate_ptr, logits_ptr, counters_ptr, weights_ptr, ids_ptr, row_valid_ptr,
+                        num_tokens, num_experts, hidden, stride_x, stride_g,
+                        TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+                        PART_E: tl.constexpr, BLOCK_D: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr):
+    """The router GEMM and the top-k softmax in one launch for a few dozen tokens (issue 13, wave 8: what every
+    tensor-parallel rank runs in full). Grid ``(cdiv(T, BLOCK_T), E / PART_E)``: program (b, p) computes the logits of
+    tokens ``[b BLOCK_T, (b+1) BLOCK_T)`` for experts ``[p PART_E, (p+1) PART_E)`` with ``tl.dot`` over the hidden
+    size (fp32 sums rounded to x's dtype, as ``F.linear`` rounds them) into ``logits [T, E]`` fp32; the last of a
+    token block's programs to finish reads the block's logits and writes its tokens' top-k. Each program reads its
+    slice of the router weights once for ``BLOCK_T`` tokens (:func:`router_topk_kernel` reads it per token). With
+    ``HAS_VALID`` a padding row (``row_valid`` 0) computes row 0's routing. ``hidden % BLOCK_D == 0``."""
+    tb = tl.program_id(0)
+    part = tl.program_id(1)
+    rows = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    live = rows < num_tokens
+    src = rows
+    if HAS_VALID:
+        src = tl.where(tl.load(row_valid_ptr + rows, mask=live, other=1) != 0, rows, 0)
+    offs_e = part * PART_E + tl.arange(0, PART_E)
+    offs_d = tl.arange(0, BLOCK_D)
+    a_ptrs = x_ptr + src.to(tl.int64)[:, None] * stride_x + offs_d[None, :]
+    w_ptrs = gate_ptr + offs_e[None, :].to(tl.int64) * stride_g + offs_d[:, None]
+    acc = _dot_k_loop(tl.zeros([BLOCK_T, PART_E], dtype=tl.float32), a_ptrs, w_ptrs, live, hidden, BLOCK_D, BLOCK_D,
+                      True, DOT_PRECISION)
+    logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(logits_ptr + rows[:, None] * num_experts + offs_e[None, :], logits, mask=live[:, None])
+    counter = counters_ptr + tb
+    if last_to_arrive(counter, tl.num_programs(1)):
+        offs = tl.arange(0, BLOCK_E)
+        valid = offs < num_experts
+        x = tl.load(logits_ptr + rows[:, None] * num_experts + offs[None, :], mask=live[:, None] & valid[None, :],
+                    other=0.0, cache_modifier=".cg")
+        x = tl.where(valid[None, :], x, float("-inf"))  # rows past T: zeros (finite, never stored)
+        w, ids = _softmax_topk_rows(x, offs, valid, TOP_K, BLOCK_T, BLOCK_K, BLOCK_E, RENORM)
+        slots = tl.arange(0, BLOCK_K)
+        keep = live[:, None] & (slots < TOP_K)[None, :]
+        tl.store(weights_ptr + rows[:, None] * TOP_K + slots[None, :], w, mask=keep)
+        tl.store(ids_ptr + rows[:, None] * TOP_K + slots[None, :], ids, mask=keep)
+        reset(counter)
+
+
+TILED_ROUTER_MAX_TOKENS = 256  # up to here (decode batches) the router_tiles lever routes in one launch
+ROUTER_TILE = (16, 16, 256)  # (BLOCK_T tokens, PART_E experts, BLOCK_D hidden) of a router_tiles_kernel program
+
+
+def tiled_router(num_tokens: int, num_experts: int, hidden: int, enabled: bool) -> bool:
+    """Whether a batch of ``num_tokens`` routes with :func:`router_tiles` (one launch): past the small-batch fused
+    router's limit, up to ``TILED_ROUTER_MAX_TOKENS``, with the ``router_tiles`` lever on, where the tile fits the
+    shapes (experts a multiple of ``PART_E``, hidden of ``BLOCK_D``)."""
+    _, part_e, block_d = ROUTER_TILE
+    return (enabled and FUSED_ROUTER_MAX_TOKENS < num_tokens <= TILED_ROUTER_MAX_TOKENS
+            and num_experts % part_e == 0 and hidden % block_d == 0)
+
+
+def router_tiles(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, renormalize: bool,
+                 row_valid: torch.Tensor | None = None, tile: tuple[int, int, int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`router_topk`'s contract through :func:`router_tiles_kernel` (``tile``: ``ROUTER_TILE`` unless given,
+    for a sweep)."""
+    T, d = hidden.shape
+    E = gate_weight.shape[0]
+    block_t, part_e, block_d = tile or ROUTER_TILE
+    if gate_weight.shape[1] != d or gate_weight.stride(1) != 1 or hidden.stride(1) != 1 or E % part_e or d % block_d:
+        raise ValueError(f"router_tiles wants hidden [T, {d}] and gate [E, {d}] with contiguous rows, E a multiple of "
+                         f"{part_e} and the hidden size of {block_d}; got {tuple(hidden.shape)} and "
+                         f"{tuple(gate_weight.shape)}")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=hidden.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=hidden.device)
+    if T:
+        logits = torch.empty(T, E, dtype=torch.float32, device=hidden.device)
+        blocks = triton.cdiv(T, block_t)
+        valid = ids if row_valid is None else row_valid.reshape(-1)
+        router_tiles_kernel[(blocks, E // part_e)](
+            hidden, gate_weight, logits, sync.counters(hidden.device, blocks), weights, ids, valid,
+            T, E, d, hidden.stride(0), gate_weight.stride(0),
+            TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E), BLOCK_T=block_t,
+            PART_E=part_e, BLOCK_D=block_d, RENORM=renormalize, HAS_VALID=row_valid is not None,
+            DOT_PRECISION=variants.dot_precision(hidden.dtype), num_warps=4)
+    return weights, ids
+
+
 def fused_router(num_tokens: int, enabled: bool) -> bool:
     """Whether a batch of ``num_tokens`` routes with :func:`router_topk` (one launch) instead of the router GEMM
     and :func:`topk_softmax` (two): small batches, when the ``router_fused`` lever is on
@@ -287,14 +392,21 @@ def router_topk(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, ren
 def warmup_routing(num_experts: int, hidden_size: int, top_k: int, renormalize: bool, dtype: torch.dtype,
                    device: torch.device) -> None:
     """Compile every routing kernel a step can launch: :func:`topk_softmax` and, with the ``router_fused`` lever,
-    :func:`router_topk`, each with and without a padding mask (graphs pass one, eager steps do not)."""
+    :func:`router_topk` (with ``router_tiles``, :func:`router_tiles`), each with and without a padding mask (graphs
+    pass one, eager steps do not)."""
     logits = torch.randn(2, num_experts, device=device, dtype=dtype)
     hidden = torch.randn(2, hidden_size, device=device, dtype=dtype)
     gate = torch.randn(num_experts, hidden_size, device=device, dtype=dtype)
+    tiles = FUSED_ROUTER_MAX_TOKENS + 1
+    if tiled_router(tiles, num_experts, hidden_size, variants.on("router_tiles")):
+        hidden_tiles = torch.randn(tiles, hidden_size, device=device, dtype=dtype)
     for valid in (None, torch.ones(2, 1, dtype=torch.bool, device=device)):
         topk_softmax(logits, top_k, renormalize, valid)
         if fused_router(2, variants.on("router_fused")):
             router_topk(hidden, gate, top_k, renormalize, valid)
+        if tiled_router(tiles, num_experts, hidden_size, variants.on("router_tiles")):
+            router_tiles(hidden_tiles, gate, top_k, renormalize, None if valid is None else
+                         torch.ones(tiles, 1, dtype=torch.bool, device=device))
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,

@@ -1,8 +1,8 @@
 """Which small-batch decode kernel variants the wrappers launch (issue 11, waves 5 and 7), for A/B runs in one process.
 
-Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the six that measured faster on the H200,
-``direct_moe``, ``qkv_fused``, ``gemv``, ``pdl``, ``pdl_chain`` and ``moe_gemv``; ``wave5``: the wave-5 default,
-``direct_moe`` and ``qkv_fused``; ``all``: every one):
+Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the seven that measured faster on the H200,
+``direct_moe``, ``qkv_fused``, ``gemv``, ``pdl``, ``pdl_chain``, ``moe_gemv`` and ``align_par``; ``wave5``: the
+wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
 
 * ``merge``: split-KV decode merges its splits inside the decode kernel (the last split of a request and KV head
   to finish merges; no ``decode_reduce_kernel`` launch);
@@ -31,9 +31,16 @@ Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the six t
 * ``moe_gemv_host`` (off by default): ``moe_gemv`` also where misses are read in place from host pages (the
   offloading policies' graphs), as at ``f7b685e``; without it those launches keep the tiled kernel
   (``fused_moe.moe_gemv``), for a same-call A/B;
-* ``align_par`` (issue 13 wave 8, off until measured): ``moe_align`` of a decode batch past its fused-scatter limit
-  (65-256 requests at top-8) in one launch of many programs (``moe_align_parallel_kernel``) instead of a
-  one-program count and a scatter launch;
+* ``align_par`` (issue 13 wave 8): ``moe_align`` of a batch past its fused-scatter limit (33-256 tokens at top-8) in
+  one launch of many programs (``moe_align_parallel_kernel``) instead of a one-program count and a scatter launch
+  (2x H200 at e0383b6, one layer's alignment alone, 48 in a graph: 6.24 vs 9.99 us at 64 tokens, 9.24 vs 10.14 at
+  128; results/reference/e2e_tp2/align_vocab_48L/routing);
+* ``router_tiles`` (issue 13 wave 8, off until measured): the router GEMM and the top-k softmax of 17-256 tokens in
+  one launch (``norm_rope.router_tiles_kernel``: ``tl.dot`` tiles of 16 tokens x 16 experts, the last program of a
+  token block picks its top-k) instead of cuBLAS's GEMM and ``topk_softmax``;
+* ``wide_gemm`` (issue 13 wave 8, off until measured): the attention's qkv and output projections of 17-128 rows
+  through ``small_linear.wide_linear`` (all rows in one ``tl.dot`` tile, 32 output columns a program, no split-K)
+  instead of cuBLAS;
 * ``pdl_eager`` (off by default): the programmatic-launch levers act outside CUDA graphs too (see below): the
   engine as measured at 38fd399, for an eager A/B.
 
@@ -62,12 +69,12 @@ from contextlib import contextmanager
 import torch
 
 LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv",
-          "gemv_le2", "moe_gemv_host", "pdl_eager", "align_par")
+          "gemv_le2", "moe_gemv_host", "pdl_eager", "align_par", "router_tiles", "wide_gemm")
 # The levers that measured faster (H200, 48 layers: results/reference/engine/run_2445415_48L/ab_* for the wave-5 two,
-# run_38fd399_48L/ for the wave-7 four): the others made their kernels slower than what they replace and are off
-# unless asked for (``all`` or by name).
+# run_38fd399_48L/ for the wave-7 four; align_par: results/reference/e2e_tp2/align_vocab_48L/): the others made their
+# kernels slower than what they replace and are off unless asked for (``all`` or by name).
 WAVE5 = ("direct_moe", "qkv_fused")
-FAST = WAVE5 + ("gemv", "pdl", "pdl_chain", "moe_gemv")
+FAST = WAVE5 + ("gemv", "pdl", "pdl_chain", "moe_gemv", "align_par")
 VARIANTS = ("fast", "wave5", "baseline", "all")
 GRAPH_ONLY = ("pdl", "pdl_chain")  # act only on launches inside for_graphs() (or with pdl_eager)
 

@@ -146,3 +146,38 @@ def test_router_topk_matches_gemm_then_topk_softmax(dtype, E, k, d, renorm):
     torch.testing.assert_close(w, w_ref, rtol=tol, atol=tol)
     assert torch.equal(ids[2], ids[0]) and torch.equal(w[2], w[0])
     assert not sync.counters(x.device, 1)[:T].any()
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="the CPU interpreter computes 16-bit tl.dot wrongly"))])
+@pytest.mark.parametrize("T,E,k,renorm", [(37, 32, 4, True), (20, 128, 8, False)])
+def test_router_tiles_matches_gemm_then_topk_softmax(dtype, T, E, k, renorm):
+    """The tiled router (``tl.dot`` tiles of tokens x experts, the last program of a token block routes its tokens)
+    against ``F.linear`` + ``topk_softmax`` with a partial last token block; padding rows take row 0's routing; the
+    completion counters are left at zero; the lever's size and shape rule."""
+    from rimuru.kernels import sync
+    from rimuru.kernels.norm_rope import FUSED_ROUTER_MAX_TOKENS, TILED_ROUTER_MAX_TOKENS, router_tiles, \
+        tiled_router, topk_softmax
+
+    gen = torch.Generator().manual_seed(T + E)
+    d = 64
+    x = torch.randn(T, d, generator=gen).to(dtype).to(DEVICE)
+    gate = (torch.randn(E, d, generator=gen) / d**0.5).to(dtype).to(DEVICE)
+    valid = torch.ones(T, 1, dtype=torch.bool, device=DEVICE)
+    valid[3] = valid[T - 1] = False
+    logits = torch.nn.functional.linear(x.float(), gate.float()).to(dtype)  # fp32 sums, then F.linear's rounding
+    for tile in ((16, 16, 32), (16, 32, 64)):
+        w, ids = router_tiles(x, gate, k, renorm, valid, tile=tile)
+        w_ref, ids_ref = topk_softmax(logits, k, renorm, valid)
+        assert torch.equal(ids, ids_ref)
+        tol = 1e-6 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(w, w_ref, rtol=tol, atol=tol)
+        assert torch.equal(ids[3], ids[0]) and torch.equal(w[T - 1], w[0])
+        assert not sync.counters(x.device, 1)[:4].any()
+    with pytest.raises(ValueError, match="router_tiles wants"):
+        router_tiles(x, gate[:E - 8], k, renorm, tile=(16, 16, 32))
+    assert tiled_router(FUSED_ROUTER_MAX_TOKENS + 1, 128, 2048, True)
+    assert not tiled_router(FUSED_ROUTER_MAX_TOKENS, 128, 2048, True)
+    assert not tiled_router(TILED_ROUTER_MAX_TOKENS + 1, 128, 2048, True)
+    assert not tiled_router(64, 60, 2048, True) and not tiled_router(64, 128, 2048, False)
