@@ -81,6 +81,53 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
+# The ``wide_gemm`` lever (issue 13 wave 8): the same kernel for a decode batch of 17-128 rows, all rows in one tile
+# (BLOCK_M = the rows' power of two), BLOCK_N output columns a program. At TP=2 cuBLAS ran the rank's qkv and o_proj at
+# 64 rows in 6.7 / 6.3 us against 2.5 / 2.0 us of weight bytes (results/reference/e2e_tp2/lamport_48L/gemm_shapes.csv).
+WIDE_MAX_ROWS = 128
+WIDE_BLOCK_N = 32
+
+
+def wide_m(rows: int, enabled: bool) -> bool:
+    """Whether a projection of ``rows`` rows runs :func:`wide_linear` (the ``wide_gemm`` lever): past
+    ``SMALL_M_MAX_ROWS``, up to ``WIDE_MAX_ROWS``."""
+    return enabled and SMALL_M_MAX_ROWS < rows <= WIDE_MAX_ROWS
+
+
+def wide_tile(rows: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K) of :func:`wide_linear` at ``rows`` rows: every row in one tile; 256-wide K steps up to 64
+    rows, 128 above (three pipeline stages of the x and W tiles stay within shared memory)."""
+    block_m = max(16, triton.next_power_of_2(rows))
+    return block_m, 256 if block_m <= 64 else 128
+
+
+def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                block_n: int = WIDE_BLOCK_N) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [M, K]`` with ``M <= WIDE_MAX_ROWS`` through
+    :func:`small_m_linear_kernel` with all rows in one tile (``block_n``: columns a program, for a sweep)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    if M > WIDE_MAX_ROWS or weight.shape[1] != K or x.stride(1) != 1 or weight.stride(1) != 1 \
+            or weight.dtype != x.dtype:
+        raise ValueError(f"wide_linear wants x [<= {WIDE_MAX_ROWS}, {K}] and weight [N, {K}] of one dtype with "
+                         f"contiguous rows, got {tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} {weight.dtype}")
+    block_m, block_k = wide_tile(M)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M:
+        small_m_linear_kernel[(triton.cdiv(N, block_n),)](
+            x, weight, weight if bias is None else bias, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, EVEN_K=K % block_k == 0, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_PRECISION=variants.dot_precision(x.dtype), num_warps=4, num_stages=3)
+    return out
+
+
+def warmup_wide(weights: list[tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+    """Compile :func:`wide_linear` for each ``(weight, bias)`` at every tile it launches (32, 64 and 128 rows)."""
+    for weight, bias in weights:
+        for rows in (SMALL_M_MAX_ROWS + 1, 64, WIDE_MAX_ROWS):
+            wide_linear(torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device), weight, bias)
+
+
 GEMV_MAX_ROWS = 4  # the most rows gemv takes (and the ``gemv`` lever's row limit); above, cuBLAS or small_m_linear
 GEMV_NARROW_ROWS = 2  # the row limit with the ``gemv_le2`` lever: at 4 rows the gemv walks its register tile once
 #                       per row and lost to cuBLAS (1,447 vs 1,188 us a 48-layer step, run_38fd399_48L)
@@ -171,10 +218,14 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, enabled: bool,
-           gemv_on: bool = False) -> torch.Tensor:
+           gemv_on: bool = False, wide_on: bool = False) -> torch.Tensor:
     """A decode step's projection: :func:`gemv` for at most :func:`gemv_rows` rows (``gemv_on``: Triton kernels and
     the ``gemv`` lever), :func:`small_m_linear` for a few rows (``enabled``: Triton kernels and the ``small_gemm``
-    lever), ``F.linear`` otherwise."""
+    lever), :func:`wide_linear` for 17-128 rows (``wide_on``: Triton kernels and the ``wide_gemm`` lever),
+    ``F.linear`` otherwise."""
+    if wide_on and x.dim() == 2 and wide_m(x.shape[0], True) and weight.dtype == x.dtype \
+            and x.stride(1) == 1 and weight.stride(1) == 1:
+        return wide_linear(x, weight, bias)
     if gemv_on and x.dim() == 2 and x.shape[0] <= gemv_rows() and gemv_fits(x, weight) \
             and (bias is None or bias.shape == (weight.shape[0],)):
         return _gemv(x, weight, bias, variants.on("pdl"))

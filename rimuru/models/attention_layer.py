@@ -182,12 +182,14 @@ class Attention:
         triton_kernels = self.impl == "triton" or (self.impl == "auto" and hidden_states.is_cuda)
         small = triton_kernels and variants.on("small_gemm")
         gemv = triton_kernels and variants.on("gemv")
-        qkv = linear(hidden_states, self.qkv_weight, self.qkv_bias, small, gemv)
+        wide = triton_kernels and variants.on("wide_gemm")
+        qkv = linear(hidden_states, self.qkv_weight, self.qkv_bias, small, gemv, wide)
         cos_sin = cos_sin if cos_sin is not None else self.rope.cos_sin(meta.positions)
         q = self._rope_and_write(qkv, cos_sin, kv_view, meta.slot_mapping, triton_kernels)
         attn = paged_attention(q, kv_view, meta.block_tables, meta.cu_query_lens, meta.seq_lens, c.scale,
                                impl=self.impl, max_query_len=meta.max_query_len, max_seq_len=meta.max_seq_len)
-        return linear(attn.reshape(num_tokens, c.num_heads * c.head_dim), self.o_proj, self.o_bias, small, gemv)
+        return linear(attn.reshape(num_tokens, c.num_heads * c.head_dim), self.o_proj, self.o_bias, small, gemv,
+                      wide)
 
     def _rope_and_write(self, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], kv_view,
                         slot_mapping: torch.Tensor, triton_kernels: bool) -> torch.Tensor:

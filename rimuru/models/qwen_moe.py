@@ -80,12 +80,15 @@ class QwenMoeModel:
         return [(a.qkv_weight, a.qkv_bias), (a.o_proj, a.o_bias)] + [(self.moe[0].gate_weight, None)] * bool(self.moe)
 
     def warmup_projections(self) -> None:
-        """Compile the few-row projection kernel for :meth:`decode_projections` (when the ``gemv`` lever is on)."""
+        """Compile the few-row projection kernels for :meth:`decode_projections` (when the ``gemv`` lever is on) and
+        the attention's projections at 17-128 rows (when the ``wide_gemm`` lever is on)."""
         from rimuru.kernels import variants
-        from rimuru.kernels.small_linear import warmup_gemv
+        from rimuru.kernels.small_linear import warmup_gemv, warmup_wide
 
         if variants.on("gemv"):
             warmup_gemv(self.decode_projections())
+        if variants.on("wide_gemm") and self.embed.is_cuda:
+            warmup_wide(self.decode_projections()[:2])
 
     def warmup_eager(self, kv_view) -> None:
         """Compile the kernels an eager step launches that the engine's warm-up does not call itself (the first

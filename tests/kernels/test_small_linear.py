@@ -241,3 +241,26 @@ def test_router_logits_through_gemv_route_like_cublas():
             w1, ids1 = route(hidden, gate, 8, True, valid)
         assert torch.equal(ids0, ids1)
         torch.testing.assert_close(w1, w0, rtol=1e-5, atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("M,N,K,bias", [(17, 40, 256, True), (64, 33, 512, False), (100, 32, 300, True)])
+def test_wide_linear_matches_f_linear_and_linear_dispatches_to_it(M, N, K, bias, monkeypatch):
+    """``wide_gemm``: 17-128 rows in one tile (64 rows with 256-wide K steps, 100 rows with 128-wide and a ragged K);
+    ``linear`` takes it only with the lever's flag, within its rows."""
+    from rimuru.kernels import small_linear
+    from rimuru.kernels.small_linear import WIDE_MAX_ROWS, wide_linear, wide_m, wide_tile
+
+    x, w, b = _linear_inputs(M, N, K, bias)
+    torch.testing.assert_close(wide_linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert wide_tile(M)[0] >= M and wide_tile(M)[1] == (256 if M <= 64 else 128)
+    assert not wide_m(SMALL_M_MAX_ROWS, True) and wide_m(SMALL_M_MAX_ROWS + 1, True)
+    assert not wide_m(WIDE_MAX_ROWS + 1, True) and not wide_m(64, False)
+    calls = []
+    monkeypatch.setattr(small_linear, "wide_linear", lambda *a: calls.append(a) or F.linear(*a))
+    linear(x, w, b, False, False, wide_on=False)
+    assert not calls
+    linear(x, w, b, False, False, wide_on=True)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="wide_linear wants"):
+        wide_linear(torch.zeros(WIDE_MAX_ROWS + 1, K, device=DEVICE), w)
