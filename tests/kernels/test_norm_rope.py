@@ -157,8 +157,13 @@ def test_router_tiles_matches_gemm_then_topk_softmax(dtype, T, E, k, renorm):
     against ``F.linear`` + ``topk_softmax`` with a partial last token block; padding rows take row 0's routing; the
     completion counters are left at zero; the lever's size and shape rule."""
     from rimuru.kernels import sync
-    from rimuru.kernels.norm_rope import FUSED_ROUTER_MAX_TOKENS, TILED_ROUTER_MAX_TOKENS, router_tiles, \
-        tiled_router, topk_softmax
+    from rimuru.kernels.norm_rope import (
+        FUSED_ROUTER_MAX_TOKENS,
+        TILED_ROUTER_MAX_TOKENS,
+        router_tiles,
+        tiled_router,
+        topk_softmax,
+    )
 
     gen = torch.Generator().manual_seed(T + E)
     d = 64
