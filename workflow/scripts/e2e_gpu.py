@@ -87,6 +87,11 @@ class GcPauses:
             self.max_ms = max(self.max_ms, (time.perf_counter() - self._t) * 1e3)
 
 
+def run_engine(policy: str, buffers: str) -> str:
+    """A run's engine label: the policy, ``+sized`` with sized loading buffers (``--runs``' spelling)."""
+    return policy if buffers == "layer" else f"{policy}+{buffers}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-30b-a3b")
@@ -102,7 +107,9 @@ def main() -> None:
                     help="Poisson runs serve the trace's first N requests (0: --num-requests), so that one call "
                          "runs a burst and a shorter Poisson A/B over one model and hotset")
     ap.add_argument("--max-output", type=int, default=0, help="cap each request's output length (0: the trace's)")
-    ap.add_argument("--runs", default="elastic:burst,fixed:burst,elastic:poisson,fixed:poisson,static:burst")
+    ap.add_argument("--runs", default="elastic:burst,fixed:burst,elastic:poisson,fixed:poisson,static:burst",
+                    help="POLICY[+BUFFERS]:WORKLOAD,...; BUFFERS is EngineConfig.loading_buffers (layer, the default, "
+                         "or sized): e.g. elastic:poisson,elastic+sized:poisson")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
@@ -160,11 +167,14 @@ def main() -> None:
     workloads = list(dict.fromkeys(r.split(":")[1] for r in runs))
     schedule = [item for w in workloads for item in abba_order([r for r in runs if r.split(":")[1] == w], args.repeats)]
     for order, (run, repeat) in enumerate(schedule):
-        policy, workload = run.split(":")
+        engine, workload = run.split(":")
+        policy, _, buffers = engine.partition("+")
+        buffers = buffers or "layer"
         budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
         budget = e2e_scaled_budget(full, ckpt.spec, budget_full, policy, dtype)
         llm = LLM(ckpt, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve, hotset=str(hotset_path),
-                  seed=args.seed, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager)
+                  seed=args.seed, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager,
+                  loading_buffers=buffers)
         # warm-up: compile every kernel variant and capture the decode graphs, then a discarded pass of the same
         # workload's first requests; its steps are dropped from the record
         info = llm.warmup_or_eager()  # a failed capture must not cost the whole device call: serve eager, say so
@@ -191,16 +201,18 @@ def main() -> None:
         left = sum(llm.allocator.num_allocated(cls) for cls in ((SSM, CONV, KV) if llm.spec.is_hybrid else (KV,)))
         stats = llm.stats()
         frame = llm.timeline.frame()
-        frame.to_csv(out / f"timeline_{policy}_{workload}_r{repeat}.csv", index=False)
+        frame.to_csv(out / f"timeline_{engine}_{workload}_r{repeat}.csv", index=False)
         # every run's per-step timeline in one file (the modeled executor calibrates on it)
-        frame.assign(policy=policy, workload=workload, repeat=repeat, order=order).to_csv(
+        frame.assign(policy=policy, workload=workload, repeat=repeat, order=order, loading_buffers=buffers).to_csv(
             out / "timelines.csv", mode="a", header=not rows, index=False)
-        floors.append({"policy": policy, "workload": workload, "repeat": repeat, "order": order,
+        floors.append({"policy": policy, "loading_buffers": buffers, "workload": workload, "repeat": repeat,
+                       "order": order,
                        **floor_summary(decode_floor(frame, llm.spec))})
         stalls = int(stall_mask(frame).sum())
         rows.append({
             "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew}{cap})", "policy": policy,
-            "budget_gib": budget_full / 2**30, "scaled_budget_gib": round(budget / 2**30, 3), "workload": workload,
+            "loading_buffers": buffers, "budget_gib": budget_full / 2**30,
+            "scaled_budget_gib": round(budget / 2**30, 3), "workload": workload,
             "request_rate": rate if rate else float("inf"), "num_requests": len(served),
             "request_throughput": metrics["request_throughput"], "output_throughput": metrics["output_throughput"],
             "mean_ttft_ms": metrics["mean_ttft_ms"], "p99_ttft_ms": metrics["p99_ttft_ms"],
@@ -209,6 +221,8 @@ def main() -> None:
             "forward_steps": stats.forward_steps - base.forward_steps, "preemptions": stats.preemptions,
             "expert_gb_loaded": (stats.expert_bytes_loaded - base.expert_bytes_loaded) / 1e9,
             "initial_cache_experts": llm.memory_report["initial_cache_experts"],
+            "cached_experts_median": float(frame["cached_experts"].median()),
+            "buffer_experts_end": sum(llm.loader.capacities),
             "total_experts": llm.memory_report["total_experts"], "top32_share": round(top32, 4),
             "duration_s": duration, "repeat": repeat, "order": order, "stalls": stalls,
             # labelled second count, not the issue's: over 3x max(bucket median, the step's own PCIe time)
@@ -218,15 +232,17 @@ def main() -> None:
             "gc_collections": "/".join(map(str, pauses.counts)), "gc_max_pause_ms": round(pauses.max_ms, 3),
             **provenance(),
         })
-        print(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "order", "request_throughput",
+        print(json.dumps({k: rows[-1][k] for k in ("policy", "loading_buffers", "workload", "repeat", "order",
+                                                     "request_throughput",
                                                      "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
                                                      "peak_concurrency", "forward_steps", "stalls", "stalls_pcie",
-                                                     "compiles")}),
+                                                     "compiles", "cached_experts_median")}),
               flush=True)
         print(json.dumps(floors[-1]), flush=True)
         pd.DataFrame(rows).to_csv(out / "e2e.csv", index=False)
         pd.DataFrame(floors).to_csv(out / "step_floor.csv", index=False)
-        summary = summarize([{**r, "variant": f"{r['policy']}:{r['workload']}", "duration": r["duration_s"]}
+        summary = summarize([{**r, "variant": f"{run_engine(r['policy'], r['loading_buffers'])}:{r['workload']}",
+                              "duration": r["duration_s"]}
                              for r in rows])  # per policy:workload: median, min-max spread, stalls, compiles
         (out / "ab_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         llm.close()  # unfreezes the heap warm-up froze, so that the engine is collected
