@@ -454,6 +454,25 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
         one = many = None  # noqa: F841 - the engines go now (the closures above hold these names)
 
 
+def with_lateness(frame: pd.DataFrame, late: list[dict]) -> pd.DataFrame:
+    """A TP serving pass's timeline with each step's host timing from ``TensorParallelExecutor.pop_lateness`` (one
+    record per forward step, in step order): rank 0's time from sending the step to its forward being launched, and
+    how long after rank 0's send / launch rank 1 received the step and launched its forward (positive: rank 1 was
+    late and rank 0's all-reduces waited for it). Host clocks only, no device sync. Aligned by order and checked
+    against the timeline's graphed flags; where they disagree the columns stay empty (``lateness_aligned`` 0)."""
+    cols = ("rank0_send_to_launch_ms", "rank1_received_late_ms", "rank1_launched_late_ms")
+    graphed = frame["cuda_graph"].astype(bool).tolist() if "cuda_graph" in frame else []
+    aligned = len(late) == len(frame) and [bool(x["graphed"]) for x in late] == graphed
+    frame = frame.copy()
+    for col, values in zip(cols, ([x["rank0_launch_ms"] for x in late], [x["received_late_ms"][0] for x in late],
+                                  [x["launched_late_ms"][0] for x in late])):
+        frame[col] = values if aligned else float("nan")
+    frame["lateness_aligned"] = int(aligned)
+    if not aligned:
+        log(f"lateness not aligned with the timeline: {len(late)} records, {len(frame)} steps")
+    return frame
+
+
 def e2e_part(args, full, trace, common, out, cuda) -> None:
     """Elastic vs fixed at TP=N under the per-GPU budget, alternating; a discarded warm-up pass of the same workload
     on each engine before its timed pass."""
@@ -489,6 +508,7 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
         budget = budgets[policy]
         llm = LLM(model_dir, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve,
                   hotset=args.hotset or None, tensor_parallel_size=tp, all_reduce=args.serving_all_reduce, **common)
+        tp_exec = llm.executor if isinstance(llm.executor, TensorParallelExecutor) else None
         try:
             llm.warmup(2560)
             for workload in args.workloads.split(","):
@@ -497,9 +517,15 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                 for rep, _ in group:
                     llm.timeline.records.clear()
                     base = llm.stats()
+                    if tp_exec is not None:  # per-step host lateness (issue 15's TP policy gap), no device sync
+                        tp_exec.pop_lateness()
+                        tp_exec.timing = True
                     metrics, duration = serve(llm, trace, rate, args.seed)
                     stats = llm.stats()
                     frame = llm.timeline.frame()
+                    if tp_exec is not None:
+                        tp_exec.timing = False
+                        frame = with_lateness(frame, tp_exec.pop_lateness())
                     stalls, compiles = int(stall_mask(frame).sum()), int(frame["compiles"].sum())
                     frame.insert(0, "repeat", rep)
                     frame.insert(0, "workload", workload)
