@@ -35,12 +35,14 @@ wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
   one launch of many programs (``moe_align_parallel_kernel``) instead of a one-program count and a scatter launch
   (2x H200 at e0383b6, one layer's alignment alone, 48 in a graph: 6.24 vs 9.99 us at 64 tokens, 9.24 vs 10.14 at
   128; results/reference/e2e_tp2/align_vocab_48L/routing);
-* ``router_tiles`` (issue 13 wave 8, off until measured): the router GEMM and the top-k softmax of 17-256 tokens in
+* ``router_tiles`` (issue 13 wave 8, off: measured slower): the router GEMM and the top-k softmax of 17-256 tokens in
   one launch (``norm_rope.router_tiles_kernel``: ``tl.dot`` tiles of 16 tokens x 16 experts, the last program of a
-  token block picks its top-k) instead of cuBLAS's GEMM and ``topk_softmax``;
-* ``wide_gemm`` (issue 13 wave 8, off until measured): the attention's qkv and output projections of 17-128 rows
+  token block picks its top-k) instead of cuBLAS's GEMM and ``topk_softmax`` (2x H200 at 4902a34, one layer alone:
+  11.8 vs 8.2 us at 64 and 128 tokens; results/reference/e2e_tp2/default_48L/);
+* ``wide_gemm`` (issue 13 wave 8, off: measured slower): the attention's qkv and output projections of 17-128 rows
   through ``small_linear.wide_linear`` (all rows in one ``tl.dot`` tile, 32 output columns a program, no split-K)
-  instead of cuBLAS;
+  instead of cuBLAS (2x H200 at 4902a34: 7.5-7.7 vs 6.2-6.5 us at a TP=2 rank's shapes and 64 rows, 11.3-21.5 vs
+  6.6-9.8 us elsewhere; results/reference/e2e_tp2/default_48L/);
 * ``pdl_eager`` (off by default): the programmatic-launch levers act outside CUDA graphs too (see below): the
   engine as measured at 38fd399, for an eager A/B.
 
