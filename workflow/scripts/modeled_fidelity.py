@@ -414,10 +414,14 @@ def decode_positions(references: list[str], timelines: Path, cost_params: str,
     return pd.concat(out, ignore_index=True)[cols] if out else pd.DataFrame(columns=cols)
 
 
+LATENESS = ("rank0_send_to_launch_ms", "rank1_received_late_ms", "rank1_launched_late_ms")
+
+
 def policy_pairs(tp_runs: list[str], timelines: Path) -> pd.DataFrame:
     """TP runs whose timeline holds both policies (they serve the same requests in the same steps): per step kind
     (prefill: with prompt tokens; decode), over the steps where both did the same tokens, the median of fixed's step
-    time minus elastic's and the mean of their loads' difference, measured (repeat r against repeat r) and replayed."""
+    time minus elastic's and the mean of their loads' difference, measured (repeat r against repeat r) and replayed;
+    where the measured timeline has each step's host lateness (``LATENESS``), the median of fixed's minus elastic's."""
     out = []
     for run, frame, _ in measured_timelines([], tp_runs):
         names = [timelines / f"{run}_{p}_burst.csv" for p in ("elastic", "fixed")]
@@ -436,11 +440,15 @@ def policy_pairs(tp_runs: list[str], timelines: Path) -> pd.DataFrame:
                               ("decode", same & (e["prefill_tokens"].to_numpy() == 0))):
                 diff = (f["step_ms"] - e["step_ms"]).to_numpy()[sel]
                 loads = (f["experts_loaded"] - e["experts_loaded"]).to_numpy()[sel]
+                # a timeline with each step's host lateness (e2e_tp_gpu.py since 6500491): the same difference of
+                # rank 0's send-to-launch and rank 1's lateness, i.e. how much of fixed's extra step time is host
+                late = {f"fixed_minus_elastic_{c}_median": float(np.median((f[c] - e[c]).to_numpy()[sel]))
+                        for c in LATENESS if c in e and c in f and sel.any()}
                 out.append({"run": run, "source": source, "repeat": repeat, "kind": kind, "steps": int(sel.sum()),
                             "elastic_median_ms": float(np.median(e["step_ms"].to_numpy()[sel])),
                             "fixed_median_ms": float(np.median(f["step_ms"].to_numpy()[sel])),
                             "fixed_minus_elastic_median_ms": float(np.median(diff)),
-                            "fixed_minus_elastic_loads_mean": float(loads.mean())})
+                            "fixed_minus_elastic_loads_mean": float(loads.mean())} | late)
     return pd.DataFrame(out)
 
 
