@@ -47,6 +47,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="poisson:100:4,burst:400:inf", help="NAME:REQUESTS:RATE,...")
     ap.add_argument("--policies", default="elastic,fixed")
     ap.add_argument("--buffers", default="layer,sized")
+    ap.add_argument("--max-output", type=int, default=0, help="cap each request's output length (0: the trace's)")
     ap.add_argument("--warmup-requests", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, help="CSV")
@@ -54,6 +55,8 @@ def main() -> None:
     args = ap.parse_args()
 
     lengths = pd.read_csv(args.lengths)
+    if args.max_output:
+        lengths["output_len"] = lengths["output_len"].clip(upper=args.max_output)
     hotset = args.hotset
     if args.tile_hotset:
         profile = Hotset.load(args.hotset)
