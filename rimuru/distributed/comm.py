@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from rimuru.kernels.graph_timing import capture, replay_ms
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -296,18 +298,6 @@ def _time_all_reduces(comm: TorchDistributed, rows: int, cols: int, dtype: torch
     for _ in range(calls):  # eager once: the communicator is set up outside the capture
         call()
     torch.cuda.synchronize(device)
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph.replay()
-    comm.all_reduce(torch.ones(1, device=device))  # every rank here: the timed replays start together
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    graph, _ = capture(lambda: [call() for _ in range(calls)], device)
+    # every rank here: the timed replays start together
+    return replay_ms(graph, iters, device, before=lambda: comm.all_reduce(torch.ones(1, device=device)))

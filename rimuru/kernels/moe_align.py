@@ -59,6 +59,31 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + min(num_pairs, num_experts) * (block_m - 1)
 
 
+@triton.jit
+def _padded_counts(topk_ids_ptr, num_pairs, num_experts, BLOCK_M: tl.constexpr, E_BINS: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """Each expert's pair count, its rows padded to ``BLOCK_M``, their running ends and the total rows (bins past
+    ``num_experts`` are 0): the histogram every alignment program starts from."""
+    offs_e = tl.arange(0, E_BINS)
+    valid_e = offs_e < num_experts
+    counts = tl.zeros((E_BINS,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=num_experts)
+        counts += tl.histogram(ids, E_BINS)
+    counts = tl.where(valid_e, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    return counts, padded, ends, tl.sum(padded, 0)
+
+
+@triton.jit
+def _experts_before(ends, valid_e, b, BLOCK_M: tl.constexpr):
+    """``[len(b), E_BINS]``: which experts' rows end at or before block ``b``'s first row; a block's expert is the
+    count of them (the first expert whose end lies past the block's first row)."""
+    return (ends[None, :] <= (b * BLOCK_M)[:, None]) & valid_e[None, :]
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_padded", "max_blocks"],
             do_not_specialize_on_alignment=["num_pairs", "max_padded", "max_blocks"])
 def moe_align_kernel(
@@ -79,15 +104,7 @@ def moe_align_kernel(
     """
     offs_e = tl.arange(0, E_BINS)
     valid_e = offs_e < num_experts
-    counts = tl.zeros((E_BINS,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=num_experts)
-        counts += tl.histogram(ids, E_BINS)
-    counts = tl.where(valid_e, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
+    counts, padded, ends, total = _padded_counts(topk_ids_ptr, num_pairs, num_experts, BLOCK_M, E_BINS, CHUNK)
     tl.store(num_post_ptr, total)
     tl.store(cursor_ptr + offs_e, ends - padded, mask=valid_e)
     for start in range(0, max_padded, CHUNK):
@@ -95,9 +112,7 @@ def moe_align_kernel(
         tl.store(sorted_ids_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=offs < max_padded)
     for start in range(0, max_blocks, BLOCKS_CHUNK):
         b = start + tl.arange(0, BLOCKS_CHUNK)
-        # a block's expert: the first whose end lies past the block's first row
-        before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & valid_e[None, :]
-        e = tl.sum(before.to(tl.int32), 1)
+        e = tl.sum(_experts_before(ends, valid_e, b, BLOCK_M).to(tl.int32), 1)
         e = tl.where(b * BLOCK_M < total, e, -1)
         tl.store(expert_ids_ptr + b, e, mask=b < max_blocks)
     if SCATTER:
@@ -141,15 +156,7 @@ def moe_align_parallel_kernel(
     pid = tl.program_id(0)
     offs_e = tl.arange(0, E_BINS)
     valid_e = offs_e < num_experts
-    counts = tl.zeros((E_BINS,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=num_experts)
-        counts += tl.histogram(ids, E_BINS)
-    counts = tl.where(valid_e, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
+    counts, padded, ends, total = _padded_counts(topk_ids_ptr, num_pairs, num_experts, BLOCK_M, E_BINS, CHUNK)
     if pid == 0:
         tl.store(num_post_ptr, total)
     # this program's pairs: the expert's first row + the rank among that expert's pairs
@@ -168,7 +175,7 @@ def moe_align_parallel_kernel(
     # this program's blocks: each lies in one expert's rows (the first expert whose end lies past it)
     NB: tl.constexpr = ROWS // BLOCK_M
     b = pid * NB + tl.arange(0, NB)
-    before = (ends[None, :] <= (b * BLOCK_M)[:, None]) & valid_e[None, :]  # [NB, E_BINS]: experts ending before b
+    before = _experts_before(ends, valid_e, b, BLOCK_M)  # [NB, E_BINS]
     e = tl.sum(before.to(tl.int32), 1)
     live = b * BLOCK_M < total
     tl.store(expert_ids_ptr + b, tl.where(live, e, -1), mask=b < max_blocks)

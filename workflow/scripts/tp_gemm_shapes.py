@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from rimuru.kernels.graph_timing import capture, replay_ms
 from rimuru.models.spec import ModelSpec
 from rimuru.provenance import provenance
 
@@ -54,23 +55,11 @@ def time_variant(name: str, rows: int, k: int, n: int, calls: int, iters: int, d
         for w in ws:  # eager once: handles and workspaces outside the capture
             fn(x, w)
         torch.cuda.synchronize(device)
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            outs = [fn(x, w) for w in ws]
-        torch.cuda.current_stream(device).wait_stream(stream)
-        ref = F.linear(x, ws[0])
-        graph.replay()
-        torch.cuda.synchronize(device)
-        if not torch.allclose(outs[0].float(), ref.float(), rtol=2e-2, atol=2e-2):
+        graph, outs = capture(lambda: [fn(x, w) for w in ws], device)
+        ms = replay_ms(graph, iters, device)
+        if not torch.allclose(outs[0].float(), F.linear(x, ws[0]).float(), rtol=2e-2, atol=2e-2):
             raise AssertionError(f"{name}: the product differs from F.linear")
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / iters / calls
+        return ms * 1e3 / calls
     finally:
         torch.backends.cuda.preferred_blas_library(lib)
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from rimuru.kernels import variants
+from rimuru.kernels.graph_timing import capture, replay_ms
 from rimuru.kernels.moe_align import moe_align, moe_align_torch
 from rimuru.kernels.norm_rope import router_tiles, router_topk, topk_softmax
 from rimuru.kernels.small_linear import linear, wide_linear
@@ -122,21 +123,8 @@ def time_graph(fn, calls: int, iters: int, device: torch.device) -> float:
             fn(i)
         return (time.perf_counter() - t) * 1e6 / calls
     torch.cuda.synchronize(device)
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize(device)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters / calls
+    graph, _ = capture(lambda: [fn(i) for i in range(calls)], device)
+    return replay_ms(graph, iters, device) * 1e3 / calls
 
 
 def main() -> None:
