@@ -80,6 +80,8 @@ class EngineConfig:
     running_lookahead: bool = True  # that look-ahead also counts what the running requests take first in the next step
     # (a decode token each, the rest of a chunked prompt; SchedulerConfig); False: the engine up to 2268456
     gc_freeze: bool = True  # LLM.warmup() freezes the live heap out of Python's cyclic GC (LLM.close() unfreezes)
+    timeline_columns: bool = True  # the step timeline keeps its rows in columns (no GC-tracked object per step,
+    # rimuru.engine.timeline); False: one StepRecord object per step (the engine before wave 8; docs/engine.md)
     async_scheduling: bool = True  # graphed greedy decode of `static`: step n+1 is scheduled and launched while
     # step n runs on the device, its tokens fed on the device (docs/engine.md, "Async scheduling")
 

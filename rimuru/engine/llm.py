@@ -221,7 +221,7 @@ class LLM:
             if config.record_routing:
                 self.model.record_routing()
         install_compile_counter()
-        self.timeline = Timeline()
+        self.timeline = Timeline(columnar=config.timeline_columns)
         self._generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._generators: dict[str, torch.Generator | None] = {}
         self._start = self.clock.now()

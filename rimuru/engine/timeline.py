@@ -1,11 +1,20 @@
-"""Per-step engine timeline: one row per forward step, written as CSV (or parquet)."""
+"""Per-step engine timeline: one row per forward step, written as CSV (or parquet).
+
+The rows are kept in columns (a NumPy structured array, a ring of the most recent ``max_records`` steps), not as one
+``StepRecord`` object per step: numbers in an array are not tracked by Python's cyclic garbage collector, so a long
+run does not pile up tens of thousands of tracked objects whose young-generation collections pause a serving step
+(issue 11, wave 8: 15,000 records of a Poisson run drove every collection; docs/engine.md, "Garbage collection").
+``records`` is a read-only view that builds a ``StepRecord`` per row on access.
+"""
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, astuple, dataclass, fields
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 
@@ -35,23 +44,92 @@ class StepRecord:
     kv_pages_moved: int = 0  # KV pages compaction moved before the step (rimuru.memory.compaction)
 
 
+STEP_DTYPE = np.dtype([(f.name, np.float64 if f.type == "float" else np.int64)
+                       for f in fields(StepRecord)])  # time_s and step_ms float64, the counts int64
+
+
+class StepRecords(Sequence):
+    """A read-only view of a timeline's rows, oldest first, each built as a ``StepRecord`` when read."""
+
+    def __init__(self, timeline: Timeline) -> None:
+        self._timeline = timeline
+
+    def __len__(self) -> int:
+        return len(self._timeline)
+
+    def __getitem__(self, index):
+        rows = self._timeline.rows()
+        if isinstance(index, slice):
+            return [StepRecord(*row) for row in rows[index].tolist()]
+        return StepRecord(*rows[index].tolist())
+
+    def __iter__(self) -> Iterator[StepRecord]:
+        return (StepRecord(*row) for row in self._timeline.rows().tolist())
+
+
 class Timeline:
     """The most recent ``max_records`` steps (a long-running server must not grow without bound);
-    ``dropped`` counts the older steps that fell off the front."""
+    ``dropped`` counts the older steps that fell off the front. Owned by the engine loop (``add``, ``clear``);
+    others read ``frame()``, ``rows()`` or the ``records`` view.
 
-    def __init__(self, max_records: int | None = 100_000) -> None:
+    ``columnar=False`` keeps one ``StepRecord`` object per step in a deque instead (the engine before wave 8's
+    ``EngineConfig.timeline_columns``: every record a GC-tracked object that lives as long as the timeline)."""
+
+    def __init__(self, max_records: int | None = 100_000, *, columnar: bool = True) -> None:
         if max_records is not None and max_records < 1:
             raise ValueError(f"max_records must be positive or None, got {max_records}")
-        self.records: deque[StepRecord] = deque(maxlen=max_records)
+        self.max_records = max_records
+        self.columnar = columnar
         self.dropped = 0
+        self._objects: deque[StepRecord] = deque(maxlen=max_records)
+        self._rows = np.empty(min(1024, max_records or 1024), dtype=STEP_DTYPE)  # a ring once max_records is reached
+        self._first = 0  # index in _rows of the oldest row
+        self._len = 0
+
+    def __len__(self) -> int:
+        return len(self._objects) if not self.columnar else self._len
+
+    @property
+    def records(self) -> Sequence[StepRecord]:
+        """The steps, oldest first (read-only)."""
+        return tuple(self._objects) if not self.columnar else StepRecords(self)
 
     def add(self, record: StepRecord) -> None:
-        if len(self.records) == self.records.maxlen:
+        if not self.columnar:
+            if len(self._objects) == self._objects.maxlen:
+                self.dropped += 1
+            self._objects.append(record)
+            return
+        cap = len(self._rows)
+        if self._len == self.max_records:  # full: overwrite the oldest
+            self._rows[self._first] = astuple(record)
+            self._first = (self._first + 1) % cap
             self.dropped += 1
-        self.records.append(record)
+            return
+        if self._len == cap:  # grow (doubling, up to max_records); rows stay oldest first from 0
+            grown = np.empty(cap * 2 if self.max_records is None else min(cap * 2, self.max_records),
+                             dtype=STEP_DTYPE)
+            grown[:cap] = self.rows()
+            self._rows, self._first, cap = grown, 0, len(grown)
+        self._rows[(self._first + self._len) % cap] = astuple(record)
+        self._len += 1
+
+    def clear(self) -> None:
+        """Forget every step (a measured run starts its timeline here); ``dropped`` is kept."""
+        self._objects.clear()
+        self._first = self._len = 0
+
+    def rows(self) -> np.ndarray:
+        """The steps as a structured array (``STEP_DTYPE``), oldest first; a copy."""
+        if not self.columnar:
+            return np.array([astuple(r) for r in self._objects], dtype=STEP_DTYPE)
+        idx = (self._first + np.arange(self._len)) % len(self._rows)
+        return self._rows[idx]
 
     def frame(self) -> pd.DataFrame:
-        return pd.DataFrame([asdict(r) for r in self.records], columns=list(StepRecord.__dataclass_fields__))
+        if not self.columnar:
+            return pd.DataFrame([asdict(r) for r in self._objects], columns=list(StepRecord.__dataclass_fields__))
+        return pd.DataFrame(self.rows(), columns=list(STEP_DTYPE.names))
 
     def write(self, path: str | Path) -> None:
         path = Path(path)

@@ -181,12 +181,12 @@ def main() -> None:
         print(f"{run} repeat {repeat}: warm-up {info}", flush=True)
         if args.warmup_requests:
             serve(llm, trace[: args.warmup_requests], None, args.seed)
-        llm.timeline.records.clear()
+        llm.timeline.clear()
         base = llm.stats()
         rate = args.rate if workload == "poisson" else None
         if args.cprofile_steps and not rows:
             host_profile(llm, trace, args.cprofile_steps)
-            llm.timeline.records.clear()
+            llm.timeline.clear()
             base = llm.stats()
         moved_before = llm.kv_pages_moved
         served = trace[: args.poisson_requests] if workload == "poisson" and args.poisson_requests else trace

@@ -515,7 +515,7 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                 rate = args.rate if workload == "poisson" else None
                 serve(llm, trace, rate, args.seed)  # warm-up pass of this very workload, discarded
                 for rep, _ in group:
-                    llm.timeline.records.clear()
+                    llm.timeline.clear()
                     base = llm.stats()
                     if tp_exec is not None:  # per-step host lateness (issue 15's TP policy gap), no device sync
                         tp_exec.pop_lateness()

@@ -62,7 +62,7 @@ def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tupl
         raise ValueError("replay drives the virtual clock of a modeled engine (executor='modeled')")
     for k, batch in enumerate(before):
         run_batch(llm, batch, f"pre{k}-")
-    llm.timeline.records.clear()
+    llm.timeline.clear()
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_time)
     start = clock.now()
     base = llm.stats()

@@ -1,0 +1,81 @@
+"""Python's cyclic garbage collections during a serving run, per collection (issue 11, wave 8).
+
+``GcRecorder`` is a ``gc.callbacks`` hook: each collection's generation, pause (host wall time from its start to its
+stop callback), objects collected, and whether it ran inside an engine step (``wrap`` marks the step calls) and at
+which forward step. ``tracked_by_type`` counts the objects the collector tracks (``gc.get_objects``, which leaves
+out a heap frozen by ``gc.freeze``), so that what survives a run's steps into the older generations can be named.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Collection:
+    generation: int
+    pause_ms: float
+    collected: int
+    in_step: bool
+    step: int  # engine steps completed before it (the recorder's count of wrapped calls)
+
+
+class GcRecorder:
+    """Install with ``with GcRecorder() as rec:``; route the engine's step calls through ``rec.wrap(step)``."""
+
+    def __init__(self) -> None:
+        self.collections: list[Collection] = []
+        self.steps = 0
+        self._in_step = False
+        self._t = 0.0
+
+    def __enter__(self) -> GcRecorder:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+            return
+        self.collections.append(Collection(info["generation"], (time.perf_counter() - self._t) * 1e3,
+                                           info["collected"], self._in_step, self.steps))
+
+    def wrap(self, step: Callable[[], list]) -> Callable[[], list]:
+        def recorded_step() -> list:
+            self._in_step = True
+            try:
+                return step()
+            finally:
+                self._in_step = False
+                self.steps += 1
+        return recorded_step
+
+    def summary(self) -> dict:
+        """Collections per generation (all, and inside steps) and the pauses inside steps."""
+        out: dict = {}
+        for gen in range(3):
+            mine = [c for c in self.collections if c.generation == gen]
+            inside = [c.pause_ms for c in mine if c.in_step]
+            out[f"gen{gen}_collections"] = len(mine)
+            out[f"gen{gen}_in_step"] = len(inside)
+            out[f"gen{gen}_in_step_max_ms"] = round(max(inside, default=0.0), 4)
+            out[f"gen{gen}_in_step_sum_ms"] = round(sum(inside), 4)
+        return out
+
+
+def tracked_by_type() -> Counter:
+    """How many objects Python's cyclic collector tracks, by type name (frozen objects are not counted)."""
+    return Counter(type(o).__name__ for o in gc.get_objects())
+
+
+def growth(before: Counter, after: Counter, top: int = 5) -> str:
+    """The types whose tracked count grew most, as ``name:+n`` joined by spaces."""
+    delta = sorted(((after[k] - before.get(k, 0), k) for k in after), reverse=True)
+    return " ".join(f"{k}:+{d}" for d, k in delta[:top] if d > 0)

@@ -1,0 +1,132 @@
+"""Garbage-collection pauses inside serving steps on the calibrated modeled engine (issue 11, wave 8), CPU only.
+
+The modeled executor runs the engine's own loop (scheduler, memory policy, loader, timeline) on a virtual clock, so the
+Python objects a serving step leaves behind, and the collections they cause, are the engine's. This replays the
+measured 4-layer set-up of ``results/reference/e2e/rerun_30114ac`` (its hotset, the pool as ``e2e_gpu.py`` built it,
+the trace's request lengths, Poisson arrivals as ``e2e_gpu.py`` draws them) with ``EngineConfig.timeline_columns``
+off (one ``StepRecord`` object per step, the engine before) and on (columnar timeline), and records every collection
+(``rimuru.bench.gcstats.GcRecorder``): generation, pause, inside a step or not, and the tracked objects a run adds
+by type. Each (workload, loading_buffers): a discarded warm-up run, then A B B A (A = off, B = on), a fresh engine per
+run (``LLM.warmup`` freezes the start-up heap, as on the device). The pauses are this CPU's, not the device's.
+
+A thin CLI over the library: ``rimuru.engine.modeled.reference.e2e_scaled_budget``, ``rimuru.engine.modeled.replay``,
+``rimuru.bench.gcstats``. Writes ``gc.csv`` (one row per run), ``collections.csv`` (one row per collection) and
+``summary.csv`` (median and range per variant) under ``--out``, every row with its provenance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from rimuru.bench.gcstats import GcRecorder, growth, tracked_by_type
+from rimuru.engine.llm import LLM
+from rimuru.engine.modeled.reference import e2e_scaled_budget, spec_with_layers
+from rimuru.engine.modeled.replay import TraceRequest, replay, run_batch
+from rimuru.models.spec import ModelSpec
+from rimuru.provenance import provenance
+from rimuru.units import parse_bytes
+from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
+
+VARIANTS = {"off": False, "on": True}  # EngineConfig.timeline_columns
+
+
+def run_once(args, small, budget: int, buffers: str, columns: bool, trace, warm) -> tuple[dict, list]:
+    llm = LLM(small, executor="modeled", gpu_memory_budget=budget, policy=args.policy, kv_reserve=args.kv_reserve,
+              hotset=args.hotset, hardware=args.hardware, cost_params=args.cost_params, seed=args.seed,
+              loading_buffers=buffers, timeline_columns=columns)
+    llm.warmup()  # freezes the start-up heap (EngineConfig.gc_freeze), as the device runs do
+    if warm:
+        run_batch(llm, warm, "warmup-")
+    before = tracked_by_type()
+    with GcRecorder() as rec:
+        llm.step = rec.wrap(llm.step)  # marks the step calls the replay makes (this engine only)
+        metrics = replay(llm, trace)
+    after = tracked_by_type()
+    frame = llm.timeline.frame().drop(columns=["time_s", "step_ms"])  # the modeled steps, not host times
+    row = {"steps": rec.steps, "output_throughput": metrics["output_throughput"],
+           "mean_ttft_ms": metrics["mean_ttft_ms"],
+           "timeline_digest": hashlib.sha256(pd.util.hash_pandas_object(frame, index=False).values).hexdigest()[:16],
+           **rec.summary(), "tracked_before": sum(before.values()), "tracked_after": sum(after.values()),
+           "tracked_growth_top": growth(before, after)}
+    llm.close()
+    del llm
+    return row, rec.collections
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--budget", default="32GiB")
+    ap.add_argument("--kv-reserve", type=float, default=0.1)
+    ap.add_argument("--policy", default="elastic")
+    ap.add_argument("--buffers", default="sized,layer", help="loading_buffers values, comma-separated")
+    ap.add_argument("--hotset", required=True, help="the measured run's hotset.json")
+    ap.add_argument("--lengths", required=True, help="CSV prompt_len,output_len (modeled_trace.py)")
+    ap.add_argument("--cost-params", required=True)
+    ap.add_argument("--hardware", default="h200")
+    ap.add_argument("--workloads", default="poisson:100:4,burst:400:inf", help="NAME:REQUESTS:RATE,...")
+    ap.add_argument("--warmup-requests", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, help="folder")
+    args = ap.parse_args()
+    for name in ("hotset", "lengths", "cost_params"):
+        if not Path(getattr(args, name)).exists():
+            sys.exit(f"--{name.replace('_', '-')} {getattr(args, name)}: no such file")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths = pd.read_csv(args.lengths)
+    full, small = ModelSpec.from_pretrained(args.model), spec_with_layers(args.model, args.layers)
+    budget = e2e_scaled_budget(full, small, parse_bytes(args.budget), args.policy)
+    warm = list(zip(lengths["prompt_len"][:args.warmup_requests].astype(int),
+                    lengths["output_len"][:args.warmup_requests].astype(int), strict=True))
+    stamp = {**provenance(), "python": platform.python_version(),
+             "gc_threshold": "/".join(map(str, gc.get_threshold()))}
+    rows, colls = [], []
+    for item in args.workloads.split(","):
+        workload, n, rate = item.split(":")
+        n, rate = int(n), float(rate)
+        spec = ArrivalSpec(kind="poisson", rate=rate) if np.isfinite(rate) else ArrivalSpec()
+        times = np.asarray(arrival_times(spec, n, args.seed), dtype=float)
+        trace = [TraceRequest(int(p), int(o), float(a))
+                 for p, o, a in zip(lengths["prompt_len"][:n], lengths["output_len"][:n], times, strict=True)]
+        for buffers in args.buffers.split(","):
+            # a discarded warm-up run (variant off), then A B B A
+            for order, variant in enumerate(["warmup", "off", "on", "on", "off"]):
+                columns = VARIANTS.get(variant, False)
+                row, collections = run_once(args, small, budget, buffers, columns, trace, warm)
+                if variant == "warmup":
+                    continue
+                key = {"workload": workload, "num_requests": n, "request_rate": rate, "policy": args.policy,
+                       "loading_buffers": buffers, "timeline_columns": variant, "order": order}
+                rows.append({**key, **row, **stamp})
+                colls += [{**key, **vars(c)} for c in collections]
+                print({k: rows[-1][k] for k in ("workload", "loading_buffers", "timeline_columns", "order", "steps",
+                                                 "gen0_in_step", "gen1_in_step", "gen2_in_step",
+                                                 "gen1_in_step_max_ms", "tracked_growth_top")}, flush=True)
+                pd.DataFrame(rows).to_csv(out / "gc.csv", index=False)
+                pd.DataFrame(colls, columns=[*key, "generation", "pause_ms", "collected", "in_step", "step"]).to_csv(
+                    out / "collections.csv", index=False)
+    frame = pd.DataFrame(rows)
+    stats = ["gen0_in_step", "gen1_in_step", "gen2_in_step", "gen0_in_step_max_ms", "gen1_in_step_max_ms",
+             "gen1_in_step_sum_ms", "tracked_after"]
+    summary = frame.groupby(["workload", "loading_buffers", "timeline_columns"])[stats].agg(["median", "min", "max"])
+    summary.columns = [f"{a}_{b}" for a, b in summary.columns]
+    same = frame.groupby(["workload", "loading_buffers"])["timeline_digest"].nunique().eq(1).rename("same_timeline")
+    summary = summary.reset_index().join(same, on=["workload", "loading_buffers"]).assign(**stamp)
+    summary.to_csv(out / "summary.csv", index=False)
+    print(summary[["workload", "loading_buffers", "timeline_columns", "gen1_in_step_median", "gen1_in_step_max",
+                   "gen1_in_step_max_ms_max", "tracked_after_median", "same_timeline"]].to_string(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
