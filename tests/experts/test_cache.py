@@ -1,22 +1,8 @@
 import numpy as np
 import torch
 
-from rimuru.experts.cache import ABSENT, ExpertCache
-from rimuru.experts.loader import ExpertLoader
-from rimuru.memory import EXPERT, PageClass, PagePool, PoolLayout
-
-L, E, F, D = 2, 4, 4, 8
-LAYOUT = PoolLayout((PageClass(EXPERT, 2, (F, D), torch.float32),))
-
-
-def setup(pages=64, buffer_experts=E):
-    pool = PagePool(LAYOUT, pages * LAYOUT.huge_page_bytes)
-    host = torch.randn(L, E, 3, F, D)
-    view = pool.view(EXPERT).tensor
-    loader = ExpertLoader(host, view, pool.allocator, buffer_experts)
-    order = np.array([(layer, e) for e in range(E) for layer in range(L)])
-    cache = ExpertCache(pool.allocator, order, L, E, loader.copy_expert)
-    return pool, host, view, loader, cache
+from rimuru.experts.cache import ABSENT
+from tests.experts.rig import setup
 
 
 def test_expanded_experts_enter_page_table_only_after_poll_with_their_weights():

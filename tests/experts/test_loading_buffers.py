@@ -6,13 +6,9 @@ import pytest
 import torch
 
 from rimuru.engine.config import EngineConfig
-from rimuru.experts.cache import ExpertCache
-from rimuru.experts.loader import ExpertLoader, buffer_need, shrink_release
-from rimuru.memory import EXPERT, PageClass, PagePool, PoolLayout
-
-L, E, F, D = 2, 4, 4, 8
-LAYOUT = PoolLayout((PageClass(EXPERT, 2, (F, D), torch.float32),))
-
+from rimuru.experts.loader import buffer_need, shrink_release
+from rimuru.memory import EXPERT
+from tests.experts.rig import E, setup
 
 # ---- the sizing rule (pure), hand-computed
 
@@ -45,16 +41,6 @@ def test_sized_buffers_are_refused_with_tensor_parallelism_and_a_bad_value():
 
 
 # ---- the loader: pages taken from and returned to the pool
-
-
-def setup(pages=64):
-    pool = PagePool(LAYOUT, pages * LAYOUT.huge_page_bytes)
-    host = torch.randn(L, E, 3, F, D)
-    view = pool.view(EXPERT).tensor
-    loader = ExpertLoader(host, view, pool.allocator, E)
-    order = np.array([(layer, e) for e in range(E) for layer in range(L)])
-    cache = ExpertCache(pool.allocator, order, L, E, loader.copy_expert)
-    return pool, host, view, loader, cache
 
 
 def test_fit_returns_pages_to_the_pool_and_takes_them_back():
