@@ -1,9 +1,12 @@
 """Python's cyclic garbage collections during a serving run, per collection (issue 11, wave 8).
 
 ``GcRecorder`` is a ``gc.callbacks`` hook: each collection's generation, pause (host wall time from its start to its
-stop callback), objects collected, and whether it ran inside an engine step (``wrap`` marks the step calls) and at
-which forward step. ``tracked_by_type`` counts the objects the collector tracks (``gc.get_objects``, which leaves
-out a heap frozen by ``gc.freeze``), so that what survives a run's steps into the older generations can be named.
+stop callback), objects collected, and whether it ran inside an engine step call (``wrap`` marks the calls). With
+``position`` (e.g. the timeline's length) each collection inside a call also gets the timeline rows that call
+recorded (``rows_from`` up to ``rows_to``): the steps whose ``step_ms`` include the pause, so that a slow step can be
+matched to a collection, not only counted against one. ``tracked_by_type`` counts the objects the collector tracks
+(``gc.get_objects``, which leaves out a heap frozen by ``gc.freeze``), so that what survives a run's steps into the
+older generations can be named.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import gc
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -21,15 +24,18 @@ class Collection:
     pause_ms: float
     collected: int
     in_step: bool
-    step: int  # engine steps completed before it (the recorder's count of wrapped calls)
+    step: int  # engine step calls completed before it (the recorder's count of wrapped calls)
+    rows_from: int = -1  # ``position()`` before the call it ran in, and after it (-1: outside a call or no position)
+    rows_to: int = -1
 
 
 class GcRecorder:
     """Install with ``with GcRecorder() as rec:``; route the engine's step calls through ``rec.wrap(step)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, position: Callable[[], int] | None = None) -> None:
         self.collections: list[Collection] = []
         self.steps = 0
+        self._position = position
         self._in_step = False
         self._t = 0.0
 
@@ -50,12 +56,24 @@ class GcRecorder:
     def wrap(self, step: Callable[[], list]) -> Callable[[], list]:
         def recorded_step() -> list:
             self._in_step = True
+            first = len(self.collections)
+            start = self._position() if self._position is not None else -1
             try:
                 return step()
             finally:
                 self._in_step = False
                 self.steps += 1
+                if self._position is not None and len(self.collections) > first:
+                    end = self._position()
+                    self.collections[first:] = [replace(c, rows_from=start, rows_to=end)
+                                                for c in self.collections[first:]]
         return recorded_step
+
+    def rows_hit(self, min_generation: int = 0) -> set[int]:
+        """Timeline rows (``position`` values) recorded by a step call in which a collection of at least
+        ``min_generation`` ran."""
+        return {row for c in self.collections if c.in_step and c.generation >= min_generation
+                for row in range(c.rows_from, c.rows_to)}
 
     def summary(self) -> dict:
         """Collections per generation (all, and inside steps) and the pauses inside steps."""

@@ -73,3 +73,23 @@ def test_serving_keeps_no_gc_tracked_object_per_step():
     assert not [c for c in rec_on.collections if c.generation >= 1 and c.in_step]
     # the same engine decisions, step for step (the modeled clock: step times too)
     pd.testing.assert_frame_equal(frame_on, frame_off)
+
+
+def test_recorder_names_the_timeline_rows_of_the_call_a_collection_ran_in():
+    rows: list[int] = []
+
+    def step() -> list:  # records two rows; the second call collects generation 1 in between
+        rows.append(len(rows))
+        if len(rows) == 3:
+            gc.collect(1)
+        rows.append(len(rows))
+        return []
+
+    with GcRecorder(position=rows.__len__) as rec:
+        wrapped = rec.wrap(step)
+        for _ in range(3):
+            wrapped()
+    mine = [c for c in rec.collections if c.in_step]
+    assert [(c.generation, c.step, c.rows_from, c.rows_to) for c in mine] == [(1, 1, 2, 4)]
+    assert rec.rows_hit(1) == {2, 3} and rec.rows_hit(2) == set() and rec.steps == 3
+    assert rec.summary()["gen1_in_step"] == 1

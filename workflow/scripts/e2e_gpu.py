@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rimuru.bench.ab import abba_order, summarize
+from rimuru.bench.gcstats import GcRecorder
 from rimuru.bench.inproc import serve_trace as serve
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.reference import e2e_scaled_budget
@@ -68,23 +69,6 @@ def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(22)
     while llm.has_unfinished_requests():
         llm.step()
-
-
-class GcPauses:
-    """Python's cyclic garbage collections during a run (gc.callbacks): how many per generation and the longest
-    pause, so that a stall can be told apart from a collection."""
-
-    def __init__(self) -> None:
-        self.counts = [0, 0, 0]
-        self.max_ms = 0.0
-        self._t = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-        else:
-            self.counts[info["generation"]] += 1
-            self.max_ms = max(self.max_ms, (time.perf_counter() - self._t) * 1e3)
 
 
 def run_engine(policy: str, buffers: str) -> str:
@@ -161,6 +145,7 @@ def main() -> None:
 
     rows, floors = [], []
     (out / "timelines.csv").unlink(missing_ok=True)
+    (out / "gc_collections.csv").unlink(missing_ok=True)
     runs = args.runs.split(",")
     # A B B A ... within each workload, the workloads one after the other in --runs order (a cut call keeps the first
     # workload's A/B whole)
@@ -190,12 +175,11 @@ def main() -> None:
             base = llm.stats()
         moved_before = llm.kv_pages_moved
         served = trace[: args.poisson_requests] if workload == "poisson" and args.poisson_requests else trace
-        pauses = GcPauses()  # the engine froze its heap at warm-up (EngineConfig.gc_freeze): what still collects
-        gc.callbacks.append(pauses)
-        try:
+        # the engine froze its heap at warm-up (EngineConfig.gc_freeze): what still collects, and in which step call
+        # (the timeline rows that call recorded), so that a flagged step can be matched to a collection
+        with GcRecorder(position=llm.timeline.__len__) as pauses:
+            llm.step = pauses.wrap(llm.step)
             metrics, duration = serve(llm, served, rate, args.seed)
-        finally:
-            gc.callbacks.remove(pauses)
         llm.check_integrity()  # the allocator's and the cache's invariants after the run (KV compaction moved pages)
         # pages a finished run still holds (a hybrid's SSM and conv states, KV): 0 unless a request leaked them
         left = sum(llm.allocator.num_allocated(cls) for cls in ((SSM, CONV, KV) if llm.spec.is_hybrid else (KV,)))
@@ -208,7 +192,19 @@ def main() -> None:
         floors.append({"policy": policy, "loading_buffers": buffers, "workload": workload, "repeat": repeat,
                        "order": order,
                        **floor_summary(decode_floor(frame, llm.spec))})
-        stalls = int(stall_mask(frame).sum())
+        flagged = stall_mask(frame).to_numpy()
+        stalls = int(flagged.sum())
+        gc_rows = [pauses.rows_hit(0), pauses.rows_hit(1)]  # frame row i is timeline position i (cleared above)
+        gc_runs = [{"policy": policy, "loading_buffers": buffers, "workload": workload, "repeat": repeat,
+                    "order": order, **vars(c), "flagged": bool(c.rows_to > c.rows_from >= 0
+                                                               and flagged[c.rows_from:c.rows_to].any())}
+                   for c in pauses.collections]
+        pd.DataFrame(gc_runs, columns=["policy", "loading_buffers", "workload", "repeat", "order", "generation",
+                                       "pause_ms", "collected", "in_step", "step", "rows_from", "rows_to",
+                                       "flagged"]).to_csv(out / "gc_collections.csv", mode="a", header=not rows,
+                                                          index=False)
+        counts = [sum(1 for c in pauses.collections if c.generation == g) for g in range(3)]
+        inside = [sum(1 for c in pauses.collections if c.generation == g and c.in_step) for g in range(3)]
         rows.append({
             "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew}{cap})", "policy": policy,
             "loading_buffers": buffers, "budget_gib": budget_full / 2**30,
@@ -229,7 +225,13 @@ def main() -> None:
             "stalls_pcie": int(pcie_stall_mask(frame, PCIE_BPS).sum()),
             "compiles": int(frame["compiles"].sum()), "cuda_graph_steps": int(frame["cuda_graph"].sum()),
             "pages_left_after_run": left, "kv_pages_moved": llm.kv_pages_moved - moved_before,
-            "gc_collections": "/".join(map(str, pauses.counts)), "gc_max_pause_ms": round(pauses.max_ms, 3),
+            "gc_collections": "/".join(map(str, counts)),
+            "gc_max_pause_ms": round(max((c.pause_ms for c in pauses.collections), default=0.0), 3),
+            "gc_in_step": "/".join(map(str, inside)),  # per generation, inside an LLM.step call
+            # flagged steps (the issue's count) recorded by a step call in which a collection ran (any generation;
+            # generation >= 1): a match per step, not only of counts (gc_collections.csv has each collection)
+            "stalls_with_gc": int(sum(flagged[i] for i in gc_rows[0] if i < len(flagged))),
+            "stalls_with_gc1": int(sum(flagged[i] for i in gc_rows[1] if i < len(flagged))),
             **provenance(),
         })
         print(json.dumps({k: rows[-1][k] for k in ("policy", "loading_buffers", "workload", "repeat", "order",
