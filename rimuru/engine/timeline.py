@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, astuple, dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from operator import attrgetter
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,8 @@ class StepRecord:
 
 STEP_DTYPE = np.dtype([(f.name, np.float64 if f.type == "float" else np.int64)
                        for f in fields(StepRecord)])  # time_s and step_ms float64, the counts int64
+_ROW = attrgetter(*STEP_DTYPE.names)  # a record's values as a tuple, in column order (dataclasses.astuple deep-copies
+# every field: ~30 us a step on the CPU, against ~1 us for this)
 
 
 class StepRecords(Sequence):
@@ -102,7 +105,7 @@ class Timeline:
             return
         cap = len(self._rows)
         if self._len == self.max_records:  # full: overwrite the oldest
-            self._rows[self._first] = astuple(record)
+            self._rows[self._first] = _ROW(record)
             self._first = (self._first + 1) % cap
             self.dropped += 1
             return
@@ -111,7 +114,7 @@ class Timeline:
                              dtype=STEP_DTYPE)
             grown[:cap] = self.rows()
             self._rows, self._first, cap = grown, 0, len(grown)
-        self._rows[(self._first + self._len) % cap] = astuple(record)
+        self._rows[(self._first + self._len) % cap] = _ROW(record)
         self._len += 1
 
     def clear(self) -> None:
@@ -122,7 +125,7 @@ class Timeline:
     def rows(self) -> np.ndarray:
         """The steps as a structured array (``STEP_DTYPE``), oldest first; a copy."""
         if not self.columnar:
-            return np.array([astuple(r) for r in self._objects], dtype=STEP_DTYPE)
+            return np.array([_ROW(r) for r in self._objects], dtype=STEP_DTYPE)
         idx = (self._first + np.arange(self._len)) % len(self._rows)
         return self._rows[idx]
 
