@@ -11,7 +11,8 @@ run (``LLM.warmup`` freezes the start-up heap, as on the device). The pauses are
 
 A thin CLI over the library: ``rimuru.engine.modeled.reference.e2e_scaled_budget``, ``rimuru.engine.modeled.replay``,
 ``rimuru.bench.gcstats``. Writes ``gc.csv`` (one row per run), ``collections.csv`` (one row per collection) and
-``summary.csv`` (median and range per variant) under ``--out``, every row with its provenance.
+``summary.csv`` (median and range per variant) under ``--out``, every row with its provenance. A collection inside a
+step call carries the timeline rows that call recorded and the most requests running in them.
 """
 
 from __future__ import annotations
@@ -46,10 +47,14 @@ def run_once(args, small, budget: int, buffers: str, columns: bool, trace, warm)
     if warm:
         run_batch(llm, warm, "warmup-")
     before = tracked_by_type()
-    with GcRecorder() as rec:
+    with GcRecorder(position=llm.timeline.__len__) as rec:  # replay clears the timeline before its first step
         llm.step = rec.wrap(llm.step)  # marks the step calls the replay makes (this engine only)
         metrics = replay(llm, trace)
     after = tracked_by_type()
+    running = llm.timeline.frame()["running"].to_numpy()
+    # each collection inside a step call: the most requests running in the steps that call recorded
+    collections = [(c, int(running[c.rows_from:c.rows_to].max()) if c.rows_to > c.rows_from >= 0 else -1)
+                   for c in rec.collections]
     frame = llm.timeline.frame().drop(columns=["time_s", "step_ms"])  # the modeled steps, not host times
     row = {"steps": rec.steps, "output_throughput": metrics["output_throughput"],
            "mean_ttft_ms": metrics["mean_ttft_ms"],
@@ -58,7 +63,7 @@ def run_once(args, small, budget: int, buffers: str, columns: bool, trace, warm)
            "tracked_growth_top": growth(before, after)}
     llm.close()
     del llm
-    return row, rec.collections
+    return row, collections
 
 
 def main() -> None:
@@ -109,12 +114,13 @@ def main() -> None:
                 key = {"workload": workload, "num_requests": n, "request_rate": rate, "policy": args.policy,
                        "loading_buffers": buffers, "timeline_columns": variant, "order": order}
                 rows.append({**key, **row, **stamp})
-                colls += [{**key, **vars(c)} for c in collections]
+                colls += [{**key, **vars(c), "running": r} for c, r in collections]
                 print({k: rows[-1][k] for k in ("workload", "loading_buffers", "timeline_columns", "order", "steps",
                                                  "gen0_in_step", "gen1_in_step", "gen2_in_step",
                                                  "gen1_in_step_max_ms", "tracked_growth_top")}, flush=True)
                 pd.DataFrame(rows).to_csv(out / "gc.csv", index=False)
-                pd.DataFrame(colls, columns=[*key, "generation", "pause_ms", "collected", "in_step", "step"]).to_csv(
+                pd.DataFrame(colls, columns=[*key, "generation", "pause_ms", "collected", "in_step", "step",
+                                    "rows_from", "rows_to", "running"]).to_csv(
                     out / "collections.csv", index=False)
     frame = pd.DataFrame(rows)
     stats = ["gen0_in_step", "gen1_in_step", "gen2_in_step", "gen0_in_step_max_ms", "gen1_in_step_max_ms",
