@@ -21,14 +21,13 @@ import pandas as pd
 
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.reference import e2e_scaled_budget, spec_with_layers
-from rimuru.engine.modeled.replay import TraceRequest, replay, run_batch
+from rimuru.engine.modeled.replay import replay, run_batch, trace_from_lengths, warmup_batch
 from rimuru.engine.step_floor import PCIE_BPS
 from rimuru.engine.timeline import pcie_stall_mask, stall_mask
 from rimuru.experts.hotset import Hotset
 from rimuru.models.spec import ModelSpec
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
-from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
 
 
 def main() -> None:
@@ -68,12 +67,8 @@ def main() -> None:
     for item in args.workloads.split(","):
         workload, n, rate = item.split(":")
         n, rate = int(n), float(rate)
-        spec = ArrivalSpec(kind="poisson", rate=rate) if np.isfinite(rate) else ArrivalSpec()
-        times = np.asarray(arrival_times(spec, n, args.seed), dtype=float)
-        trace = [TraceRequest(int(p), int(o), float(a))
-                 for p, o, a in zip(lengths["prompt_len"][:n], lengths["output_len"][:n], times, strict=True)]
-        warm = list(zip(lengths["prompt_len"][:args.warmup_requests].astype(int),
-                        lengths["output_len"][:args.warmup_requests].astype(int), strict=True))
+        trace = trace_from_lengths(lengths, n, rate, args.seed)
+        warm = warmup_batch(lengths, args.warmup_requests)
         for policy in args.policies.split(","):
             budget = e2e_scaled_budget(full, small, parse_bytes(args.budget), policy)
             for buffers in args.buffers.split(","):

@@ -24,17 +24,15 @@ import platform
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from rimuru.bench.gcstats import GcRecorder, growth, tracked_by_type
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.reference import e2e_scaled_budget, spec_with_layers
-from rimuru.engine.modeled.replay import TraceRequest, replay, run_batch
+from rimuru.engine.modeled.replay import replay, run_batch, trace_from_lengths, warmup_batch
 from rimuru.models.spec import ModelSpec
 from rimuru.provenance import provenance
 from rimuru.units import parse_bytes
-from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
 
 VARIANTS = {"off": False, "on": True}  # EngineConfig.timeline_columns
 
@@ -92,18 +90,14 @@ def main() -> None:
     lengths = pd.read_csv(args.lengths)
     full, small = ModelSpec.from_pretrained(args.model), spec_with_layers(args.model, args.layers)
     budget = e2e_scaled_budget(full, small, parse_bytes(args.budget), args.policy)
-    warm = list(zip(lengths["prompt_len"][:args.warmup_requests].astype(int),
-                    lengths["output_len"][:args.warmup_requests].astype(int), strict=True))
+    warm = warmup_batch(lengths, args.warmup_requests)
     stamp = {**provenance(), "python": platform.python_version(),
              "gc_threshold": "/".join(map(str, gc.get_threshold()))}
     rows, colls = [], []
     for item in args.workloads.split(","):
         workload, n, rate = item.split(":")
         n, rate = int(n), float(rate)
-        spec = ArrivalSpec(kind="poisson", rate=rate) if np.isfinite(rate) else ArrivalSpec()
-        times = np.asarray(arrival_times(spec, n, args.seed), dtype=float)
-        trace = [TraceRequest(int(p), int(o), float(a))
-                 for p, o, a in zip(lengths["prompt_len"][:n], lengths["output_len"][:n], times, strict=True)]
+        trace = trace_from_lengths(lengths, n, rate, args.seed)
         for buffers in args.buffers.split(","):
             # a discarded warm-up run (variant off), then A B B A
             for order, variant in enumerate(["warmup", "off", "on", "on", "off"]):

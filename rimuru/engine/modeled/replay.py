@@ -17,6 +17,7 @@ import numpy as np
 from rimuru.bench.metrics import RequestRecord, compute_metrics
 from rimuru.engine.modeled.executor import ModeledExecutor
 from rimuru.engine.sampling_params import SamplingParams
+from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,20 @@ def arrivals(n: int, rate: float | None, seed: int = 0) -> np.ndarray:
         return np.zeros(n)
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, n)
     return np.cumsum(gaps) - gaps[0]
+
+
+def trace_from_lengths(lengths, n: int, rate: float, seed: int = 0) -> list[TraceRequest]:
+    """The first ``n`` requests of a lengths table (columns ``prompt_len``, ``output_len``) arriving as
+    ``rimuru.workloads.arrivals`` draws them for ``e2e_gpu.py``: all at once for an infinite ``rate``, else Poisson."""
+    spec = ArrivalSpec(kind="poisson", rate=rate) if np.isfinite(rate) else ArrivalSpec()
+    times = np.asarray(arrival_times(spec, n, seed), dtype=float)
+    return [TraceRequest(int(p), int(o), float(a))
+            for p, o, a in zip(lengths["prompt_len"][:n], lengths["output_len"][:n], times, strict=True)]
+
+
+def warmup_batch(lengths, n: int) -> list[tuple[int, int]]:
+    """The first ``n`` (prompt_len, output_len) pairs of a lengths table: a measured run's warm-up pass."""
+    return [(int(p), int(o)) for p, o in zip(lengths["prompt_len"][:n], lengths["output_len"][:n], strict=True)]
 
 
 def loop_ms(llm, outputs: int, graphed: bool) -> float:
