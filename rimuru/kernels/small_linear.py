@@ -178,11 +178,16 @@ def gemv_blocks(n: int, k: int) -> tuple[int, int]:
     return block_n, block_k
 
 
-def gemv_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`gemv` computes ``F.linear(x, weight)``: ``x [1..GEMV_MAX_ROWS, K]`` and ``weight [N, K]`` of one
-    dtype, rows contiguous, ``K <= GEMV_MAX_K``."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and weight.dim() == 2 and weight.shape[1] == x.shape[1]
-            and x.shape[1] <= GEMV_MAX_K and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
+def _row_major(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """``x [M, K]`` and ``weight [N, K]`` of one dtype with contiguous rows: what the Triton projections read."""
+    return x.dim() == 2 and weight.dim() == 2 and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1
+
+
+def gemv_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`gemv` computes ``F.linear(x, weight, bias)``: ``x [1..GEMV_MAX_ROWS, K]`` and ``weight [N, K]``
+    of one dtype, rows contiguous, ``K <= GEMV_MAX_K``, ``bias`` None or ``[N]``."""
+    return (_row_major(x, weight) and 0 < x.shape[0] <= GEMV_MAX_ROWS and weight.shape[1] == x.shape[1]
+            and x.shape[1] <= GEMV_MAX_K and (bias is None or bias.shape == (weight.shape[0],)))
 
 
 def gemv_rows() -> int:
@@ -194,7 +199,7 @@ def gemv_rows() -> int:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M <= GEMV_MAX_ROWS, K]`` (Triton, no tensor cores). ``pdl``: launched
     as a programmatic dependent of the previous kernel (the ``pdl`` lever; a no-op where unsupported)."""
-    if not gemv_fits(x, weight) or (bias is not None and bias.shape != (weight.shape[0],)):
+    if not gemv_fits(x, weight, bias):
         raise ValueError(f"gemv wants x [1..{GEMV_MAX_ROWS}, K <= {GEMV_MAX_K}] and weight [N, K] of one dtype with "
                          f"contiguous rows (bias [N]), got x {tuple(x.shape)} {x.dtype} and weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
@@ -223,14 +228,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ena
     the ``gemv`` lever), :func:`small_m_linear` for a few rows (``enabled``: Triton kernels and the ``small_gemm``
     lever), :func:`wide_linear` for 17-128 rows (``wide_on``: Triton kernels and the ``wide_gemm`` lever),
     ``F.linear`` otherwise."""
-    if wide_on and x.dim() == 2 and wide_m(x.shape[0], True) and weight.dtype == x.dtype \
-            and x.stride(1) == 1 and weight.stride(1) == 1:
+    if wide_on and _row_major(x, weight) and wide_m(x.shape[0], True):
         return wide_linear(x, weight, bias)
-    if gemv_on and x.dim() == 2 and x.shape[0] <= gemv_rows() and gemv_fits(x, weight) \
-            and (bias is None or bias.shape == (weight.shape[0],)):
+    if gemv_on and gemv_fits(x, weight, bias) and x.shape[0] <= gemv_rows():
         return _gemv(x, weight, bias, variants.on("pdl"))
-    if enabled and x.dim() == 2 and small_m(x.shape[0], True) and weight.dtype == x.dtype \
-            and x.stride(1) == 1 and weight.stride(1) == 1:
+    if enabled and _row_major(x, weight) and small_m(x.shape[0], True):
         return small_m_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
