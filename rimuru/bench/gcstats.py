@@ -1,7 +1,9 @@
 """Python's cyclic garbage collections during a serving run, per collection (issue 11, wave 8).
 
 ``GcRecorder`` is a ``gc.callbacks`` hook: each collection's generation, pause (host wall time from its start to its
-stop callback), objects collected, and whether it ran inside an engine step call (``wrap`` marks the calls). With
+stop callback), objects collected, and whether it ran inside an engine step call (it is a
+``rimuru.engine.llm.StepObserver``: ``LLM.observe_steps(recorder)`` marks the calls; ``wrap`` marks a plain
+callable's). With
 ``position`` (e.g. the timeline's length) each collection inside a call also gets the timeline rows that call
 recorded (``rows_from`` up to ``rows_to``): the steps whose ``step_ms`` include the pause, so that a slow step can be
 matched to a collection, not only counted against one. ``tracked_by_type`` counts the objects the collector tracks
@@ -30,7 +32,7 @@ class Collection:
 
 
 class GcRecorder:
-    """Install with ``with GcRecorder() as rec:``; route the engine's step calls through ``rec.wrap(step)``."""
+    """Install with ``with GcRecorder() as rec, llm.observe_steps(rec):`` (or call ``rec.wrap(step)``)."""
 
     def __init__(self, position: Callable[[], int] | None = None) -> None:
         self.collections: list[Collection] = []
@@ -38,6 +40,8 @@ class GcRecorder:
         self._position = position
         self._in_step = False
         self._t = 0.0
+        self._first = 0  # the current step call's first collection and timeline position
+        self._start = -1
 
     def __enter__(self) -> GcRecorder:
         gc.callbacks.append(self._callback)
@@ -53,20 +57,29 @@ class GcRecorder:
         self.collections.append(Collection(info["generation"], (time.perf_counter() - self._t) * 1e3,
                                            info["collected"], self._in_step, self.steps))
 
+    def step_started(self) -> None:
+        """A step call starts: collections from now on are inside it."""
+        self._in_step = True
+        self._first = len(self.collections)
+        self._start = self._position() if self._position is not None else -1
+
+    def step_ended(self) -> None:
+        """The step call ended: its collections get the timeline rows it recorded."""
+        self._in_step = False
+        self.steps += 1
+        if self._position is not None and len(self.collections) > self._first:
+            end = self._position()
+            self.collections[self._first:] = [replace(c, rows_from=self._start, rows_to=end)
+                                              for c in self.collections[self._first:]]
+
     def wrap(self, step: Callable[[], list]) -> Callable[[], list]:
+        """``step`` with its calls marked (for a callable that is not an engine's :meth:`LLM.step`)."""
         def recorded_step() -> list:
-            self._in_step = True
-            first = len(self.collections)
-            start = self._position() if self._position is not None else -1
+            self.step_started()
             try:
                 return step()
             finally:
-                self._in_step = False
-                self.steps += 1
-                if self._position is not None and len(self.collections) > first:
-                    end = self._position()
-                    self.collections[first:] = [replace(c, rows_from=start, rows_to=end)
-                                                for c in self.collections[first:]]
+                self.step_ended()
         return recorded_step
 
     def rows_hit(self, min_generation: int = 0) -> set[int]:

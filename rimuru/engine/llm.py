@@ -15,6 +15,7 @@ import gc
 import logging
 import time
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -64,7 +65,15 @@ from rimuru.models.tokenizer import engine_tokenizer
 
 log = logging.getLogger("rimuru.engine")
 
-__all__ = ["LLM", "MemoryBudgetError", "activation_estimate", "may_pipeline"]
+__all__ = ["LLM", "MemoryBudgetError", "StepObserver", "activation_estimate", "may_pipeline"]
+
+
+class StepObserver(Protocol):
+    """What :meth:`LLM.observe_steps` tells: a step call starts, and it ends (returned or raised)."""
+
+    def step_started(self) -> None: ...
+
+    def step_ended(self) -> None: ...
 
 
 def may_pipeline(*, enabled: bool, graphs_ready: bool, evictions_pending: bool, decode_fits: bool,
@@ -228,6 +237,7 @@ class LLM:
         self._generated = 0
         self._failed = 0
         self._inflight: tuple[LaunchedDecode, int, int] | None = None  # async scheduling: (step, number, adjust)
+        self._step_observers: list[StepObserver] = []  # observe_steps(): told when each step call starts and ends
         self._async = config.async_scheduling  # use_async_scheduling() switches it for a block of steps
         self._prompt_scores: dict[str, dict[int, TokenLogprob]] = {}  # prompt_logprobs until the first token
         self.memory_report = {**plan.report(), "tensor_parallel_size": tp, **self.comm.selection_report}
@@ -342,6 +352,16 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @contextlib.contextmanager
+    def observe_steps(self, observer: StepObserver):
+        """For the block's duration, ``observer.step_started()`` and ``step_ended()`` bracket every :meth:`step` call
+        (instrumentation, e.g. ``rimuru.bench.gcstats.GcRecorder``; nothing the engine does changes)."""
+        self._step_observers.append(observer)
+        try:
+            yield observer
+        finally:
+            self._step_observers.remove(observer)
+
     def step(self) -> list[RequestOutput]:
         """One engine step: schedule -> execute -> postprocess, with the memory policy's hooks around them.
 
@@ -353,6 +373,18 @@ class LLM:
         tokens taken on the device; this call then returns step n's outputs (so a pipelined call returns the previous
         launch's tokens, and the timeline records step n with this call's wall time). Any other step first
         finishes the one in flight (docs/engine.md, "Async scheduling")."""
+        if not self._step_observers:
+            return self._run_step()
+        for observer in self._step_observers:
+            observer.step_started()
+        try:
+            return self._run_step()
+        finally:
+            for observer in reversed(self._step_observers):
+                observer.step_ended()
+
+    def _run_step(self) -> list[RequestOutput]:
+        """:meth:`step`'s work."""
         t0 = self.clock.now()
         compiles_before = compile_count()
         outputs: list[RequestOutput] = []

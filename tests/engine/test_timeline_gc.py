@@ -11,6 +11,7 @@ import pytest
 from rimuru.bench.gcstats import GcRecorder, tracked_by_type
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.replay import TraceRequest, replay
+from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.timeline import StepRecord, Timeline
 
 
@@ -47,8 +48,7 @@ def _sequential_run(columns: bool) -> tuple[GcRecorder, dict, pd.DataFrame]:
     try:
         llm.warmup()  # freezes the start-up heap (EngineConfig.gc_freeze)
         before = tracked_by_type()
-        with GcRecorder() as rec:
-            llm.step = rec.wrap(llm.step)
+        with GcRecorder() as rec, llm.observe_steps(rec):
             replay(llm, [TraceRequest(32, 250, 10.0 * i) for i in range(12)])
         after = tracked_by_type()
     finally:
@@ -93,3 +93,27 @@ def test_recorder_names_the_timeline_rows_of_the_call_a_collection_ran_in():
     assert [(c.generation, c.step, c.rows_from, c.rows_to) for c in mine] == [(1, 1, 2, 4)]
     assert rec.rows_hit(1) == {2, 3} and rec.rows_hit(2) == set() and rec.steps == 3
     assert rec.summary()["gen1_in_step"] == 1
+
+
+def test_observe_steps_brackets_every_step_call_of_its_block_only():
+    class Count:
+        def __init__(self):
+            self.events = []
+
+        def step_started(self):
+            self.events.append("start")
+
+        def step_ended(self):
+            self.events.append("end")
+
+    llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", modeled_step_ms=5.0)
+    try:
+        llm.add_request("a", [0] * 8, SamplingParams(max_tokens=4, ignore_eos=True))
+        seen = Count()
+        with llm.observe_steps(seen):
+            llm.step()
+            llm.step()
+        llm.step()  # outside the block: not observed
+        assert seen.events == ["start", "end", "start", "end"]
+    finally:
+        llm.close()

@@ -177,8 +177,7 @@ def main() -> None:
         served = trace[: args.poisson_requests] if workload == "poisson" and args.poisson_requests else trace
         # the engine froze its heap at warm-up (EngineConfig.gc_freeze): what still collects, and in which step call
         # (the timeline rows that call recorded), so that a flagged step can be matched to a collection
-        with GcRecorder(position=llm.timeline.__len__) as pauses:
-            llm.step = pauses.wrap(llm.step)
+        with GcRecorder(position=llm.timeline.__len__) as pauses, llm.observe_steps(pauses):
             metrics, duration = serve(llm, served, rate, args.seed)
         llm.check_integrity()  # the allocator's and the cache's invariants after the run (KV compaction moved pages)
         # pages a finished run still holds (a hybrid's SSM and conv states, KV): 0 unless a request leaked them
@@ -203,8 +202,9 @@ def main() -> None:
                                        "pause_ms", "collected", "in_step", "step", "rows_from", "rows_to",
                                        "flagged"]).to_csv(out / "gc_collections.csv", mode="a", header=not rows,
                                                           index=False)
-        counts = [sum(1 for c in pauses.collections if c.generation == g) for g in range(3)]
-        inside = [sum(1 for c in pauses.collections if c.generation == g and c.in_step) for g in range(3)]
+        gc_summary = pauses.summary()
+        counts = [gc_summary[f"gen{g}_collections"] for g in range(3)]
+        inside = [gc_summary[f"gen{g}_in_step"] for g in range(3)]
         rows.append({
             "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew}{cap})", "policy": policy,
             "loading_buffers": buffers, "budget_gib": budget_full / 2**30,

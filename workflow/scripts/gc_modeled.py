@@ -45,8 +45,8 @@ def run_once(args, small, budget: int, buffers: str, columns: bool, trace, warm)
     if warm:
         run_batch(llm, warm, "warmup-")
     before = tracked_by_type()
-    with GcRecorder(position=llm.timeline.__len__) as rec:  # replay clears the timeline before its first step
-        llm.step = rec.wrap(llm.step)  # marks the step calls the replay makes (this engine only)
+    # the recorder marks the step calls the replay makes (replay clears the timeline before its first step)
+    with GcRecorder(position=llm.timeline.__len__) as rec, llm.observe_steps(rec):
         metrics = replay(llm, trace)
     after = tracked_by_type()
     running = llm.timeline.frame()["running"].to_numpy()
