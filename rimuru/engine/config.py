@@ -80,6 +80,10 @@ class EngineConfig:
     running_lookahead: bool = True  # that look-ahead also counts what the running requests take first in the next step
     # (a decode token each, the rest of a chunked prompt; SchedulerConfig); False: the engine up to 2268456
     gc_freeze: bool = True  # LLM.warmup() freezes the live heap out of Python's cyclic GC (LLM.close() unfreezes)
+    gc_idle_collect: bool = True  # from LLM.warmup() to LLM.close(): Python's generation-0 threshold raised to
+    # gc_young_threshold (a backstop), and a collection when a step call leaves the engine idle, after the step is
+    # timed and recorded (rimuru.engine.gc_policy); False: Python's automatic collection, the engine before wave 9
+    gc_young_threshold: int = 20_000  # generation-0 threshold while serving with gc_idle_collect (CPython: 700)
     timeline_columns: bool = True  # the step timeline keeps its rows in columns (no GC-tracked object per step,
     # rimuru.engine.timeline); False: one StepRecord object per step (the engine before wave 8; docs/engine.md)
     async_scheduling: bool = True  # graphed greedy decode of `static`: step n+1 is scheduled and launched while
@@ -93,6 +97,9 @@ class EngineConfig:
 
         if self.tokenizer not in TOKENIZER_CHOICES:
             raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got {self.tokenizer!r}")
+        if isinstance(self.gc_young_threshold, bool) or not isinstance(self.gc_young_threshold, int) \
+                or self.gc_young_threshold < 1:
+            raise ValueError(f"gc_young_threshold must be an integer >= 1, got {self.gc_young_threshold!r}")
         if self.loading_buffers not in ("layer", "sized"):
             raise ValueError(f"loading_buffers must be 'layer' or 'sized', got {self.loading_buffers!r}")
         if self.prefetch not in ("predict", "none"):

@@ -42,6 +42,7 @@ from rimuru.engine.clock import VirtualClock, WallClock
 from rimuru.engine.config import EngineConfig
 from rimuru.engine.cuda_graphs import DecodeGraphs, decode_graphs_allowed, graph_max_batch
 from rimuru.engine.executor import LaunchedDecode, TorchExecutor
+from rimuru.engine.gc_policy import YoungThreshold, idle_collection
 from rimuru.engine.hybrid_executor import build_hybrid
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.memory_policy import MemoryBudgetError, activation_estimate, make_policy
@@ -102,6 +103,7 @@ class LLM:
         a config.json path or a ``ModelSpec`` (``rimuru.engine.modeled``)."""
         self.tp_group: TensorParallelGroup | None = None
         self._froze_heap = False  # warmup() froze the heap out of the cyclic GC; close() unfreezes it
+        self._gc_held = False  # warmup() raised the GC's young threshold (gc_idle_collect); close() restores it
         try:
             self._build(model, _tp_rank, _tp_port, options)
         except BaseException:
@@ -265,6 +267,9 @@ class LLM:
         if self._froze_heap:
             gc.unfreeze()
             self._froze_heap = False
+        if self._gc_held:
+            YoungThreshold.release()
+            self._gc_held = False
         if self.tp_group is not None:
             inflight, self._inflight = self._inflight, None
             if inflight is not None and self.tp_group.error is None:  # the graphs below may still be running it
@@ -372,16 +377,27 @@ class LLM:
         decode batch runs graphed, step n+1 is scheduled and launched before step n's tokens are read, its input
         tokens taken on the device; this call then returns step n's outputs (so a pipelined call returns the previous
         launch's tokens, and the timeline records step n with this call's wall time). Any other step first
-        finishes the one in flight (docs/engine.md, "Async scheduling")."""
+        finishes the one in flight (docs/engine.md, "Async scheduling").
+
+        With ``EngineConfig.gc_idle_collect`` (after warm-up), a call whose step leaves nothing running or waiting then
+        collects Python's cyclic garbage (``rimuru.engine.gc_policy.idle_collection``): after the step was timed,
+        recorded and its observers told it ended, before this call returns."""
         if not self._step_observers:
-            return self._run_step()
-        for observer in self._step_observers:
-            observer.step_started()
-        try:
-            return self._run_step()
-        finally:
-            for observer in reversed(self._step_observers):
-                observer.step_ended()
+            outputs = self._run_step()
+        else:
+            for observer in self._step_observers:
+                observer.step_started()
+            try:
+                outputs = self._run_step()
+            finally:
+                for observer in reversed(self._step_observers):
+                    observer.step_ended()
+        if self._gc_held:  # the step is timed, recorded and observed: collect now if it left the engine idle
+            generation = idle_collection(idle=not self.scheduler.has_unfinished() and self._inflight is None,
+                                         pending=gc.get_count()[0])
+            if generation is not None:
+                gc.collect(generation)
+        return outputs
 
     def _run_step(self) -> list[RequestOutput]:
         """:meth:`step`'s work."""
@@ -796,7 +812,13 @@ class LLM:
         """After warm-up the live heap (model, engine, graphs, queued requests) leaves Python's cyclic collector
         (``gc.freeze``, as vLLM's engine does after start-up), so that a collection inside a serving step does not walk
         it (a host pause in a 2 ms graphed step is a stall). Unfrozen first, so that an engine discarded before this one
-        is collected; :meth:`close` unfreezes. ``EngineConfig.gc_freeze`` switches it (process-wide, as ``gc`` is)."""
+        is collected; :meth:`close` unfreezes. ``EngineConfig.gc_freeze`` switches it (process-wide, as ``gc`` is).
+        With ``EngineConfig.gc_idle_collect`` the engine also holds the collector's young threshold raised until
+        :meth:`close` and collects when a step call leaves it idle (:meth:`step`, rimuru.engine.gc_policy). Only this
+        process: tensor-parallel workers keep Python's automatic collection."""
+        if self.config.gc_idle_collect and not self._gc_held:  # rimuru.engine.gc_policy: collect at idle instead
+            YoungThreshold.hold(self.config.gc_young_threshold)
+            self._gc_held = True
         if not self.config.gc_freeze:
             return
         gc.unfreeze()

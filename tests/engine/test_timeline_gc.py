@@ -42,7 +42,7 @@ def test_columnar_timeline_keeps_what_the_object_timeline_keeps(max_records):
 def _sequential_run(columns: bool) -> tuple[GcRecorder, dict, pd.DataFrame]:
     """12 requests one after another (each finishes before the next arrives): ~3,000 one-request decode steps."""
     llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", modeled_step_ms=5.0,
-              timeline_columns=columns)
+              timeline_columns=columns, gc_idle_collect=False)  # automatic collection: the timeline alone
     threshold = gc.get_threshold()
     gc.set_threshold(700, 10, 10)  # CPython's default, whatever the process set
     try:

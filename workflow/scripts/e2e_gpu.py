@@ -71,9 +71,22 @@ def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:
         llm.step()
 
 
-def run_engine(policy: str, buffers: str) -> str:
-    """A run's engine label: the policy, ``+sized`` with sized loading buffers (``--runs``' spelling)."""
-    return policy if buffers == "layer" else f"{policy}+{buffers}"
+ENGINE_OPTIONS = ("sized", "gcauto")  # --runs' suffixes: sized loading buffers; Python's automatic GC (no idle collect)
+
+
+def parse_engine(engine: str) -> tuple[str, str, bool]:
+    """``POLICY[+sized][+gcauto]`` -> (policy, loading_buffers, gc_idle_collect); a clear error for anything else."""
+    policy, *options = engine.split("+")
+    unknown = [o for o in options if o not in ENGINE_OPTIONS]
+    if unknown or not policy:
+        raise SystemExit(f"--runs: {engine!r}: expected POLICY[+sized][+gcauto], got options {unknown}")
+    return policy, "sized" if "sized" in options else "layer", "gcauto" not in options
+
+
+def run_engine(policy: str, buffers: str, gc_idle: bool = True) -> str:
+    """A run's engine label in ``--runs``' spelling: the policy, ``+sized`` with sized loading buffers, ``+gcauto``
+    with Python's automatic collection instead of the engine's idle collection."""
+    return policy + ("" if buffers == "layer" else f"+{buffers}") + ("" if gc_idle else "+gcauto")
 
 
 def main() -> None:
@@ -92,8 +105,9 @@ def main() -> None:
                          "runs a burst and a shorter Poisson A/B over one model and hotset")
     ap.add_argument("--max-output", type=int, default=0, help="cap each request's output length (0: the trace's)")
     ap.add_argument("--runs", default="elastic:burst,fixed:burst,elastic:poisson,fixed:poisson,static:burst",
-                    help="POLICY[+BUFFERS]:WORKLOAD,...; BUFFERS is EngineConfig.loading_buffers (layer, the default, "
-                         "or sized): e.g. elastic:poisson,elastic+sized:poisson")
+                    help="POLICY[+sized][+gcauto]:WORKLOAD,...; +sized: EngineConfig.loading_buffers='sized' (default "
+                         "layer); +gcauto: gc_idle_collect=False (Python's automatic collection): e.g. "
+                         "elastic:poisson,elastic+gcauto:poisson")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
@@ -147,19 +161,22 @@ def main() -> None:
     (out / "timelines.csv").unlink(missing_ok=True)
     (out / "gc_collections.csv").unlink(missing_ok=True)
     runs = args.runs.split(",")
+    for run in runs:  # every run's spelling checked before the model is built
+        if run.count(":") != 1 or run.split(":")[1] not in ("burst", "poisson"):
+            raise SystemExit(f"--runs: {run!r}: expected POLICY[+sized][+gcauto]:burst|poisson")
+        parse_engine(run.split(":")[0])
     # A B B A ... within each workload, the workloads one after the other in --runs order (a cut call keeps the first
     # workload's A/B whole)
     workloads = list(dict.fromkeys(r.split(":")[1] for r in runs))
     schedule = [item for w in workloads for item in abba_order([r for r in runs if r.split(":")[1] == w], args.repeats)]
     for order, (run, repeat) in enumerate(schedule):
         engine, workload = run.split(":")
-        policy, _, buffers = engine.partition("+")
-        buffers = buffers or "layer"
+        policy, buffers, gc_idle = parse_engine(engine)
         budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
         budget = e2e_scaled_budget(full, ckpt.spec, budget_full, policy, dtype)
         llm = LLM(ckpt, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve, hotset=str(hotset_path),
                   seed=args.seed, device=args.device, dtype=dtype, enforce_eager=args.enforce_eager,
-                  loading_buffers=buffers)
+                  loading_buffers=buffers, gc_idle_collect=gc_idle)
         # warm-up: compile every kernel variant and capture the decode graphs, then a discarded pass of the same
         # workload's first requests; its steps are dropped from the record
         info = llm.warmup_or_eager()  # a failed capture must not cost the whole device call: serve eager, say so
@@ -175,7 +192,8 @@ def main() -> None:
             base = llm.stats()
         moved_before = llm.kv_pages_moved
         served = trace[: args.poisson_requests] if workload == "poisson" and args.poisson_requests else trace
-        # the engine froze its heap at warm-up (EngineConfig.gc_freeze): what still collects, and in which step call
+        # the engine froze its heap at warm-up (EngineConfig.gc_freeze) and collects when idle (gc_idle_collect, unless
+        # +gcauto): what still collects, and in which step call
         # (the timeline rows that call recorded), so that a flagged step can be matched to a collection
         with GcRecorder(position=llm.timeline.__len__) as pauses, llm.observe_steps(pauses):
             metrics, duration = serve(llm, served, rate, args.seed)
@@ -186,19 +204,23 @@ def main() -> None:
         frame = llm.timeline.frame()
         frame.to_csv(out / f"timeline_{engine}_{workload}_r{repeat}.csv", index=False)
         # every run's per-step timeline in one file (the modeled executor calibrates on it)
-        frame.assign(policy=policy, workload=workload, repeat=repeat, order=order, loading_buffers=buffers).to_csv(
+        frame.assign(policy=policy, workload=workload, repeat=repeat, order=order, loading_buffers=buffers,
+                     gc_idle_collect=gc_idle).to_csv(
             out / "timelines.csv", mode="a", header=not rows, index=False)
-        floors.append({"policy": policy, "loading_buffers": buffers, "workload": workload, "repeat": repeat,
+        floors.append({"policy": policy, "loading_buffers": buffers, "gc_idle_collect": gc_idle, "workload": workload,
+                       "repeat": repeat,
                        "order": order,
                        **floor_summary(decode_floor(frame, llm.spec))})
         flagged = stall_mask(frame).to_numpy()
         stalls = int(flagged.sum())
         gc_rows = [pauses.rows_hit(0), pauses.rows_hit(1)]  # frame row i is timeline position i (cleared above)
-        gc_runs = [{"policy": policy, "loading_buffers": buffers, "workload": workload, "repeat": repeat,
+        gc_runs = [{"policy": policy, "loading_buffers": buffers, "gc_idle_collect": gc_idle, "workload": workload,
+                    "repeat": repeat,
                     "order": order, **vars(c), "flagged": bool(c.rows_to > c.rows_from >= 0
                                                                and flagged[c.rows_from:c.rows_to].any())}
                    for c in pauses.collections]
-        pd.DataFrame(gc_runs, columns=["policy", "loading_buffers", "workload", "repeat", "order", "generation",
+        pd.DataFrame(gc_runs, columns=["policy", "loading_buffers", "gc_idle_collect", "workload", "repeat", "order",
+                                       "generation",
                                        "pause_ms", "collected", "in_step", "step", "rows_from", "rows_to",
                                        "flagged"]).to_csv(out / "gc_collections.csv", mode="a", header=not rows,
                                                           index=False)
@@ -207,7 +229,7 @@ def main() -> None:
         inside = [gc_summary[f"gen{g}_in_step"] for g in range(3)]
         rows.append({
             "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew}{cap})", "policy": policy,
-            "loading_buffers": buffers, "budget_gib": budget_full / 2**30,
+            "loading_buffers": buffers, "gc_idle_collect": gc_idle, "budget_gib": budget_full / 2**30,
             "scaled_budget_gib": round(budget / 2**30, 3), "workload": workload,
             "request_rate": rate if rate else float("inf"), "num_requests": len(served),
             "request_throughput": metrics["request_throughput"], "output_throughput": metrics["output_throughput"],
@@ -228,22 +250,30 @@ def main() -> None:
             "gc_collections": "/".join(map(str, counts)),
             "gc_max_pause_ms": round(max((c.pause_ms for c in pauses.collections), default=0.0), 3),
             "gc_in_step": "/".join(map(str, inside)),  # per generation, inside an LLM.step call
+            # outside the step calls' observed part: the engine's idle collections (gc_idle_collect), and any
+            # collection the serving loop's own allocations triggered between steps
+            "gc_between_steps": sum(counts) - sum(inside),
+            "gc_between_max_ms": round(max((c.pause_ms for c in pauses.collections if not c.in_step), default=0.0),
+                                       3),
             # flagged steps (the issue's count) recorded by a step call in which a collection ran (any generation;
             # generation >= 1): a match per step, not only of counts (gc_collections.csv has each collection)
             "stalls_with_gc": int(sum(flagged[i] for i in gc_rows[0] if i < len(flagged))),
             "stalls_with_gc1": int(sum(flagged[i] for i in gc_rows[1] if i < len(flagged))),
             **provenance(),
         })
-        print(json.dumps({k: rows[-1][k] for k in ("policy", "loading_buffers", "workload", "repeat", "order",
+        print(json.dumps({k: rows[-1][k] for k in ("policy", "loading_buffers", "gc_idle_collect", "workload",
+                                                     "repeat", "order",
                                                      "request_throughput",
                                                      "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
                                                      "peak_concurrency", "forward_steps", "stalls", "stalls_pcie",
-                                                     "compiles", "cached_experts_median")}),
+                                                     "compiles", "cached_experts_median", "gc_in_step",
+                                                     "gc_between_steps", "stalls_with_gc")}),
               flush=True)
         print(json.dumps(floors[-1]), flush=True)
         pd.DataFrame(rows).to_csv(out / "e2e.csv", index=False)
         pd.DataFrame(floors).to_csv(out / "step_floor.csv", index=False)
-        summary = summarize([{**r, "variant": f"{run_engine(r['policy'], r['loading_buffers'])}:{r['workload']}",
+        summary = summarize([{**r, "variant": f"{run_engine(r['policy'], r['loading_buffers'], r['gc_idle_collect'])}"
+                                               f":{r['workload']}",
                               "duration": r["duration_s"]}
                              for r in rows])  # per policy:workload: median, min-max spread, stalls, compiles
         (out / "ab_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
