@@ -174,3 +174,36 @@ def pcie_stall_mask(frame: pd.DataFrame, pcie_bytes_per_s: float, factor: float 
     median = frame.groupby(key)["step_ms"].transform("median")
     own = frame["expert_bytes_loaded"] / pcie_bytes_per_s * 1e3
     return frame["step_ms"] > factor * median.where(median > own, own)
+
+
+def stall_kinds(frame: pd.DataFrame, pcie_bytes_per_s: float, collected_rows: frozenset[int] | set[int] = frozenset(),
+                factor: float = STALL_FACTOR) -> pd.DataFrame:
+    """The issue's flagged steps (``stall_mask``), one row each, with what explains them (issue 11, wave 9):
+
+    * ``collector``: a garbage collection ran in the step call that recorded it (``collected_rows``: the frame rows,
+      e.g. ``rimuru.bench.gcstats.GcRecorder.rows_hit``);
+    * ``reads``: its own expert bytes at the link's rate (``own_pcie_ms``) are at least ``factor - 1`` times the
+      bucket's median, so a median step plus these reads alone crosses the threshold — the step is slow because of
+      the experts it read (in place, or loaded) over PCIe;
+    * ``other``: neither (a compile, a host pause, someone else's copies on the link).
+
+    Columns: the frame's index as ``row``, ``running``, ``tokens``, ``prefill_tokens``, ``experts_loaded``,
+    ``step_ms``, ``median_ms`` (its bucket's), ``own_pcie_ms``, ``kind``."""
+    columns = ["row", "running", "tokens", "prefill_tokens", "experts_loaded", "step_ms", "median_ms", "own_pcie_ms",
+               "kind"]
+    if frame.empty:
+        return pd.DataFrame(columns=columns)
+    if pcie_bytes_per_s <= 0:
+        raise ValueError(f"pcie_bytes_per_s must be > 0, got {pcie_bytes_per_s}")
+    key = [(frame["prefill_tokens"] > 0).to_numpy(), frame["tokens"].map(batch_bucket).to_numpy()]
+    median = frame.groupby(key)["step_ms"].transform("median")
+    flagged = frame["step_ms"] > factor * median
+    own = frame["expert_bytes_loaded"] / pcie_bytes_per_s * 1e3
+    out = frame.loc[flagged, ["running", "tokens", "prefill_tokens", "experts_loaded", "step_ms"]].copy()
+    out.insert(0, "row", out.index)
+    out["median_ms"] = median[flagged]
+    out["own_pcie_ms"] = own[flagged]
+    gc_hit = np.isin(out["row"].to_numpy(), np.fromiter(collected_rows, dtype=np.int64, count=len(collected_rows)))
+    reads = (out["own_pcie_ms"] >= (factor - 1) * out["median_ms"]).to_numpy()
+    out["kind"] = np.where(gc_hit, "collector", np.where(reads, "reads", "other"))
+    return out.reset_index(drop=True)[columns]
