@@ -26,15 +26,21 @@ YOUNG_THRESHOLD = 20_000
 IDLE_MINIMUM = 700
 
 
-def idle_collection(*, idle: bool, pending: int, minimum: int = IDLE_MINIMUM) -> int | None:
+def idle_collection(*, idle: bool, counts: tuple[int, int, int], full_every: int,
+                    minimum: int = IDLE_MINIMUM) -> int | None:
     """The generation the engine collects as a step call ends, or None.
 
-    ``idle``: the step left nothing running or waiting. ``pending``: tracked objects allocated (net) since the last
-    collection (``gc.get_count()[0]``). An idle engine collects everything (generation 2; the frozen start-up heap
-    is not walked) once ``minimum`` objects are pending; a busy one never does here."""
-    if minimum < 0 or pending < 0:
-        raise ValueError(f"minimum and pending must be >= 0, got {minimum}, {pending}")
-    return 2 if idle and pending >= minimum else None
+    ``idle``: the step left nothing running or waiting. ``counts``: ``gc.get_count()`` — tracked objects allocated
+    (net) since the last collection, then collections of the younger generation since the last collection of
+    generations 1 and 2. An idle engine collects once ``minimum`` objects are pending: generations 0-1, or all three
+    once ``full_every`` collections of generation 1 have run since the last full one (CPython's own cadence,
+    ``gc.get_threshold()[2]``; a full collection walks every unfrozen long-lived object). A busy engine never does
+    here."""
+    if minimum < 0 or full_every < 0 or min(counts) < 0:
+        raise ValueError(f"minimum, full_every and counts must be >= 0, got {minimum}, {full_every}, {counts}")
+    if not idle or counts[0] < minimum:
+        return None
+    return 2 if counts[2] >= full_every else 1
 
 
 class YoungThreshold:

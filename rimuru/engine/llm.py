@@ -394,7 +394,7 @@ class LLM:
                     observer.step_ended()
         if self._gc_held:  # the step is timed, recorded and observed: collect now if it left the engine idle
             generation = idle_collection(idle=not self.scheduler.has_unfinished() and self._inflight is None,
-                                         pending=gc.get_count()[0])
+                                         counts=gc.get_count(), full_every=gc.get_threshold()[2])
             if generation is not None:
                 gc.collect(generation)
         return outputs
