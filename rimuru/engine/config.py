@@ -46,6 +46,9 @@ class EngineConfig:
     # was served with (fitted on that profile's fit runs' decode steps); 1: the profile as measured
     modeled_chunk_law: tuple[float, float] | None = None  # modeled: a prefill chunk law (scale, exponent) instead of
     # the calibration's routing_chunk_*: one the calibration fitted for the model build a run served (fitted.chunk_law)
+    modeled_decode_kernels: int | None = None  # modeled: the wave of the decode kernels the modeled engine launches
+    # (4: wave 4's, 5: wave5, 7: fast): its decode-graph replays take the terms the calibration fitted on decode floors
+    # measured with those kernels (CostParams.decode_kernels); None: the calibration's base terms
     modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
     # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
     loading_buffers: str = "layer"  # layer: two loading buffers of one MoE layer's experts each, for the engine's
@@ -135,6 +138,11 @@ class EngineConfig:
                 or not 0 < self.modeled_chunk_law[1] <= 1):
             raise ValueError("modeled_chunk_law is the modeled executor's prefill chunk law (scale > 0, exponent in "
                              f"(0, 1]; executor='modeled'), got {self.modeled_chunk_law!r}")
+        if self.modeled_decode_kernels is not None and (
+                self.executor != "modeled" or isinstance(self.modeled_decode_kernels, bool)
+                or not isinstance(self.modeled_decode_kernels, int) or self.modeled_decode_kernels < 0):
+            raise ValueError("modeled_decode_kernels is the wave (a non-negative integer) of the decode kernels the "
+                             f"modeled executor models (executor='modeled'), got {self.modeled_decode_kernels!r}")
         if self.modeled_decode_gamma != 1.0 and (self.executor != "modeled" or not self.modeled_decode_gamma > 0):
             raise ValueError("modeled_decode_gamma is a positive exponent of the modeled executor's decode routing "
                              "(executor='modeled')")

@@ -741,12 +741,14 @@ def test_engine_features_of_a_measured_commit_listed_or_default():
 
     listed = {"graph_cap": {"old": 8}, "async_scheduling": {"old": 0}, "next_step_prefetch": {"old": 0},
               "kv_compaction": {"old": 0}, "short_lookahead": {"old": 0}, "expand_headroom": {"old": 0},
-              "prefetch_before_graphs": {"old": 1}, "running_lookahead": {"old": 0}}
+              "prefetch_before_graphs": {"old": 1}, "running_lookahead": {"old": 0}, "decode_kernels": {"old": 4}}
     default = {"graph_cap": 16, "async_scheduling": 1, "next_step_prefetch": 1, "kv_compaction": 1,
-               "short_lookahead": 1, "expand_headroom": 1, "prefetch_before_graphs": 0, "running_lookahead": 1}
+               "short_lookahead": 1, "expand_headroom": 1, "prefetch_before_graphs": 0, "running_lookahead": 1,
+               "decode_kernels": 7}
     assert engine_features("old", listed, default) == {"graph_cap": 8, "async_scheduling": 0, "next_step_prefetch": 0,
                                                       "kv_compaction": 0, "short_lookahead": 0, "expand_headroom": 0,
-                                                      "prefetch_before_graphs": 1, "running_lookahead": 0}
+                                                      "prefetch_before_graphs": 1, "running_lookahead": 0,
+                                                      "decode_kernels": 4}
     assert engine_features("new", listed, default) == default
     with pytest.raises(ValueError, match="graph_cap for commit new"):
         engine_features("new", listed, None)
@@ -794,3 +796,91 @@ def test_expand_headroom_off_is_the_elastic_engine_before_it():
     off = LLM(spec, executor="modeled", gpu_memory_budget="32GiB", policy="elastic", modeled_step_ms=1.0,
               expand_headroom=False)
     assert on.policy.adjuster.expand_free_above == 64 > off.policy.adjuster.expand_free_above
+
+
+def _kernel_params():
+    from rimuru.engine.modeled.cost import CostParams
+
+    return CostParams(gpu_layer_us=50.0, inplace_eff=0.9, host_graph_step_ms=0.3, decode_kernels_base=4,
+                      decode_kernels={"7": {"graph_layer_us": 40.0, "inplace_eff": 0.95, "host_graph_step_ms": 0.25}})
+
+
+def test_decode_kernels_terms_per_wave_and_only_in_graph_replays():
+    """An engine of the base wave (or none named) keeps the base terms; a fitted wave takes its graph-replay terms,
+    which change a graph replay by exactly the per-layer and host differences and leave an eager step alone; a wave
+    without terms is an error naming the fitted ones, and says so as 'missing' to the fidelity replay."""
+    from rimuru.engine.modeled.cost import CostModel, StepWork
+    from rimuru.engine.modeled.hardware import load_gpu
+    from rimuru.engine.modeled.reference import spec_with_layers
+
+    p = _kernel_params()
+    assert p.with_decode_kernels(None) is p and p.with_decode_kernels(4) is p
+    q = p.with_decode_kernels(7)
+    assert (q.graph_layer_us, q.inplace_eff, q.host_graph_step_ms, q.gpu_layer_us) == (40.0, 0.95, 0.25, 50.0)
+    assert [p.decode_kernel_terms(w) for w in (None, 4, 7, 5)] == ["base", "base", "wave 7", "missing"]
+    with pytest.raises(ValueError, match=r"wave 5 \(fitted: 7; base: 4\)"):
+        p.with_decode_kernels(5)
+    with pytest.raises(ValueError, match="not graph-replay terms"):
+        p.replace(decode_kernels={"7": {"token_us": 1.0}}).with_decode_kernels(7)
+    spec = spec_with_layers("qwen3-30b-a3b", 4)
+    gpu = load_gpu("h200")
+    m = spec.num_moe_layers
+    one = dict(q_lens=np.array([1]), starts=np.array([300]), samples=1, touched=np.full(m, 8.0),
+               demand=np.zeros(m), prefetched=np.zeros(m))
+    graphed = StepWork(**one, graphed=True, in_place=np.zeros(m))
+    eager = StepWork(**one)
+    base_g, new_g = CostModel(spec, gpu, p).step(graphed), CostModel(spec, gpu, q).step(graphed)
+    layers = len(spec.layer_types)
+    assert new_g.total_ms == pytest.approx(base_g.total_ms - layers * 10e-3 - 0.05, abs=1e-9)
+    assert CostModel(spec, gpu, q).step(eager).total_ms == CostModel(spec, gpu, p).step(eager).total_ms
+
+
+def test_fit_decode_kernels_recovers_each_waves_terms():
+    """Segments made by the cost model itself with known per-wave terms (graph and graph-base async, graph-sync
+    waiting) give those terms back; rows of a variant not named are left out and reported."""
+    import pandas as pd
+
+    from rimuru.engine.modeled.calibration import fit_decode_kernels, floor_features, predict_steps
+    from rimuru.engine.modeled.cost import CostModel, CostParams
+    from rimuru.engine.modeled.hardware import load_gpu
+    from rimuru.engine.modeled.reference import spec_with_layers
+
+    base = CostParams(gpu_layer_us=50.0, inplace_eff=0.9, host_graph_step_ms=0.3, hbm_eff=0.9, mma_eff=0.4)
+    truth = {"fast": base.replace(graph_layer_us=38.0, inplace_eff=0.97, host_graph_step_ms=1.4),
+             "wave5": base.replace(graph_layer_us=46.0, inplace_eff=0.93, host_graph_step_ms=1.4)}
+    cost = CostModel(spec_with_layers("qwen3-30b-a3b", 4), load_gpu("h200"), base)
+    rows, order = [], 0
+    for batch in (1, 4, 16):
+        for reads in (2.0, 8.0, 14.0):
+            for kernels, mode in (("fast", "graph"), ("fast", "graph-sync"), ("wave5", "graph-base"),
+                                  ("other", "graph-base")):
+                rows.append({"policy": "fixed", "batch": batch, "mode": mode, "kernels": kernels, "order": order,
+                             "graphed_steps": 8, "compiles": 0, "stalls": 0, "experts_touched": 4 * (8 + batch),
+                             "experts_loaded": reads + batch, "step_ms": 1.0})
+                order += 1
+    frame = pd.DataFrame(rows)
+    x = floor_features(frame, cost, steps_per_segment=10)
+    x["overlapped"] = frame["mode"].isin(["graph", "graph-base"]).to_numpy()
+    for kernels, p in truth.items():
+        idx = (frame["kernels"] == kernels).to_numpy()
+        frame.loc[idx, "step_ms"] = predict_steps(x, cost, p, sync=x["sync"])[idx]
+    terms, report = fit_decode_kernels(frame, cost, base, {"fast": 7, "wave5": 5}, steps_per_segment=10)
+    assert report["skipped_kernels"] == ["other"] and report["host_graph_step_ms_fitted"]
+    assert terms["7"] == pytest.approx({"graph_layer_us": 38.0, "inplace_eff": 0.97, "host_graph_step_ms": 1.4},
+                                       rel=1e-3)
+    assert terms["5"] == pytest.approx({"graph_layer_us": 46.0, "inplace_eff": 0.93, "host_graph_step_ms": 1.4},
+                                       rel=1e-3)
+    assert report["median_abs_rel_error"] < 1e-4 < report["base_median_abs_rel_error"]
+    with pytest.raises(ValueError, match="no graphed decode-floor segment"):
+        fit_decode_kernels(frame, cost, base, {"baseline": 4})
+
+
+def test_modeled_decode_kernels_option_is_checked():
+    from rimuru.engine.config import EngineConfig
+
+    assert EngineConfig(executor="modeled", modeled_decode_kernels=7).modeled_decode_kernels == 7
+    for bad in (-1, 7.0, True):
+        with pytest.raises(ValueError, match="modeled_decode_kernels"):
+            EngineConfig(executor="modeled", modeled_decode_kernels=bad)
+    with pytest.raises(ValueError, match="modeled_decode_kernels"):
+        EngineConfig(modeled_decode_kernels=7)

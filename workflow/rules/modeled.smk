@@ -26,7 +26,8 @@ def calibration_inputs(w):
             + [t for keys in MODELED.get("chunk_law_fit", {}).values() for key in keys
                for t in glob.glob(f"{REF}/{key.rpartition(':')[0]}/timelines*.csv.gz")]
             + ([f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv"]
-               if MODELED.get("chunk_law_fit") else []))
+               if MODELED.get("chunk_law_fit") else [])
+            + [f"{REF}/{f}" for f in MODELED.get("decode_kernels_fit", {}).get("floors", [])])
 
 
 FIDELITY = MODELED["fidelity"]
@@ -63,6 +64,9 @@ rule modeled_calibrate:
         gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
         laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
         lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
+        kernels=(f"--decode-kernels-fit {' '.join(MODELED['decode_kernels_fit']['floors'])} --decode-kernels-waves "
+                 + " ".join(f"{v}={w}" for v, w in MODELED["decode_kernels_fit"]["waves"].items())
+                 + f" --decode-kernels-base {MODELED['decode_kernels_base']}" if MODELED.get("decode_kernels_fit") else ""),
     log: "results/logs/modeled/calibrate.log"
     shell:
         CPU + "results/logs/modeled/cpu/calibrate.json -- "
@@ -70,7 +74,7 @@ rule modeled_calibrate:
         "--routing-fit-runs {params.routing} --routing-prior-fit {params.prior} --fit-timelines {params.timelines} "
         "--async-floor {params.async_floor} "
         "{params.fit_loop} {params.tp} --decode-gamma-fit {params.gamma} "
-        "--chunk-law-fit {params.laws} --lengths {params.lengths} "
+        "--chunk-law-fit {params.laws} --lengths {params.lengths} {params.kernels} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
@@ -105,6 +109,7 @@ rule modeled_fidelity:
         lookahead=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("short_lookahead", {}).items()),
         before_graphs=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("prefetch_before_graphs", {}).items()),
         running=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("running_lookahead", {}).items()),
+        kernels=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("decode_kernels", {}).items()),
         engine_default=" ".join(f"{k}={int(n)}" for k, n in FIDELITY.get("engine_default", {}).items()),
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
         gamma=" ".join(f"{folder}={profile}" for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
@@ -119,6 +124,7 @@ rule modeled_fidelity:
         "--next-step-prefetch {params.next_step} --kv-compaction {params.compaction} "
         "--short-lookahead {params.lookahead} --expand-headroom {params.headroom} "
         "--prefetch-before-graphs {params.before_graphs} --running-lookahead {params.running} "
+        "--decode-kernels {params.kernels} "
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
         "--decode-gamma {params.gamma} {params.tp_gamma} --chunk-law {params.laws} "

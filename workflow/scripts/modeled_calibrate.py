@@ -22,6 +22,7 @@ from rimuru.engine.modeled.calibration import (
     fit_chunk_routing,
     fit_decode_floor,
     fit_decode_gamma,
+    fit_decode_kernels,
     fit_loop,
     fit_moe_kernel,
     fit_routing_prior,
@@ -33,7 +34,7 @@ from rimuru.engine.modeled.calibration import (
 )
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import load_gpu
-from rimuru.engine.modeled.reference import parse_run_model, spec_with_layers
+from rimuru.engine.modeled.reference import command_arg, parse_run_model, spec_with_layers
 from rimuru.engine.modeled.routing import RoutingModel
 from rimuru.experts.hotset import Hotset
 from rimuru.models.spec import ModelSpec
@@ -98,6 +99,16 @@ def main() -> None:
                          "every repeat of POLICY, served with DIR/hotset.json), their chunks recovered from --lengths")
     ap.add_argument("--lengths", default="",
                     help="CSV prompt_len,output_len (modeled_trace.py): the trace the --chunk-law-fit runs served")
+    ap.add_argument("--decode-kernels-fit", nargs="*", default=[],
+                    help="decode-floor files (decode_floor_gpu.py detail CSVs, relative to --reference) whose graphed "
+                         "segments of the paged policies give the graph-replay terms of each decode-kernel wave "
+                         "(fit_decode_kernels; CostParams.decode_kernels)")
+    ap.add_argument("--decode-kernels-waves", nargs="*", default=[],
+                    help="VARIANT=WAVE: the wave of the decode kernels a floor row's `kernels` column names (e.g. "
+                         "fast=7 wave5=5 baseline=4); rows of other variants are left out")
+    ap.add_argument("--decode-kernels-base", type=int, default=None,
+                    help="the decode kernels' wave of the --decode-floor files (the base calibration's terms serve "
+                         "it; a wave fitted here equal to it is reported, not applied)")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -264,6 +275,40 @@ def main() -> None:
             cost = CostModel(spec_with_layers(name, layers), gpu, params, tp=int(row["tensor_parallel_size"]))
             tp_timelines.append((t.reset_index(drop=True), cost, policy))
         params, tp = fit_tp(step_tp, tp_timelines, params)
+    kernels_fit, kernel_terms = {}, {}
+    if args.decode_kernels_fit:
+        waves = {}
+        for item in args.decode_kernels_waves:
+            variant, _, wave = item.rpartition("=")
+            if not variant or not wave.isdigit():
+                raise SystemExit(f"--decode-kernels-waves takes VARIANT=WAVE words, got {item!r}")
+            waves[variant] = int(wave)
+        if not waves or args.decode_kernels_base is None:
+            raise SystemExit("--decode-kernels-fit needs --decode-kernels-waves and --decode-kernels-base")
+        frames_k = []
+        for path in args.decode_kernels_fit:
+            frame = pd.read_csv(ref / path)
+            if "kernels" not in frame:
+                raise SystemExit(f"--decode-kernels-fit {path}: no kernels column (a floor from before the kernel A/B)")
+            command = str(frame["command"].iloc[0])
+            seg = int(command_arg(command, "--steps", 12)) + int(command_arg(command, "--discard", 3))
+            frames_k.append(frame.assign(source=path, segment_steps=seg))
+            data.append(data_entry(ref / path, frame) | {"layers": sorted(map(int, frame["layers"].unique()))})
+        floor_k = pd.concat(frames_k, ignore_index=True)
+        for (layers, seg_steps), f in floor_k.groupby(["layers", "segment_steps"]):
+            cost = CostModel(spec_with_layers(f["model"].iloc[0], int(layers)), gpu, params)
+            terms, report = fit_decode_kernels(f.reset_index(drop=True), cost, params, waves,
+                                               steps_per_segment=int(seg_steps))
+            kernels_fit[f"{int(layers)}L"] = report | {"files": sorted(set(f["source"]))}
+            for wave, t in terms.items():
+                if wave in kernel_terms:
+                    raise SystemExit(f"--decode-kernels-fit: wave {wave} fitted twice (several layer counts or "
+                                     f"segment lengths); give one call's files")
+                kernel_terms[wave] = t
+        base_terms = kernel_terms.pop(str(args.decode_kernels_base), None)  # the base terms serve the base wave
+        kernels_fit["base_wave"] = args.decode_kernels_base
+        kernels_fit["base_wave_refit_not_applied"] = base_terms
+        params = params.replace(decode_kernels=kernel_terms, decode_kernels_base=args.decode_kernels_base)
     checks = {}
     for path in args.async_floor:
         frame = pd.read_csv(ref / path)
@@ -277,7 +322,7 @@ def main() -> None:
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
         "routing_fit": routing_fit, "routing_prior_fit": prior_fit, "decode_gamma": decode_gamma,
-        "chunk_law": chunk_laws,
+        "chunk_law": chunk_laws, "decode_kernels_fit": kernels_fit,
         "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
         "fit_runs": args.fit_runs.split(","), "fit_timelines": list(filter(None, args.fit_timelines.split(","))),
         "data": data,
@@ -305,6 +350,15 @@ def main() -> None:
         print(f"chunk law {name}: scale {law['routing_chunk_scale']:.3f} exponent {law['routing_chunk_exponent']:.3f} "
               f"({law['steps']} steps, median error {law['median_abs_rel_error']:.1%}, worst "
               f"{law['max_abs_rel_error']:.1%}; independent tokens {law['independent_median_abs_rel_error']:.1%})")
+    for layers, r in kernels_fit.items():
+        if not isinstance(r, dict) or "terms" not in r:
+            continue
+        print(f"decode kernels ({layers}, {r['segments']} graphed segments, median error "
+              f"{r['median_abs_rel_error']:.1%}, base terms {r['base_median_abs_rel_error']:.1%}):",
+              {w: {k: round(v, 3) for k, v in t.items()} for w, t in r["terms"].items()})
+        for name, g in r["groups"].items():
+            print(f"  {name}: measured {g['measured_ms']:.3f} ms, base terms {g['modeled_base_ms']:.3f}, fitted "
+                  f"{g['modeled_ms']:.3f} ({g['rel_error']:+.1%})")
     print("serving loop:", {k: round(v, 3) for k, v in loop.items()}, "applied" if args.fit_loop else "not applied")
     if tp:
         print(f"TP: tp_step_ms {tp['tp_step_ms']:.3f} ({tp['tp_step_segments']} segments), tp_layer_ms "

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from common import save_figure
+from e2e_gpu import parse_engine, run_engine
 from modeled_tp_check import tp_rows
 
 from rimuru.engine.llm import LLM
@@ -76,6 +77,10 @@ FEATURE_OPTIONS = {
     "running_lookahead": ("*", "COMMIT=0|1: whether the measured commit's R_b look-ahead counted the running "
                                "requests' next-step demand first (2d9b9ab and later; the modeled engine's "
                                "running_lookahead)"),
+    "decode_kernels": ("*", "COMMIT=WAVE: the wave of the decode kernels the measured commit launched (4: before "
+                            "02c534e, 5: wave5 before f7b685e, 7: fast): its graph replays take the terms fitted on "
+                            "that wave's decode floors (calibration decode_kernels; the base terms where none is "
+                            "fitted, said in the row's kernel_terms)"),
 }
 
 
@@ -100,6 +105,30 @@ def folder_run(ref: Path) -> str:
     by its parent's unless that is e2e/ (e2e/static_c56c229 -> static_c56c229, e2e/async_70e4f36/burst_400 ->
     async_70e4f36_burst_400)."""
     return ref.name if ref.parent.name == "e2e" else f"{ref.parent.name}_{ref.name}"
+
+
+def buffer_labels(frame: pd.DataFrame) -> pd.DataFrame:
+    """An e2e.csv or timeline frame with its ``policy`` as e2e_gpu.py's ``--runs`` names the run's engine
+    (``e2e_gpu.run_engine``: ``POLICY[+sized][+gcauto]``) where the frame has ``loading_buffers`` /
+    ``gc_idle_collect`` columns (runs of several engines share a folder, e.g. buffers_6500491); unchanged without them
+    (every run before them: whole-layer buffers, no idle collection)."""
+    if "loading_buffers" not in frame and "gc_idle_collect" not in frame:
+        return frame
+    buffers = frame["loading_buffers"] if "loading_buffers" in frame else pd.Series("layer", index=frame.index)
+    gc_idle = (frame["gc_idle_collect"].astype(str).str.lower().isin(["true", "1"]) if "gc_idle_collect" in frame
+               else pd.Series(True, index=frame.index))
+    labels = [run_engine(p, b, bool(g)) for p, b, g in zip(frame["policy"].astype(str), buffers.astype(str), gc_idle)]
+    for label in set(labels):
+        parse_engine(label)  # a clear error for an engine e2e_gpu.py does not name (e.g. loading_buffers 'foo')
+    return frame.assign(policy=labels)
+
+
+def engine_policy(label: str) -> tuple[str, str]:
+    """A run's engine label (``buffer_labels``) -> (the engine's policy, its loading_buffers). ``+gcauto`` (Python's
+    automatic collection instead of the idle collection) replays the same: the modeled engine's step time has no
+    collector term."""
+    policy, buffers, _ = parse_engine(label)
+    return policy, buffers
 
 
 def fit_names(keys: list[str], root: str = "results/reference") -> set[str]:
@@ -131,7 +160,8 @@ def main() -> None:
                          "whose per-step timelines the calibration fitted on: their rows are `fit`")
     ap.add_argument("--engine-default", nargs="*", default=[],
                     help="graph_cap=N async_scheduling=0|1 next_step_prefetch=0|1 kv_compaction=0|1 "
-                         "short_lookahead=0|1 expand_headroom=0|1 prefetch_before_graphs=0|1 running_lookahead=0|1: "
+                         "short_lookahead=0|1 expand_headroom=0|1 prefetch_before_graphs=0|1 running_lookahead=0|1 "
+                         "decode_kernels=WAVE: "
                          "the engine of every measured "
                          "commit the per-commit options above do not list (without it such a commit is an error)")
     ap.add_argument("--decode-floor", nargs="+", required=True,
@@ -162,7 +192,7 @@ def main() -> None:
     args = ap.parse_args()
     frames = []
     for ref in map(Path, args.reference):
-        frame = pd.read_csv(ref / "e2e.csv")
+        frame = buffer_labels(pd.read_csv(ref / "e2e.csv"))
         if "run" not in frame:  # one run per folder (e.g. e2e/static_c56c229): the folder names it
             frame.insert(0, "run", folder_run(ref))
         frames.append(frame.assign(hotset=str(ref / "hotset.json"), routing_profile=""))
@@ -175,11 +205,19 @@ def main() -> None:
                                         routing_profile=profile))
     e2e = pd.concat(frames, ignore_index=True)
     lengths = pd.read_csv(args.lengths)
-    maps = {feature: {c: n if feature == "graph_cap" else bool(n)
+    valued = ("graph_cap", "decode_kernels")  # features with a value, not a switch
+    maps = {feature: {c: n if feature in valued else bool(n)
                       for c, n in graph_caps(getattr(args, feature), feature_option(feature)).items()}
             for feature in ENGINE_FEATURES}
     fit = fit_names(args.fit)
-    fitted_gamma = CostParams.load(args.cost_params).fitted.get("decode_gamma", {})
+    calibration = CostParams.load(args.cost_params)
+    fitted_gamma = calibration.fitted.get("decode_gamma", {})
+
+    def kernels_option(wave: int) -> tuple[int | None, str]:
+        """The engine's modeled_decode_kernels for a commit of decode-kernel wave ``wave``, and which terms those are
+        (``CostParams.decode_kernel_terms``): a wave without fitted terms replays with the base terms."""
+        terms = calibration.decode_kernel_terms(wave)
+        return (None if terms in ("base", "missing") else wave), terms
 
     def gamma_of(profile: str) -> float:
         if not profile:
@@ -213,9 +251,10 @@ def main() -> None:
     rows = []
     timelines = Path(args.out_timelines)
     timelines.mkdir(parents=True, exist_ok=True)
-    for (run, policy, workload), group in e2e.groupby(["run", "policy", "workload"], sort=False):
+    for (run, label, workload), group in e2e.groupby(["run", "policy", "workload"], sort=False):
         row = group.iloc[0]
-        key = f"{run}/{policy}/{workload}"
+        policy, buffers = engine_policy(label)
+        key = f"{run}/{label}/{workload}"
         if group["commit"].nunique() != 1 or group["command"].nunique() != 1:
             raise SystemExit(f"{key}: repeats from different commits or commands")
         commit = str(row["commit"])
@@ -225,7 +264,7 @@ def main() -> None:
             raise SystemExit(f"{key}: {exc} ({', '.join(feature_option(f) for f in ENGINE_FEATURES)} or "
                              f"--engine-default {' '.join(f + '=N' for f in ENGINE_FEATURES)})") from None
         for feature, value in engine.items():
-            maps[feature][commit] = value if feature == "graph_cap" else bool(value)
+            maps[feature][commit] = value if feature in valued else bool(value)
         feat = {feature: maps[feature][commit] for feature in ENGINE_FEATURES}
         name, layers = parse_run_model(row["model"])
         full, small = ModelSpec.from_pretrained(name), spec_with_layers(name, layers)
@@ -234,11 +273,13 @@ def main() -> None:
         kv_reserve = float(command_arg(command, "--kv-reserve", 0.1))
         seed = int(command_arg(command, "--seed", 0))
         llm = LLM(small, executor="modeled", gpu_memory_budget=budget, policy=policy, kv_reserve=kv_reserve,
+                  loading_buffers=buffers,
                   hotset=row["hotset"], hardware=args.hardware, cost_params=args.cost_params, seed=seed,
                   offload_graph_max_batch=feat["graph_cap"], async_scheduling=feat["async_scheduling"],
                   modeled_next_step_prefetch=feat["next_step_prefetch"], kv_compaction=feat["kv_compaction"],
                   short_lookahead=feat["short_lookahead"], expand_headroom=feat["expand_headroom"],
                   prefetch_before_graphs=feat["prefetch_before_graphs"], running_lookahead=feat["running_lookahead"],
+                  modeled_decode_kernels=kernels_option(feat["decode_kernels"])[0],
                   modeled_routing_profile=row["routing_profile"] or None,
                   modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1],
                   modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1])
@@ -265,16 +306,18 @@ def main() -> None:
         for m in METRICS:
             measured = group[m].astype(float)
             med, modeled = float(measured.median()), float(metrics[m])
-            split = "ablation" if row["routing_profile"] else "fit" if f"{run}/{policy}" in fit else "validate"
+            split = "ablation" if row["routing_profile"] else "fit" if f"{run}/{label}" in fit else "validate"
             rows.append({"run": key, "split": split, "metric": m, "measured": med,
                          "measured_min": float(measured.min()),
                          "measured_max": float(measured.max()), "repeats": len(measured), "modeled": modeled,
                          "rel_error": (modeled - med) / med if med else float("nan"),
                          "goal": GOALS.get(m, float("nan")), "graph_cap": feat["graph_cap"],
+                         "loading_buffers": buffers,
                          "kv_compaction": feat["kv_compaction"], "short_lookahead": feat["short_lookahead"],
                          "expand_headroom": feat["expand_headroom"],
                          "prefetch_before_graphs": feat["prefetch_before_graphs"],
-                         "running_lookahead": feat["running_lookahead"],
+                         "running_lookahead": feat["running_lookahead"], "decode_kernels": feat["decode_kernels"],
+                         "kernel_terms": kernels_option(feat["decode_kernels"])[1],
                          "async_overlap": feat["async_scheduling"], "commit": commit, "hotset_prompts": cal,
                          "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n,
                          "decode_gamma": llm.config.modeled_decode_gamma,
@@ -295,7 +338,8 @@ def main() -> None:
         if split not in ("fit", "validate") or not path:
             raise SystemExit(f"--tp-runs takes fit=PATH or validate=PATH, got {item!r}")
         for r in tp_rows(path, args.tp_trace, args.tp_hotset, args.cost_params, args.hardware, split,
-                         engine=tp_engine, timelines=timelines, decode_gamma=gamma_of(args.tp_decode_gamma)):
+                         engine=tp_engine, timelines=timelines, decode_gamma=gamma_of(args.tp_decode_gamma),
+                         kernels=kernels_option):
             rows.append(r | {"goal": GOALS.get(r["metric"], float("nan")), "async_overlap": bool(r["async_scheduling"]),
                              "decode_gamma_profile": args.tp_decode_gamma})
     frame = pd.DataFrame(rows)
@@ -308,7 +352,8 @@ def main() -> None:
     positions.to_csv(Path(args.out_csv).with_name("fidelity_decode_position.csv"), index=False)
     pairs = policy_pairs(tp_paths, timelines)
     pairs.to_csv(Path(args.out_csv).with_name("fidelity_policy_pairs.csv"), index=False)
-    serving = serving_steps(args.reference, fit, args.cost_params, args.hardware, maps["async_scheduling"])
+    serving = serving_steps(args.reference, fit, args.cost_params, args.hardware, maps["async_scheduling"],
+                            kernels=lambda commit: kernels_option(maps["decode_kernels"][commit])[0])
     serving.to_csv(Path(args.out_csv).with_name("fidelity_steps.csv"), index=False)
     figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), serving, args.figure)
 
@@ -353,7 +398,8 @@ def measured_timelines(references: list[str], tp_runs: list[str]) -> list[tuple[
         runs = pd.read_csv(ref / "e2e.csv")
         for path in sorted(ref.glob("timelines*.csv.gz")):
             trace_run = path.name.removeprefix("timelines").removeprefix("_").removesuffix(".csv.gz")
-            out.append((trace_run if "run" in runs else folder_run(ref), pd.read_csv(path), ref / "hotset.json"))
+            out.append((trace_run if "run" in runs else folder_run(ref), buffer_labels(pd.read_csv(path)),
+                        ref / "hotset.json"))
     for runs_path in map(Path, tp_runs):
         found = [p for p in (runs_path.parent / "timeline.csv.gz", runs_path.parent / "timeline.csv") if p.exists()]
         if found:
@@ -453,29 +499,33 @@ def policy_pairs(tp_runs: list[str], timelines: Path) -> pd.DataFrame:
 
 
 def serving_steps(references: list[str], fit: list[str], cost_params: str, hardware: str,
-                  overlap: dict[str, bool]) -> pd.DataFrame:
+                  overlap: dict[str, bool], kernels=None) -> pd.DataFrame:
     """The cost model fed each measured serving step's recorded work (calibration.timeline_features) against the
     step's measured time, as medians and sums per (run, step kind, resize: the adjuster shrank or expanded the cache
     in the step or not, running-request bucket): the step-time model alone, without the routing model or the
-    replay. ``split`` as in fidelity.csv (``fit``: the fitted timeline)."""
-    params, gpu = CostParams.load(cost_params), load_gpu(hardware)
+    replay. ``split`` as in fidelity.csv (``fit``: the fitted timeline). ``kernels``: a measured commit -> the
+    engine's modeled_decode_kernels (the replay's; None: the base terms)."""
+    base, gpu = CostParams.load(cost_params), load_gpu(hardware)
     out = []
     buckets = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
     for ref in map(Path, references):
-        runs = pd.read_csv(ref / "e2e.csv")
+        runs = buffer_labels(pd.read_csv(ref / "e2e.csv"))
         for path in sorted(ref.glob("timelines*.csv.gz")):
             trace_run = path.name.removeprefix("timelines").removeprefix("_").removesuffix(".csv.gz")
             run = trace_run if "run" in runs else folder_run(ref)  # as fidelity.csv names it
-            for policy, t in pd.read_csv(path).groupby("policy"):
+            for policy, t in buffer_labels(pd.read_csv(path)).groupby("policy"):
                 rows = runs[runs["policy"] == policy]
                 if "run" in runs:
                     rows = rows[rows["run"] == trace_run]
                 if rows.empty:
                     continue
                 name, layers = parse_run_model(rows["model"].iloc[0])
+                commit = str(rows["commit"].iloc[0])
+                params = base.with_decode_kernels(kernels(commit) if kernels is not None else None)
                 cost = CostModel(spec_with_layers(name, layers), gpu, params)
                 t = t.reset_index(drop=True)
-                x = timeline_features(t, cost, policy, async_overlap=overlap.get(str(rows["commit"].iloc[0]), False))
+                x = timeline_features(t, cost, engine_policy(policy)[0],
+                                      async_overlap=overlap.get(str(rows["commit"].iloc[0]), False))
                 key = f"{run}/{policy}"
                 resize = np.where(t["adjust"] < 0, "shrink", np.where(t["adjust"] > 0, "expand", "none"))
                 frame = pd.DataFrame({"run": key, "split": "fit" if key in fit else "validate", "kind": x["kind"],

@@ -27,16 +27,19 @@ METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "forward_steps",
 # the engine of 6f93de6 and c3b0f05 (the first TP runs): before async scheduling's overlap and the next-step prefetch
 # (a98ef5f), the one-step-ahead R_b (9a2935b) and the expansion headroom (03fa546); KV compaction never acts at TP > 1
 EARLY_TP_ENGINE = {"graph_cap": 16, "async_scheduling": 0, "next_step_prefetch": 0, "kv_compaction": 0,
-                   "short_lookahead": 0, "expand_headroom": 0, "prefetch_before_graphs": 1, "running_lookahead": 0}
+                   "short_lookahead": 0, "expand_headroom": 0, "prefetch_before_graphs": 1, "running_lookahead": 0,
+                   "decode_kernels": 4}
 
 
 def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hardware: str, split: str,
-            metrics=METRICS, engine=None, timelines: Path | None = None, decode_gamma: float = 1.0) -> list[dict]:
+            metrics=METRICS, engine=None, timelines: Path | None = None, decode_gamma: float = 1.0,
+            kernels=None) -> list[dict]:
     """One row per (run, metric) of the all-at-once TP runs of ``runs_path`` replayed in modeled mode. ``engine``:
     the measured commit -> its engine features (``rimuru.engine.modeled.reference.engine_features``; None: the
     first TP runs' engine, ``EARLY_TP_ENGINE``). ``timelines``: a folder for the modeled per-step timelines
     (``tp<N>_<runs folder>_<policy>_burst.csv``). ``decode_gamma``: the hotset's decode tempering (fitted.decode_gamma;
-    1: the profile as measured)."""
+    1: the profile as measured). ``kernels``: a decode-kernel wave -> (the engine's modeled_decode_kernels, which terms
+    those are) (None: the base terms for every run)."""
     runs = pd.read_csv(runs_path, dtype={"commit": str})
     runs = runs[runs["request_rate"] == float("inf")]
     rows = []
@@ -48,6 +51,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
         tp = int(g["tensor_parallel_size"].iloc[0])
         commit = str(g["commit"].iloc[0])
         features = engine(commit) if engine is not None else EARLY_TP_ENGINE
+        wave, terms = kernels(features["decode_kernels"]) if kernels is not None else (None, "base")
         if set(features) != set(ENGINE_FEATURES):
             raise SystemExit(f"{runs_path}: the engine of {commit} needs {', '.join(ENGINE_FEATURES)}")
         llm = LLM(spec_with_layers(name, layers), executor="modeled", policy=policy, kv_reserve=0.1,
@@ -58,7 +62,8 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
                   kv_compaction=bool(features["kv_compaction"]), short_lookahead=bool(features["short_lookahead"]),
                   expand_headroom=bool(features["expand_headroom"]),
                   prefetch_before_graphs=bool(features["prefetch_before_graphs"]),
-                  running_lookahead=bool(features["running_lookahead"]), modeled_decode_gamma=decode_gamma)
+                  running_lookahead=bool(features["running_lookahead"]), modeled_decode_gamma=decode_gamma,
+                  modeled_decode_kernels=wave)
         initial = llm.memory_report["initial_cache_experts"]
         if initial != int(g["initial_cache_experts"].iloc[0]):
             raise SystemExit(f"{policy}: modeled pool holds {initial} initial experts, measured "
@@ -77,7 +82,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
                          "measured": med, "measured_min": float(measured.min()),
                          "measured_max": float(measured.max()), "repeats": len(measured),
                          "modeled": float(result[m]), "rel_error": (result[m] - med) / med, "tp": tp,
-                         "commit": commit, "decode_gamma": decode_gamma, **features})
+                         "commit": commit, "decode_gamma": decode_gamma, "kernel_terms": terms, **features})
         print(f"TP={tp} {Path(runs_path).parent.name}/{policy} ({split}): " + ", ".join(
             f"{r['metric']} {r['measured']:.4g} -> {r['modeled']:.4g} ({r['rel_error']:+.1%})"
             for r in rows[-len(metrics):]), flush=True)

@@ -33,6 +33,8 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     policy = llm.policy
     mode = "resident" if policy.all_experts_resident else "paged" if policy.loads_experts else "cpu"
     params = CostParams.load(config.cost_params) if config.cost_params else CostParams()
+    # the graph-replay terms of the decode kernels this engine launches (fitted on floors measured with them)
+    params = params.with_decode_kernels(config.modeled_decode_kernels)
     from rimuru.experts.hotset import Hotset
 
     profile = Hotset.load(config.modeled_routing_profile) if config.modeled_routing_profile else llm.hotset

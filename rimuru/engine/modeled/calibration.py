@@ -363,7 +363,7 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
                          x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
     reads = in_place * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.inplace_eff) * 1e3
     host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"] + tp_step
-    device = layers * (attn + dense + p.gpu_layer_us * 1e-3 + ar + moe_res + reads) + head
+    device = layers * (attn + dense + p.graph_layer_ms() + ar + moe_res + reads) + head
     overlapped = x.get("overlapped", False)  # async scheduling: launched while the step before ran
     graphed = np.where(overlapped, np.maximum(host, device), host + device)
     return np.where(x["graphed"], graphed, eager)
@@ -522,6 +522,68 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     report["median_abs_rel_error"] = float(np.median(all_err))
     report["max_abs_rel_error"] = float(all_err.max())
     return p, report
+
+
+# ---------------------------------------------------------------------------------------------- decode kernels
+def fit_decode_kernels(frame: pd.DataFrame, cost: CostModel, p: CostParams, waves: dict[str, int],
+                       steps_per_segment: int = 10) -> tuple[dict[str, dict[str, float]], dict]:
+    """The graph-replay terms (``cost.DECODE_KERNEL_TERMS``) of each decode-kernel wave, from decode-floor segments of
+    the paged policies measured with those kernels (``decode_floor_gpu.py`` rows of one layer count; its ``kernels``
+    column names the variant a segment launched, ``waves`` maps a variant to its wave; rows of other variants are
+    left out). Only graphed segments: ``graph`` and ``graph-base`` (an A/B variant's graphs, replayed the same way)
+    are async-scheduled replays (max of host and device), ``graph-sync`` ones wait for every step (host + device).
+
+    Per wave ``graph_layer_us`` (the fixed device time per layer) and ``inplace_eff`` (the in-place reads of misses);
+    ``host_graph_step_ms`` is one value for all (a replay's host work is the commit's host path, not its kernels';
+    the graph-sync segments identify it, and without them it stays ``p``'s); every other term is ``p``'s. Soft-L1
+    relative least squares, as ``fit_decode_floor``. Returns {wave: terms} (keys as strings) and a report: per wave,
+    mode and batch the measured and modeled median step before (``p``'s terms) and after."""
+    f = frame[frame["policy"].isin(["fixed", "elastic"]) & (frame["graphed_steps"] > 0)
+              & frame["mode"].isin(["graph", "graph-sync", "graph-base"]) & (frame["compiles"] == 0)
+              & (frame["stalls"] == 0)]
+    skipped = sorted(set(f["kernels"]) - set(waves))
+    f = f[f["kernels"].isin(list(waves))].reset_index(drop=True)
+    if f.empty:
+        raise ValueError(f"no graphed decode-floor segment of a paged policy with the kernels {sorted(waves)}")
+    x = floor_features(f, cost, steps_per_segment=steps_per_segment)
+    x["overlapped"] = f["mode"].isin(["graph", "graph-base"]).to_numpy()
+    wave_of = f["kernels"].map(waves).to_numpy()
+    fitted_waves = sorted(set(int(w) for w in wave_of))
+    host_free = bool((f["mode"] == "graph-sync").any())
+
+    def params_of(theta) -> list[CostParams]:
+        host = float(theta[0]) if host_free else p.host_graph_step_ms
+        rest = theta[1:] if host_free else theta
+        return [p.replace(host_graph_step_ms=host, graph_layer_us=float(rest[2 * i]),
+                          inplace_eff=float(rest[2 * i + 1])) for i in range(len(fitted_waves))]
+
+    def predict(theta) -> np.ndarray:
+        out = np.empty(len(f))
+        for w, q in zip(fitted_waves, params_of(theta)):
+            out[wave_of == w] = predict_steps(x, cost, q, sync=x["sync"])[wave_of == w]
+        return out
+
+    base = [p.graph_layer_ms() * 1e3, p.inplace_eff] * len(fitted_waves)
+    x0 = ([p.host_graph_step_ms] if host_free else []) + base
+    lo = ([0.0] if host_free else []) + [0.0, 0.2] * len(fitted_waves)
+    hi = ([20.0] if host_free else []) + [500.0, 1.2] * len(fitted_waves)
+    fit = least_squares(lambda t: (predict(t) - x["measured"]) / x["measured"], x0=x0, loss="soft_l1", f_scale=0.1,
+                        bounds=(lo, hi))
+    before, after = predict(x0), predict(fit.x)
+    terms = {str(w): {"graph_layer_us": q.graph_layer_us, "inplace_eff": q.inplace_eff,
+                      "host_graph_step_ms": q.host_graph_step_ms} for w, q in zip(fitted_waves, params_of(fit.x))}
+    report = {"segments": len(f), "waves": {k: int(v) for k, v in waves.items()}, "skipped_kernels": skipped,
+              "host_graph_step_ms_fitted": host_free, "terms": terms, "groups": {}}
+    for (kernels, mode, batch), idx in f.groupby(["kernels", "mode", "batch"]).indices.items():
+        measured = float(np.median(x["measured"][idx]))
+        report["groups"][f"{kernels} {mode} {int(batch)}"] = {
+            "segments": len(idx), "measured_ms": measured, "modeled_base_ms": float(np.median(before[idx])),
+            "modeled_ms": float(np.median(after[idx])), "rel_error": float(np.median(after[idx])) / measured - 1}
+    err = np.abs(after - x["measured"]) / x["measured"]
+    report["median_abs_rel_error"], report["max_abs_rel_error"] = float(np.median(err)), float(err.max())
+    err0 = np.abs(before - x["measured"]) / x["measured"]
+    report["base_median_abs_rel_error"] = float(np.median(err0))
+    return terms, report
 
 
 # ---------------------------------------------------------------------------------------------- serving loop

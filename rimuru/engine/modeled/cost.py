@@ -24,6 +24,10 @@ import numpy as np
 from rimuru.engine.modeled.hardware import GpuProfile, HostProfile
 from rimuru.models.spec import LINEAR_ATTENTION, ModelSpec
 
+# the terms of a decode-graph replay that follow its kernels (CostParams.decode_kernels): the fixed device time per
+# layer, the in-place reads' PCIe efficiency and the replay's host time
+DECODE_KERNEL_TERMS = ("graph_layer_us", "inplace_eff", "host_graph_step_ms")
+
 
 @dataclass(frozen=True)
 class CostParams:
@@ -64,6 +68,12 @@ class CostParams:
     # (routing.shrink_to_uniform; calibration.fit_routing_prior); 0: the profile as measured
     routing_reference_curve: tuple = ()  # sorted popularity curve of profiles of many prompts (sums to 1): a layer's
     # unseen experts against it give n (routing.effective_profile_tokens); empty: n = the hotset's num_tokens
+    graph_layer_us: float | None = None  # device time per layer of a decode-graph replay that no roofline covers;
+    # None: gpu_layer_us (one term for eager and graphed steps, as fitted on the base calibration's decode floors)
+    decode_kernels: dict = field(default_factory=dict)  # {wave: {term: value}}: the graph-replay terms (DECODE_KERNEL_
+    # TERMS) fitted on decode floors measured with another wave's decode kernels (rimuru.kernels.variants: "4" the
+    # wave-4 kernels, "5" wave5, "7" fast), for the runs of commits that launched those (with_decode_kernels)
+    decode_kernels_base: int | None = None  # the kernels' wave of the base calibration's decode floors (its terms)
     fitted: dict = field(default_factory=dict, compare=False)  # how and on what the numbers were fitted
 
     def eager_token_us(self, sync: bool) -> float:
@@ -77,6 +87,34 @@ class CostParams:
     def loop_ms(self, outputs: int, graphed: bool) -> float:
         """The serving loop's time after a step that returned ``outputs`` request outputs."""
         return (self.loop_step_us + self.loop_seq_us * outputs + (0.0 if graphed else self.loop_eager_us)) * 1e-3
+
+    def graph_layer_ms(self) -> float:
+        """Device time per layer of a decode-graph replay that no roofline covers."""
+        return (self.gpu_layer_us if self.graph_layer_us is None else self.graph_layer_us) * 1e-3
+
+    def decode_kernel_terms(self, wave: int | None) -> str:
+        """Which terms an engine of decode-kernel wave ``wave`` replays with: ``base`` (the base calibration's: ``wave``
+        is None or its floors' wave), ``wave N`` (fitted on that wave's floors) or ``missing`` (neither: the
+        replay can only stand in the base terms, and says so)."""
+        if wave is None or wave == self.decode_kernels_base:
+            return "base"
+        return f"wave {int(wave)}" if str(int(wave)) in self.decode_kernels else "missing"
+
+    def with_decode_kernels(self, wave: int | None) -> CostParams:
+        """The parameters of an engine that launched wave ``wave``'s decode kernels: the base calibration's where
+        ``wave`` is None or ``decode_kernels_base``, else the graph-replay terms fitted on that wave's decode floors
+        (``decode_kernels``); an error names the fitted waves otherwise."""
+        if wave is None or wave == self.decode_kernels_base:
+            return self
+        terms = self.decode_kernels.get(str(int(wave)))
+        if terms is None:
+            raise ValueError(f"no decode-kernel terms fitted for wave {wave} (fitted: "
+                             f"{', '.join(sorted(self.decode_kernels)) or 'none'}; base: {self.decode_kernels_base})")
+        unknown = set(terms) - set(DECODE_KERNEL_TERMS)
+        if unknown:
+            raise ValueError(f"decode_kernels[{wave}] has terms {sorted(unknown)} that are not graph-replay terms "
+                             f"({', '.join(DECODE_KERNEL_TERMS)})")
+        return self.replace(**{k: float(v) for k, v in terms.items()})
 
     def replace(self, **changes) -> CostParams:
         return CostParams(**(asdict(self) | changes))
@@ -257,7 +295,7 @@ class CostModel:
         tokens = w.tokens
         attn_full = self.attention_ms(w.q_lens, w.starts)
         attn_lin = self.linear_attention_ms(w.q_lens) if self.linear_layers else 0.0
-        fixed = p.gpu_layer_us * 1e-3
+        fixed = p.graph_layer_ms()
         dense = self.dense_ms(tokens) + 2 * self.allreduce_ms(tokens)  # NCCL all-reduces inside the graph
         in_place = np.zeros(self.num_moe_layers) if w.in_place is None else np.asarray(w.in_place, float)
         moe = self.moe_ms(np.asarray(w.touched, float) - in_place, tokens * self.top_k * np.ones(self.num_moe_layers))
