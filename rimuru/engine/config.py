@@ -49,6 +49,9 @@ class EngineConfig:
     modeled_decode_kernels: int | None = None  # modeled: the wave of the decode kernels the modeled engine launches
     # (4: wave 4's, 5: wave5, 7: fast): its decode-graph replays take the terms the calibration fitted on decode floors
     # measured with those kernels (CostParams.decode_kernels); None: the calibration's base terms
+    modeled_h2d_gbps: float | None = None  # modeled: the pinned host-to-device rate (GB/s) of expert copies and
+    # in-place reads instead of the hardware profile's: a rate measured for one run (e.g. a TP rank's probe, whose rate
+    # varied between engine processes); None: the profile's
     modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
     # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
     loading_buffers: str = "layer"  # layer: two loading buffers of one MoE layer's experts each, for the engine's
@@ -143,6 +146,11 @@ class EngineConfig:
                 or not isinstance(self.modeled_decode_kernels, int) or self.modeled_decode_kernels < 0):
             raise ValueError("modeled_decode_kernels is the wave (a non-negative integer) of the decode kernels the "
                              f"modeled executor models (executor='modeled'), got {self.modeled_decode_kernels!r}")
+        if self.modeled_h2d_gbps is not None and (
+                self.executor != "modeled" or isinstance(self.modeled_h2d_gbps, bool)
+                or not isinstance(self.modeled_h2d_gbps, (int, float)) or not self.modeled_h2d_gbps > 0):
+            raise ValueError("modeled_h2d_gbps is a positive host-to-device rate in GB/s of the modeled executor "
+                             f"(executor='modeled'), got {self.modeled_h2d_gbps!r}")
         if self.modeled_decode_gamma != 1.0 and (self.executor != "modeled" or not self.modeled_decode_gamma > 0):
             raise ValueError("modeled_decode_gamma is a positive exponent of the modeled executor's decode routing "
                              "(executor='modeled')")

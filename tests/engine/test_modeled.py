@@ -884,3 +884,19 @@ def test_modeled_decode_kernels_option_is_checked():
             EngineConfig(executor="modeled", modeled_decode_kernels=bad)
     with pytest.raises(ValueError, match="modeled_decode_kernels"):
         EngineConfig(modeled_decode_kernels=7)
+
+
+def test_modeled_h2d_rate_replaces_the_profiles_for_one_run():
+    """A run's measured host-to-device rate stands in for the hardware profile's: an eager step's loads take
+    profile rate / measured rate as long; the option is checked."""
+    from rimuru.engine.config import EngineConfig
+
+    kw = dict(executor="modeled", gpu_memory_budget="40GiB", policy="fixed", hardware="h200")
+    base = LLM("qwen3-30b-a3b", **kw)
+    slow = LLM("qwen3-30b-a3b", **kw, modeled_h2d_gbps=base.executor.cost.gpu.pcie_h2d_bytes_per_s / 2e9)
+    assert slow.executor.cost.load_ms(4.0) == pytest.approx(2 * base.executor.cost.load_ms(4.0))
+    for bad in (0.0, -3.0, True, "fast"):
+        with pytest.raises(ValueError, match="modeled_h2d_gbps"):
+            EngineConfig(executor="modeled", modeled_h2d_gbps=bad)
+    with pytest.raises(ValueError, match="modeled_h2d_gbps"):
+        EngineConfig(modeled_h2d_gbps=30.0)

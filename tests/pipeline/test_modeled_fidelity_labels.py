@@ -36,3 +36,14 @@ def test_labels_follow_the_runs_engine(fidelity):
     assert fidelity.buffer_labels(only_buffers)["policy"].tolist() == ["fixed+sized"]
     with pytest.raises(SystemExit, match="expected POLICY"):
         fidelity.buffer_labels(pd.DataFrame({"policy": ["fixed"], "loading_buffers": ["huge"]}))
+
+
+def test_a_tp_runs_h2d_rate_is_its_slowest_ranks_probe():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import modeled_tp_check
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert modeled_tp_check.run_h2d_gbps(pd.Series({"h2d_gbps_rank0": 41.0, "h2d_gbps_rank1": 28.5})) == 28.5
+    assert modeled_tp_check.run_h2d_gbps(pd.Series({"h2d_gbps_rank0": 41.0})) is None
+    assert modeled_tp_check.run_h2d_gbps(pd.Series({"h2d_gbps_rank0": 41.0, "h2d_gbps_rank1": float("nan")})) is None

@@ -339,7 +339,7 @@ def main() -> None:
             raise SystemExit(f"--tp-runs takes fit=PATH or validate=PATH, got {item!r}")
         for r in tp_rows(path, args.tp_trace, args.tp_hotset, args.cost_params, args.hardware, split,
                          engine=tp_engine, timelines=timelines, decode_gamma=gamma_of(args.tp_decode_gamma),
-                         kernels=kernels_option):
+                         kernels=kernels_option, h2d=True):
             rows.append(r | {"goal": GOALS.get(r["metric"], float("nan")), "async_overlap": bool(r["async_scheduling"]),
                              "decode_gamma_profile": args.tp_decode_gamma})
     frame = pd.DataFrame(rows)

@@ -15,9 +15,11 @@ import argparse
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from rimuru.engine.llm import LLM
+from rimuru.engine.modeled.hardware import load_gpu
 from rimuru.engine.modeled.reference import ENGINE_FEATURES, parse_run_model, spec_with_layers
 from rimuru.engine.modeled.replay import TraceRequest, replay, run_batch
 from rimuru.provenance import provenance
@@ -31,15 +33,50 @@ EARLY_TP_ENGINE = {"graph_cap": 16, "async_scheduling": 0, "next_step_prefetch":
                    "decode_kernels": 4}
 
 
+H2D_COLUMNS = ("h2d_gbps_rank0", "h2d_gbps_rank1")  # e2e_tp_gpu.py: each rank's probe of its pinned H2D rate
+
+
+def run_h2d_gbps(row) -> float | None:
+    """A TP run's host-to-device rate as the replay takes it: the slowest rank's probe (``H2D_COLUMNS``; every
+    layer's collective waits for the rank whose loads finish last); None where the run has no probe."""
+    rates = [float(row[c]) for c in H2D_COLUMNS if c in row and pd.notna(row[c])]
+    return min(rates) if len(rates) == len(H2D_COLUMNS) else None
+
+
+def replay_tp(spec, policy: str, group: pd.DataFrame, tp: int, features: dict, wave: int | None, hotset: str,
+              hardware: str, cost_params: str, decode_gamma: float, requests: list, h2d_gbps: float | None):
+    """One modeled replay of a TP run's set-up (its per-rank budget, engine and trace; the discarded pass where it had
+    one) at the profile's host-to-device rate or ``h2d_gbps``: (its metrics, the engine)."""
+    llm = LLM(spec, executor="modeled", policy=policy, kv_reserve=0.1,
+              gpu_memory_budget=int(float(group["scaled_budget_gib"].iloc[0]) * 2**30), hotset=hotset,
+              hardware=hardware, cost_params=cost_params, tensor_parallel_size=tp, seed=0,
+              offload_graph_max_batch=features["graph_cap"], async_scheduling=bool(features["async_scheduling"]),
+              modeled_next_step_prefetch=bool(features["next_step_prefetch"]),
+              kv_compaction=bool(features["kv_compaction"]), short_lookahead=bool(features["short_lookahead"]),
+              expand_headroom=bool(features["expand_headroom"]),
+              prefetch_before_graphs=bool(features["prefetch_before_graphs"]),
+              running_lookahead=bool(features["running_lookahead"]), modeled_decode_gamma=decode_gamma,
+              modeled_decode_kernels=wave, modeled_h2d_gbps=h2d_gbps)
+    initial = llm.memory_report["initial_cache_experts"]
+    if initial != int(group["initial_cache_experts"].iloc[0]):
+        raise SystemExit(f"{policy}: modeled pool holds {initial} initial experts, measured "
+                         f"{int(group['initial_cache_experts'].iloc[0])}")
+    if "warmup_pass" in group and str(group["warmup_pass"].iloc[0]).startswith("same workload"):
+        run_batch(llm, [(r.prompt_len, r.output_len) for r in requests], "warmup-")  # the discarded pass
+    return replay(llm, requests), llm  # the timeline holds the timed pass only
+
+
 def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hardware: str, split: str,
             metrics=METRICS, engine=None, timelines: Path | None = None, decode_gamma: float = 1.0,
-            kernels=None) -> list[dict]:
+            kernels=None, h2d: bool = False) -> list[dict]:
     """One row per (run, metric) of the all-at-once TP runs of ``runs_path`` replayed in modeled mode. ``engine``:
     the measured commit -> its engine features (``rimuru.engine.modeled.reference.engine_features``; None: the
     first TP runs' engine, ``EARLY_TP_ENGINE``). ``timelines``: a folder for the modeled per-step timelines
     (``tp<N>_<runs folder>_<policy>_burst.csv``). ``decode_gamma``: the hotset's decode tempering (fitted.decode_gamma;
     1: the profile as measured). ``kernels``: a decode-kernel wave -> (the engine's modeled_decode_kernels, which terms
-    those are) (None: the base terms for every run)."""
+    those are) (None: the base terms for every run). ``h2d``: also replay each measured repeat with its own probed
+    host-to-device rate (``run_h2d_gbps``) where the runs have one, as rows ``RUN h2d:probe`` (modeled: the median of
+    those replays): the model given that measured input, beside the replay at the profile's rate."""
     runs = pd.read_csv(runs_path, dtype={"commit": str})
     runs = runs[runs["request_rate"] == float("inf")]
     rows = []
@@ -51,41 +88,38 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
         tp = int(g["tensor_parallel_size"].iloc[0])
         commit = str(g["commit"].iloc[0])
         features = engine(commit) if engine is not None else EARLY_TP_ENGINE
-        wave, terms = kernels(features["decode_kernels"]) if kernels is not None else (None, "base")
         if set(features) != set(ENGINE_FEATURES):
             raise SystemExit(f"{runs_path}: the engine of {commit} needs {', '.join(ENGINE_FEATURES)}")
-        llm = LLM(spec_with_layers(name, layers), executor="modeled", policy=policy, kv_reserve=0.1,
-                  gpu_memory_budget=int(float(g["scaled_budget_gib"].iloc[0]) * 2**30), hotset=hotset,
-                  hardware=hardware, cost_params=cost_params, tensor_parallel_size=tp, seed=0,
-                  offload_graph_max_batch=features["graph_cap"], async_scheduling=bool(features["async_scheduling"]),
-                  modeled_next_step_prefetch=bool(features["next_step_prefetch"]),
-                  kv_compaction=bool(features["kv_compaction"]), short_lookahead=bool(features["short_lookahead"]),
-                  expand_headroom=bool(features["expand_headroom"]),
-                  prefetch_before_graphs=bool(features["prefetch_before_graphs"]),
-                  running_lookahead=bool(features["running_lookahead"]), modeled_decode_gamma=decode_gamma,
-                  modeled_decode_kernels=wave)
-        initial = llm.memory_report["initial_cache_experts"]
-        if initial != int(g["initial_cache_experts"].iloc[0]):
-            raise SystemExit(f"{policy}: modeled pool holds {initial} initial experts, measured "
-                             f"{int(g['initial_cache_experts'].iloc[0])}")
-        if "warmup_pass" in g and str(g["warmup_pass"].iloc[0]).startswith("same workload"):
-            run_batch(llm, [(r.prompt_len, r.output_len) for r in requests], "warmup-")  # the discarded pass
-        result = replay(llm, requests)  # the timeline holds the timed pass only
-        name = f"tp{tp}_{Path(runs_path).parent.name}"
+        wave, terms = kernels(features["decode_kernels"]) if kernels is not None else (None, "base")
+
+        setup = dict(spec=spec_with_layers(name, layers), policy=policy, group=g, tp=tp, features=features, wave=wave,
+                     hotset=hotset, hardware=hardware, cost_params=cost_params, decode_gamma=decode_gamma,
+                     requests=requests)
+        result, llm = replay_tp(**setup, h2d_gbps=None)
+        run = f"tp{tp}_{Path(runs_path).parent.name}"
         if timelines is not None:
             Path(timelines).mkdir(parents=True, exist_ok=True)
-            llm.timeline.frame().to_csv(Path(timelines) / f"{name}_{policy}_burst.csv", index=False)
-        for m in metrics:
-            measured = g[m].astype(float)
-            med = float(measured.median())
-            rows.append({"run": f"{name}/{policy}/burst", "split": split, "metric": m,
-                         "measured": med, "measured_min": float(measured.min()),
-                         "measured_max": float(measured.max()), "repeats": len(measured),
-                         "modeled": float(result[m]), "rel_error": (result[m] - med) / med, "tp": tp,
-                         "commit": commit, "decode_gamma": decode_gamma, "kernel_terms": terms, **features})
-        print(f"TP={tp} {Path(runs_path).parent.name}/{policy} ({split}): " + ", ".join(
-            f"{r['metric']} {r['measured']:.4g} -> {r['modeled']:.4g} ({r['rel_error']:+.1%})"
-            for r in rows[-len(metrics):]), flush=True)
+            llm.timeline.frame().to_csv(Path(timelines) / f"{run}_{policy}_burst.csv", index=False)
+        variants = [("", "profile", {m: float(result[m]) for m in metrics})]
+        rates = [run_h2d_gbps(r) for _, r in g.iterrows()]
+        if h2d and all(r is not None for r in rates):
+            replays = [replay_tp(**setup, h2d_gbps=r)[0] for r in rates]
+            variants.append((" h2d:probe", "probe", {m: float(np.median([x[m] for x in replays])) for m in metrics}))
+        for suffix, source, modeled in variants:
+            for m in metrics:
+                measured = g[m].astype(float)
+                med = float(measured.median())
+                rows.append({"run": f"{run}/{policy}/burst{suffix}", "split": split, "metric": m,
+                             "measured": med, "measured_min": float(measured.min()),
+                             "measured_max": float(measured.max()), "repeats": len(measured),
+                             "modeled": modeled[m], "rel_error": (modeled[m] - med) / med, "tp": tp,
+                             "commit": commit, "decode_gamma": decode_gamma, "kernel_terms": terms,
+                             "h2d_input": source, "h2d_gbps": (float(np.median(rates)) if source == "probe" else
+                                                               float(load_gpu(hardware).pcie_h2d_bytes_per_s) / 1e9),
+                             **features})
+            print(f"TP={tp} {Path(runs_path).parent.name}/{policy}{suffix} ({split}): " + ", ".join(
+                f"{r['metric']} {r['measured']:.4g} -> {r['modeled']:.4g} ({r['rel_error']:+.1%})"
+                for r in rows[-len(metrics):]), flush=True)
     return rows
 
 

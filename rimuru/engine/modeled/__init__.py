@@ -10,6 +10,8 @@ committed H200 measurements), ``replay`` (drives a request trace on the virtual 
 
 from __future__ import annotations
 
+import dataclasses
+
 from rimuru.engine.modeled.cost import CostModel, CostParams, StepTime, StepWork, layer_pipeline
 from rimuru.engine.modeled.executor import ModeledExecutor
 from rimuru.engine.modeled.hardware import GpuProfile, HostProfile, load_gpu, load_host
@@ -51,7 +53,10 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     cost = None
     if config.modeled_step_ms is None:
         host = load_host(config.host) if mode == "cpu" else None
-        cost = CostModel(llm.spec, load_gpu(config.hardware), params, tp=config.tensor_parallel_size, host=host,
+        gpu = load_gpu(config.hardware)
+        if config.modeled_h2d_gbps is not None:  # a run's measured host-to-device rate instead of the profile's
+            gpu = dataclasses.replace(gpu, pcie_h2d_bytes_per_s=float(config.modeled_h2d_gbps) * 1e9)
+        cost = CostModel(llm.spec, gpu, params, tp=config.tensor_parallel_size, host=host,
                          dtype_bytes=llm.pool.layout[EXPERT].dtype.itemsize)
     # decode graphs where the torch engine on a GPU replays them (LLM._decode_graphs: no hybrid model yet)
     graphs = decode_graphs_allowed(config, policy.name) and not llm.spec.is_hybrid
