@@ -52,6 +52,9 @@ class EngineConfig:
     modeled_h2d_gbps: float | None = None  # modeled: the pinned host-to-device rate (GB/s) of expert copies and
     # in-place reads instead of the hardware profile's: a rate measured for one run (e.g. a TP rank's probe, whose rate
     # varied between engine processes); None: the profile's
+    modeled_routing_prior: tuple[float, tuple[float, ...]] | None = None  # modeled: (routing_prior_tokens,
+    # routing_reference_curve) instead of the calibration's: a profile shrinkage fitted for the model build a run
+    # served (fitted.routing_prior_build), e.g. the 48-layer repeated-layer model, whose deep layers are flatter
     modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
     # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
     loading_buffers: str = "layer"  # layer: two loading buffers of one MoE layer's experts each, for the engine's
@@ -146,6 +149,12 @@ class EngineConfig:
                 or not isinstance(self.modeled_decode_kernels, int) or self.modeled_decode_kernels < 0):
             raise ValueError("modeled_decode_kernels is the wave (a non-negative integer) of the decode kernels the "
                              f"modeled executor models (executor='modeled'), got {self.modeled_decode_kernels!r}")
+        if self.modeled_routing_prior is not None and (
+                self.executor != "modeled" or len(self.modeled_routing_prior) != 2
+                or not self.modeled_routing_prior[0] >= 0 or not len(self.modeled_routing_prior[1])
+                or abs(sum(self.modeled_routing_prior[1]) - 1) > 1e-6):
+            raise ValueError("modeled_routing_prior is the modeled executor's (prior tokens >= 0, reference curve "
+                             "summing to 1) (executor='modeled')")
         if self.modeled_h2d_gbps is not None and (
                 self.executor != "modeled" or isinstance(self.modeled_h2d_gbps, bool)
                 or not isinstance(self.modeled_h2d_gbps, (int, float)) or not self.modeled_h2d_gbps > 0):

@@ -1,6 +1,7 @@
 """The modeled executor: cost-model terms on hand-computed cases, determinism, and the same engine
 behaviour (step counts, concurrency) as the torch executor on a tiny model."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -900,3 +901,21 @@ def test_modeled_h2d_rate_replaces_the_profiles_for_one_run():
             EngineConfig(executor="modeled", modeled_h2d_gbps=bad)
     with pytest.raises(ValueError, match="modeled_h2d_gbps"):
         EngineConfig(modeled_h2d_gbps=30.0)
+
+
+def test_modeled_routing_prior_replaces_the_calibrations_shrinkage():
+    """A named shrinkage (prior, reference curve) for a run's model build stands in for the calibration's: a stronger
+    prior moves a concentrated profile toward uniform (more experts touched per step); bad values are refused."""
+    from rimuru.engine.config import EngineConfig
+    from rimuru.engine.modeled.reference import spec_with_layers
+
+    kw = dict(executor="modeled", gpu_memory_budget="8GiB", policy="fixed", hardware="h200",
+              hotset=str(Path(__file__).resolve().parents[2] / "results/reference/e2e/graphs/hotset.json"))  # measured
+    spec = spec_with_layers("qwen3-30b-a3b", 4)
+    plain = LLM(spec, **kw)
+    curve = tuple(np.full(128, 1 / 128))
+    strong = LLM(spec, **kw, modeled_routing_prior=(1e4, curve))
+    assert strong.executor.routing.expected_touched(4.0).sum() > plain.executor.routing.expected_touched(4.0).sum()
+    for bad in ((-1.0, curve), (5.0, ()), (5.0, (0.5, 0.2)), (5.0,)):
+        with pytest.raises(ValueError, match="modeled_routing_prior"):
+            EngineConfig(executor="modeled", modeled_routing_prior=bad)

@@ -27,7 +27,9 @@ def calibration_inputs(w):
                for t in glob.glob(f"{REF}/{key.rpartition(':')[0]}/timelines*.csv.gz")]
             + ([f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv"]
                if MODELED.get("chunk_law_fit") else [])
-            + [f"{REF}/{f}" for f in MODELED.get("decode_kernels_fit", {}).get("floors", [])])
+            + [f"{REF}/{f}" for f in MODELED.get("decode_kernels_fit", {}).get("floors", [])]
+            + [f"{REF}/{d}/{f}" for dirs in MODELED.get("routing_prior_build", {}).values() for d in dirs
+               for f in ("hotset.json", "e2e.csv")])
 
 
 FIDELITY = MODELED["fidelity"]
@@ -63,6 +65,7 @@ rule modeled_calibrate:
             if "tp_fit" in MODELED else ""),
         gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
         laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
+        priors=" ".join(f"{name}={'+'.join(dirs)}" for name, dirs in MODELED.get("routing_prior_build", {}).items()),
         lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
         kernels=(f"--decode-kernels-fit {' '.join(MODELED['decode_kernels_fit']['floors'])} --decode-kernels-waves "
                  + " ".join(f"{v}={w}" for v, w in MODELED["decode_kernels_fit"]["waves"].items())
@@ -74,7 +77,8 @@ rule modeled_calibrate:
         "--routing-fit-runs {params.routing} --routing-prior-fit {params.prior} --fit-timelines {params.timelines} "
         "--async-floor {params.async_floor} "
         "{params.fit_loop} {params.tp} --decode-gamma-fit {params.gamma} "
-        "--chunk-law-fit {params.laws} --lengths {params.lengths} {params.kernels} "
+        "--chunk-law-fit {params.laws} --routing-prior-build {params.priors} --lengths {params.lengths} "
+        "{params.kernels} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
@@ -114,6 +118,7 @@ rule modeled_fidelity:
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
         gamma=" ".join(f"{folder}={profile}" for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
         laws=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("chunk_law", {}).items()),
+        priors=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("routing_prior", {}).items()),
         tp_gamma=(f"--tp-decode-gamma {FIDELITY['tp_decode_gamma']}" if FIDELITY.get("tp_decode_gamma") else ""),
     log: "results/logs/modeled/fidelity.log"
     shell:
@@ -127,7 +132,7 @@ rule modeled_fidelity:
         "--decode-kernels {params.kernels} "
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
-        "--decode-gamma {params.gamma} {params.tp_gamma} --chunk-law {params.laws} "
+        "--decode-gamma {params.gamma} {params.tp_gamma} --chunk-law {params.laws} --routing-prior {params.priors} "
         "--fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"

@@ -97,6 +97,10 @@ def main() -> None:
                     help="NAME=DIR:POLICY+DIR:POLICY...: a named prefill chunk law (fitted.chunk_law[NAME]) fitted on "
                          "the prefill steps of these e2e folders' timelines (DIR/timelines*.csv.gz under --reference, "
                          "every repeat of POLICY, served with DIR/hotset.json), their chunks recovered from --lengths")
+    ap.add_argument("--routing-prior-build", nargs="*", default=[],
+                    help="NAME=DIR+DIR...: a named profile shrinkage (fitted.routing_prior_build[NAME]: prior tokens "
+                         "and reference curve, fit_routing_prior) fitted on the hotsets of these fit-run folders of "
+                         "one model build (relative to --reference), for the runs of that build")
     ap.add_argument("--lengths", default="",
                     help="CSV prompt_len,output_len (modeled_trace.py): the trace the --chunk-law-fit runs served")
     ap.add_argument("--decode-kernels-fit", nargs="*", default=[],
@@ -234,6 +238,22 @@ def main() -> None:
         if not rows:
             raise SystemExit(f"--chunk-law-fit {name}: no prefill steps")
         chunk_laws[name] = fit_chunk_law(rows) | {"runs": keys.split("+")}
+    prior_builds = {}
+    for item in args.routing_prior_build:
+        name, _, folders = item.partition("=")
+        if not folders:
+            raise SystemExit(f"--routing-prior-build takes NAME=DIR+DIR..., got {item!r}")
+        profiles, top_k = [], set()
+        for folder in folders.split("+"):
+            hotset_path, runs_path = ref / folder / "hotset.json", ref / folder / "e2e.csv"
+            if not hotset_path.exists() or not runs_path.exists():
+                raise SystemExit(f"--routing-prior-build {name}: no hotset.json or e2e.csv in {ref / folder}")
+            profiles.append(Hotset.load(hotset_path).probability)
+            top_k.add(spec_with_layers(*parse_run_model(pd.read_csv(runs_path)["model"].iloc[0])).top_k)
+            data.extend([data_entry(hotset_path), data_entry(runs_path)])
+        if len(top_k) != 1:
+            raise SystemExit(f"--routing-prior-build {name}: the folders' models route to {sorted(top_k)} experts")
+        prior_builds[name] = fit_routing_prior(profiles, top_k.pop()) | {"folders": folders.split("+")}
     floor = load_floor([ref / path for path in args.decode_floor])
     for path, rows in floor.groupby("source", sort=False):
         data.append(data_entry(Path(path), rows) | {"layers": sorted(map(int, rows["layers"].unique()))})
@@ -322,7 +342,7 @@ def main() -> None:
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
         "routing_fit": routing_fit, "routing_prior_fit": prior_fit, "decode_gamma": decode_gamma,
-        "chunk_law": chunk_laws, "decode_kernels_fit": kernels_fit,
+        "chunk_law": chunk_laws, "decode_kernels_fit": kernels_fit, "routing_prior_build": prior_builds,
         "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
         "fit_runs": args.fit_runs.split(","), "fit_timelines": list(filter(None, args.fit_timelines.split(","))),
         "data": data,
@@ -350,6 +370,10 @@ def main() -> None:
         print(f"chunk law {name}: scale {law['routing_chunk_scale']:.3f} exponent {law['routing_chunk_exponent']:.3f} "
               f"({law['steps']} steps, median error {law['median_abs_rel_error']:.1%}, worst "
               f"{law['max_abs_rel_error']:.1%}; independent tokens {law['independent_median_abs_rel_error']:.1%})")
+    for name, b in prior_builds.items():
+        print(f"routing prior {name}: {b['routing_prior_tokens']:.2f} pseudo-tokens (RMS log error touched "
+              f"{b['rms_log_error']:.3f}, outside the cache {b['rms_log_error_outside_cache']:.3f}; unshrunk "
+              f"{b['rms_log_error_unshrunk']:.3f}) from {', '.join(b['folders'])}")
     for layers, r in kernels_fit.items():
         if not isinstance(r, dict) or "terms" not in r:
             continue

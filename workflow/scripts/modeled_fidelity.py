@@ -186,6 +186,10 @@ def main() -> None:
                     help="FOLDER=NAME: FOLDER's runs replay with the prefill chunk law NAME the calibration fitted "
                          "for their model build (fitted.chunk_law; its fit runs' rows are `fit`); other folders with "
                          "the calibration's routing_chunk_*")
+    ap.add_argument("--routing-prior", nargs="*", default=[],
+                    help="FOLDER=NAME: FOLDER's runs replay with the profile shrinkage NAME the calibration fitted for "
+                         "their model build (fitted.routing_prior_build); other folders with the calibration's "
+                         "routing_prior_tokens / routing_reference_curve")
     ap.add_argument("--out-csv", required=True)
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
     ap.add_argument("--figure", required=True)
@@ -247,6 +251,17 @@ def main() -> None:
         law = fitted_laws[name]
         law_folder[str(Path(folder) / "hotset.json")] = (name, (float(law["routing_chunk_scale"]),
                                                                 float(law["routing_chunk_exponent"])))
+    fitted_priors = calibration.fitted.get("routing_prior_build", {})
+    prior_folder = {}
+    for item in args.routing_prior:
+        folder, _, name = item.partition("=")
+        if Path(folder) not in [Path(r) for r in args.reference] or name not in fitted_priors:
+            raise SystemExit(f"--routing-prior takes FOLDER=NAME with FOLDER one of --reference and NAME a routing "
+                             f"prior of {args.cost_params} (fitted: {', '.join(fitted_priors) or 'none'}), "
+                             f"got {item!r}")
+        b = fitted_priors[name]
+        prior_folder[str(Path(folder) / "hotset.json")] = (name, (float(b["routing_prior_tokens"]),
+                                                                  tuple(b["routing_reference_curve"])))
     default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
     rows = []
     timelines = Path(args.out_timelines)
@@ -282,7 +297,8 @@ def main() -> None:
                   modeled_decode_kernels=kernels_option(feat["decode_kernels"])[0],
                   modeled_routing_profile=row["routing_profile"] or None,
                   modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1],
-                  modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1])
+                  modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1],
+                  modeled_routing_prior=prior_folder.get(str(Path(row["hotset"])), ("", None))[1])
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
@@ -322,7 +338,8 @@ def main() -> None:
                          "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n,
                          "decode_gamma": llm.config.modeled_decode_gamma,
                          "decode_gamma_profile": gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[0],
-                         "chunk_law": law_folder.get(str(Path(row["hotset"])), ("", None))[0]})
+                         "chunk_law": law_folder.get(str(Path(row["hotset"])), ("", None))[0],
+                         "routing_prior": prior_folder.get(str(Path(row["hotset"])), ("", None))[0]})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
         print(f"{key} (cap {feat['graph_cap']}, {len(group)} measured): " + ", ".join(
