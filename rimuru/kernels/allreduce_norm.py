@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rimuru.kernels import variants
 from rimuru.kernels.norm_rope import (
     addend_rows,
     launch_residual_norm,
@@ -44,6 +45,7 @@ from rimuru.kernels.norm_rope import (
     residual_norm_store,
     row_warps,
 )
+from rimuru.kernels.pdl import chain, pdl_enter
 
 
 @triton.jit
@@ -121,12 +123,18 @@ def one_shot_add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.T
 @triton.jit
 def lamport_add_rms_norm_kernel(h_ptr, a_ptr, extra_ptr, w_ptr, h_out_ptr, out_ptr, peer_recv_ptr, my_recv_ptr,
                                 n_cols, stride_h, stride_a, stride_ak, stride_e, stride_ho, stride_o, eps,
-                                NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr):
+                                NUM_ADDENDS: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK: tl.constexpr,
+                                PDL_WAIT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False):
     """:func:`one_shot_add_rms_norm_kernel` without flags: the receive buffers hold an *empty* value (negative zero)
     wherever no row has landed; the pushed partial never holds it (a -0.0 is sent as +0.0: the same sum), so a row
     has arrived when none of its elements is empty any more. The reader then writes the empty value back (the half
     is refilled two calls later, after this kernel ended). No fence, no atomic: the peer's stores themselves are the
-    signal (the "Lamport" one-shot of TensorRT-LLM's all-reduce kernels)."""
+    signal (the "Lamport" one-shot of TensorRT-LLM's all-reduce kernels). ``PDL_WAIT`` / ``LAUNCH_DEPENDENTS``: a
+    link of the decode chain (:func:`rimuru.kernels.pdl.pdl_enter`, the ``pdl_wide`` lever), before anything else:
+    every program has waited for the kernel before it (its partial) before it pushes, and the kernel after it waits
+    for this one to complete; every program of this kernel is resident once it lets its dependent launch, so the
+    dependent's waiting programs never keep a row's program (and its peer's wait) off the GPU."""
+    pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -179,4 +187,6 @@ def lamport_add_rms_norm(h: torch.Tensor, addend: torch.Tensor, weight: torch.Te
     """:func:`one_shot_add_rms_norm` with the flag-free exchange (:func:`lamport_add_rms_norm_kernel`):
     ``peer_recv`` / ``my_recv`` this call's half of the receive buffers (bf16 or fp32), empty
     (:func:`empty_value_fill`) where no row is pending."""
-    return launch_residual_norm(lamport_add_rms_norm_kernel, h, addend, weight, eps, extra, peer_recv, my_recv)
+    pdl = chain(h.device, h.shape[0], primary=True) if variants.on("pdl_wide") else None
+    return launch_residual_norm(lamport_add_rms_norm_kernel, h, addend, weight, eps, extra, peer_recv, my_recv,
+                                pdl=pdl)

@@ -62,9 +62,10 @@ def chain(device: torch.device, rows: int, primary: bool = False) -> dict[str, b
     """Launch arguments of a decode-chain kernel of a step of ``rows`` tokens (``PDL_WAIT``, ``LAUNCH_DEPENDENTS``,
     ``launch_pdl``): with the ``pdl_chain`` lever every chain kernel is a programmatic dependent of the one before it
     and signals the one after it; with only ``pdl``, a ``primary`` (a kernel before a projection) signals its
-    dependent. None without them, above ``PDL_MAX_ROWS`` rows, outside a CUDA graph's capture (the levers are
+    dependent. None without them, above ``PDL_MAX_ROWS`` rows (unless ``pdl_wide``), outside a CUDA graph's capture
+    (the levers are
     ``variants.GRAPH_ONLY``: :func:`rimuru.kernels.variants.for_graphs`), or where :func:`pdl_launch` says no."""
-    if rows > PDL_MAX_ROWS:
+    if rows > PDL_MAX_ROWS and not variants.on("pdl_wide"):
         return {}
     if pdl_launch(variants.on("pdl_chain"), device):
         return {"PDL_WAIT": True, "LAUNCH_DEPENDENTS": True, "launch_pdl": True}

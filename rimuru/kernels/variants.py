@@ -43,6 +43,10 @@ wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
   through ``small_linear.wide_linear`` (all rows in one ``tl.dot`` tile, 32 output columns a program, no split-K)
   instead of cuBLAS (2x H200 at 4902a34: 7.5-7.7 vs 6.2-6.5 us at a TP=2 rank's shapes and 64 rows, 11.3-21.5 vs
   6.6-9.8 us elsewhere; results/reference/e2e_tp2/default_48L/);
+* ``pdl_wide`` (issue 13 wave 9, off by default until measured): ``pdl_chain`` at every decode batch size, not only
+  at most ``pdl.PDL_MAX_ROWS`` rows, and the flag-free fused all-reduce kernel (``lamport_add_rms_norm_kernel``, the
+  tensor-parallel sub-layer end) in the chain too (without it that kernel breaks the chain at every batch size): a TP
+  rank's kernels are half a TP=1 step's, so each launch's latency weighs twice as much in its step;
 * ``pdl_eager`` (off by default): the programmatic-launch levers act outside CUDA graphs too (see below): the
   engine as measured at 38fd399, for an eager A/B.
 
@@ -71,7 +75,7 @@ from contextlib import contextmanager
 import torch
 
 LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv",
-          "gemv_le2", "moe_gemv_host", "pdl_eager", "align_par", "router_tiles", "wide_gemm")
+          "gemv_le2", "moe_gemv_host", "pdl_eager", "align_par", "router_tiles", "wide_gemm", "pdl_wide")
 # The levers that measured faster (H200, 48 layers: results/reference/engine/run_2445415_48L/ab_* for the wave-5 two,
 # run_38fd399_48L/ for the wave-7 four; align_par: results/reference/e2e_tp2/align_vocab_48L/): the others made their
 # kernels slower than what they replace and are off unless asked for (``all`` or by name).
@@ -135,6 +139,13 @@ def current() -> str:
     if _current == frozenset(WAVE5):
         return "wave5"
     return "all" if _current == frozenset(LEVERS) else ",".join(sorted(_current)) or "baseline"
+
+
+def select(spec: str) -> None:
+    """Launch ``spec``'s kernels from now on in this process (a run-time switch made by its owner: an A/B's driver,
+    or a tensor-parallel worker told by rank 0; CUDA graphs captured before keep their kernels)."""
+    global _current
+    _current = parse(spec)
 
 
 @contextmanager

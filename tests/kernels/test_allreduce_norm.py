@@ -117,3 +117,35 @@ def test_flag_free_variant_two_ranks(dtype, k, extra, parity):
     got = recv[0][parity, : T * d].view(T, d)  # rank 1's real push landed in rank 0's half (emptied before)
     assert torch.equal(got, sent[1]) and not torch.signbit(got[0]).any()
     assert torch.signbit(recv[0][1 - parity]).all()  # the other half untouched
+
+
+def test_flag_free_variant_in_the_decode_chain_only_with_pdl_wide(monkeypatch):
+    """On a (pretended) Hopper GPU, inside a graph's capture: the flag-free sub-layer end takes the decode chain's
+    launch arguments (waits for the kernel before it, lets the next one launch) with ``pdl_wide`` only, at any row
+    count; without it, or eagerly, none (the kernel launched as before)."""
+    from types import SimpleNamespace
+
+    import rimuru.kernels.allreduce_norm as arn
+    import rimuru.kernels.pdl as pdl
+    from rimuru.kernels import variants
+
+    monkeypatch.setattr(pdl, "_interpreting", lambda: False)
+    monkeypatch.setattr(pdl, "_supported", lambda index: True)
+    seen = []
+    monkeypatch.setattr(arn, "launch_residual_norm", lambda *args, pdl=None: seen.append(pdl))
+    full = {"PDL_WAIT": True, "LAUNCH_DEPENDENTS": True, "launch_pdl": True}
+
+    def launch(rows: int) -> None:  # a device object only: nothing is launched
+        h = SimpleNamespace(device=torch.device("cuda", 0), shape=(rows, 2048))
+        arn.lamport_add_rms_norm(h, None, None, 1e-6, None, None, None)
+
+    with variants.for_graphs():
+        with variants.use("fast"):
+            launch(4)
+            launch(pdl.PDL_MAX_ROWS + 1)
+        with variants.use("fast,pdl_wide"):
+            launch(4)
+            launch(256)
+    with variants.use("fast,pdl_wide"):
+        launch(256)  # eager
+    assert seen == [None, None, full, full, {}]

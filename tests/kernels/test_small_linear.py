@@ -156,6 +156,12 @@ def test_programmatic_launches_only_while_a_graph_is_built(monkeypatch):
         assert chain(dev, 1) == full
     with variants.use("wave5,gemv,pdl"), variants.for_graphs():
         assert chain(dev, 1) == {} and chain(dev, 1, primary=True) == {"LAUNCH_DEPENDENTS": True}
+    with variants.use("fast,pdl_wide"):  # pdl_wide: the chain at every row count, still in a graph's capture only
+        assert chain(dev, PDL_MAX_ROWS + 1) == {}
+        with variants.for_graphs():
+            assert chain(dev, PDL_MAX_ROWS + 1) == full and chain(dev, 256, primary=True) == full
+    with variants.use("wave5,pdl_wide"), variants.for_graphs():  # it widens pdl_chain; alone it launches nothing
+        assert chain(dev, 1) == {} and chain(dev, 256) == {}
 
 
 @pytest.mark.gpu
