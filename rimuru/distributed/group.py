@@ -308,6 +308,15 @@ class TensorParallelGroup:
         its decode graphs (the A/B of a vocabulary-parallel head on one engine)."""
         self._switch(llm, "vocab_parallel", on)
 
+    def use_kernels(self, llm, spec: str) -> None:
+        """Every rank launches the decode kernel levers ``spec`` (``rimuru.kernels.variants.parse``: ``fast``, a list
+        of levers) from now on and recaptures its decode graphs with them (a kernel A/B on one engine). ``spec`` is
+        parsed here first, so a bad one is a clear error before any rank switches."""
+        from rimuru.kernels import variants
+
+        variants.parse(spec)
+        self._switch(llm, "kernels", spec)
+
     def _switch(self, llm, kind: str, value) -> None:
         """Every rank applies the switch ``SWITCHES[kind]`` with ``value`` (rank 0 here, the workers on the
         message), in lockstep: the workers answer once theirs is done."""
@@ -503,8 +512,17 @@ def switch_vocab_parallel(llm, on: bool) -> None:
     _recapture(llm)
 
 
+def switch_kernels(llm, spec: str) -> None:
+    """This rank's part of :meth:`TensorParallelGroup.use_kernels`: the decode kernel levers
+    (``rimuru.kernels.variants``), then the graphs again."""
+    from rimuru.kernels import variants
+
+    variants.select(spec)
+    _recapture(llm)
+
+
 # message kind -> this rank's part of a run-time switch that every rank applies in lockstep
-SWITCHES = {"all_reduce": switch_all_reduce, "vocab_parallel": switch_vocab_parallel}
+SWITCHES = {"all_reduce": switch_all_reduce, "vocab_parallel": switch_vocab_parallel, "kernels": switch_kernels}
 
 
 def _recapture(llm) -> None:

@@ -29,6 +29,7 @@ from rimuru.distributed.group import (
     TensorParallelGroup,
     init_process_group,
     rank_device,
+    switch_kernels,
 )
 from rimuru.distributed.replica import (
     BatchSender,
@@ -703,6 +704,19 @@ class LLM:
         if self._local_executor is None:
             return contextlib.nullcontext()
         return self._local_executor.use_graphs(enabled)
+
+    def use_kernels(self, spec: str) -> None:
+        """Launch the decode kernel levers ``spec`` (``rimuru.kernels.variants``: ``fast``, a list of levers) from now
+        on and recapture the decode graphs with them, on every rank (``TensorParallelGroup.use_kernels``). The levers
+        are per process: another engine in this process launches them too, and keeps the graphs it captured before
+        until it is switched as well. For A/B runs."""
+        if self.tp_group is not None:
+            self.tp_group.use_kernels(self, spec)
+            return
+        from rimuru.kernels import variants
+
+        variants.parse(spec)  # a clear error before anything changes
+        switch_kernels(self, spec)
 
     @contextlib.contextmanager
     def collective_timing(self):
