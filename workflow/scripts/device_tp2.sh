@@ -16,7 +16,9 @@
 # kernel test only; FUSED_CHECKS: the fused backends step 0 checks on an engine (symm_mem_fused); FIRST: the TP
 # engine's first all-reduce (nccl; nccl again if step 0 left it out); AB: the A/B's other all-reduces; SKIP_TP1=1: no
 # TP=1 engine (the A/B among the TP all-reduces); BATCHES, PROFILE, MOE_SWEEP: e2e_tp_gpu.py's lists; ROUTING_BENCH=1:
-# tp_routing_bench.py before the A/B, =auto: and the A/B with the kernel levers it finds faster)
+# tp_routing_bench.py before the A/B, =auto: and the A/B with the kernel levers it finds faster; AB_KERNELS: decode
+# kernel lever sets the A/B runs each engine with, ';'-separated ('fast;fast,pdl_wide'); GREEDY_PROMPTS: the static
+# greedy check's prompts (16); CHECK_KERNELS: the kill checks' kernel levers (RIMURU_DECODE_KERNELS of their process))
 set -u
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
@@ -41,7 +43,7 @@ kill_check() {  # $1 all_reduce (a comma list: an engine each, the last one's ra
   graphs=$([ "$2" = static ] && echo "--graphs --impl auto" || echo)  # graphs need the Triton kernels on GPUs
   echo "[$(( $(date +%s) - START ))s] kill check all_reduce=$1 policy=$2 (timeout $T s)" | tee -a "$OUT/driver.log"
   # its own session: every process it leaves behind is found (and ended) by that session's id, nothing else
-  setsid timeout "$T" $PY workflow/scripts/tp_gpu_checks.py --device "$DEVICE" --all-reduce "$1" --policy "$2" $graphs \
+  setsid env ${CHECK_KERNELS:+RIMURU_DECODE_KERNELS=$CHECK_KERNELS} timeout "$T" $PY workflow/scripts/tp_gpu_checks.py --device "$DEVICE" --all-reduce "$1" --policy "$2" $graphs \
     --out "$OUT/kill_${tag}_$2" > "$OUT/kill_${tag}_$2.log" 2>&1 &
   pid=$!
   wait $pid
@@ -106,7 +108,7 @@ async=$([ -n "${ASYNC_AB:-}" ] && echo --async-ab || echo --no-async-ab)
 timeout "$T" $PY workflow/scripts/e2e_tp_gpu.py --model qwen3-30b-a3b --layers 4 --static-layers 48 --skew 0.7 \
   --tp 2 --static-budget-tp1 72GiB --static-budget 44GiB --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz \
   --num-requests 48 --batches "${BATCHES:-64,128}" --decode-steps 30 --repeats 4 --all-reduce "$FIRST" --ab-all-reduce "$AB" \
-  $async ${SKIP_TP1:+--skip-tp1} --ar-rows 1 --profile-batches "${PROFILE-64}" --moe-sweep "${MOE_SWEEP-64,128}" --skip-serving \
+  $async ${SKIP_TP1:+--skip-tp1} --ab-kernels "${AB_KERNELS:-}" --greedy-prompts "${GREEDY_PROMPTS:-16}" --ar-rows 1 --profile-batches "${PROFILE-64}" --moe-sweep "${MOE_SWEEP-64,128}" --skip-serving \
   --deadline-s $(( T - ${DEADLINE_MARGIN:-45} )) \
   --out "$OUT/step" > "$OUT/step.log" 2>&1
 echo "[$(( $(date +%s) - START ))s] decode A/B rc=$?" | tee -a "$OUT/driver.log"

@@ -192,6 +192,12 @@ def main() -> None:
                     help="the all-reduce of the hybrid and serving engines: the same for every engine of the A/B (one "
                     "engine per process can use symm_mem; the static part's engine is that one)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--ab-kernels", default="", help="decode kernel lever sets for the static step's A/B, "
+                    "';'-separated (rimuru.kernels.variants: 'fast;fast,pdl_wide'): every engine runs the whole A/B "
+                    "sequence with each, switched at run time (graphs recaptured on every rank); '' the process's "
+                    "levers alone")
+    ap.add_argument("--greedy-prompts", type=int, default=16, help="prompts of the static greedy check (TP=N vs "
+                    "TP=1; above 32 the decode rows past pdl.PDL_MAX_ROWS)")
     ap.add_argument("--async-ab", action=argparse.BooleanOptionalAction, default=True,
                     help="the decode A/B runs every engine with async scheduling on and off (off: on only)")
     ap.add_argument("--policies", default="fixed,elastic")
@@ -244,9 +250,11 @@ def main() -> None:
     log("done")
 
 
-def greedy_check(one, many: LLM, prompts, params, label: str, tp: int, dtype, prov: dict) -> dict:
+def greedy_check(one, many: LLM, prompts, params, label: str, tp: int, dtype, prov: dict,
+                 same_as: tuple[str, list] | None = None) -> dict:
     """``many``'s greedy tokens against ``one``'s: an engine (TP=1), or a (name, tokens) reference (--skip-tp1: the
-    TP engine's first backend)."""
+    TP engine's first backend); ``same_as`` (name, tokens): also the sequences identical to those (the TP engine's
+    with the first kernel levers of --ab-kernels). The record's ``_tokens`` (``many``'s) is the caller's to pop."""
     ref_name, ref = ("tp1", [o.output_token_ids for o in one.generate(prompts, params, use_tqdm=False)]) \
         if isinstance(one, LLM) else one
     got = [o.output_token_ids for o in many.generate(prompts, params, use_tqdm=False)]
@@ -257,7 +265,9 @@ def greedy_check(one, many: LLM, prompts, params, label: str, tp: int, dtype, pr
             "identical_tokens_position_wise": sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)),
             "first_divergence": [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None)
                                  for x, y in zip(ref, got)], "dtype": str(dtype),
-            "tensor_parallel_size": tp, "cuda_graphs": bool(many.graphs), **prov}
+            "tensor_parallel_size": tp, "cuda_graphs": bool(many.graphs), "decode_kernels": kernel_variants.current(),
+            **({"same_as": same_as[0], "identical_to_same_as": sum(x == y for x, y in zip(same_as[1], got))}
+               if same_as else {}), "_tokens": got, **prov}
 
 
 def static_part(args, full, common, out, link, gbps, trace) -> None:
@@ -271,6 +281,12 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                                  repeat_first_layer=True)
     label = f"{args.model} ({args.static_layers}/{full.num_layers} layers: layer 0 repeated, skew {args.skew})"
     batches = [int(b) for b in args.batches.split(",")]
+    kernel_specs = [k.strip() for k in args.ab_kernels.split(";") if k.strip()]
+    for k in kernel_specs:
+        try:
+            kernel_variants.parse(k)
+        except ValueError as exc:
+            raise SystemExit(f"--ab-kernels: {exc}") from None
     engine_opts = dict(policy="static", max_num_seqs=max(batches), **common)
     one = None if args.skip_tp1 else LLM(recipe, gpu_memory_budget=args.static_budget_tp1, **engine_opts)
     warm1 = one.warmup(1024) if one is not None else "skipped"
@@ -282,13 +298,25 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
     others = [n for n in args.ab_all_reduce.split(",") if n and (n != first or args.device == "cpu")]
     log(f"static engines ready: TP=1 {warm1}, TP={tp} {warmn}, all-reduce {many.memory_report['all_reduce']} "
         f"(skipped: {many.memory_report['all_reduce_skipped']}); A/B against {others}")
+
+    def use_kernels(spec: str) -> None:  # every engine (every rank) launches ``spec``'s levers, graphs recaptured
+        t = time.perf_counter()
+        if isinstance(one, LLM):
+            one.use_kernels(spec)
+        many.use_kernels(spec)
+        log(f"kernels -> {kernel_variants.current()}: graphs recaptured on every engine in "
+            f"{time.perf_counter() - t:.1f} s")
+
     try:
-        greedy_prompts = token_ids(trace, 16, 64)
+        greedy_prompts = token_ids(trace, args.greedy_prompts, 64)
         greedy_params = SamplingParams(max_tokens=32, ignore_eos=True)
+        if kernel_specs and kernel_variants.parse(kernel_specs[0]) != kernel_variants.parse(kernel_variants.current()):
+            use_kernels(kernel_specs[0])
         if one is None:  # the reference: the TP engine's first backend (the others must give its tokens)
             one = (f"tp{tp}-{first}", [o.output_token_ids for o in many.generate(greedy_prompts, greedy_params,
                                                                                    use_tqdm=False)])
         greedy = [greedy_check(one, many, greedy_prompts, greedy_params, label, tp, common["dtype"], prov)]
+        first_tokens = (f"tp{tp}-{first}@{kernel_variants.current()}", greedy[-1].pop("_tokens"))
         log(f"greedy ({first}): {greedy[-1]['identical_sequences']}/{greedy[-1]['prompts']} sequences identical")
         (out / "greedy.json").write_text(json.dumps(greedy, indent=1))
 
@@ -403,10 +431,15 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
         tp_name = f"tp{tp}"
         modes = (True, False) if args.async_ab else (True,)
         tp_order = others + ([first] if first not in others else [])
-        variants = [] if args.skip_tp1 else [("tp1" + ("-async" if m else "-sync"), one, None, m) for m in modes]
-        for i, name in enumerate(tp_order):
-            for m in (modes[::-1] if i % 2 == 0 else modes):
-                variants.append((f"{tp_name}-{name}" + ("-async" if m else "-sync"), many, name, m))
+        specs = kernel_specs or [kernel_variants.current()]
+        at = (lambda k: f"@{k}") if len(specs) > 1 else (lambda k: "")
+        variants = []
+        for k in specs:  # the whole sequence once per kernel lever set (one switch of every engine each)
+            if not args.skip_tp1:
+                variants += [("tp1" + ("-async" if m else "-sync") + at(k), one, None, m, k) for m in modes]
+            for i, name in enumerate(tp_order):
+                for m in (modes[::-1] if i % 2 == 0 else modes):
+                    variants.append((f"{tp_name}-{name}" + ("-async" if m else "-sync") + at(k), many, name, m, k))
         if not args.skip_tp1:
             warm(one)
         current = first
@@ -415,17 +448,34 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                 switch(name)
                 current = name
             greedy.append(greedy_check(one, many, greedy_prompts, greedy_params, label, tp, common["dtype"], prov))
+            greedy[-1].pop("_tokens")
             log(f"greedy ({name}): {greedy[-1]['identical_sequences']}/{greedy[-1]['prompts']} sequences identical")
             (out / "greedy.json").write_text(json.dumps(greedy, indent=1))
             warm(many)
         if not others:
+            warm(many)
+        kernels_now = specs[0]
+        for k in specs[1:]:  # greedy vs TP=1 (and vs the first levers' TP tokens) and a warm-up pass with each
+            use_kernels(k)
+            kernels_now = k
+            greedy.append(greedy_check(one, many, greedy_prompts, greedy_params, label, tp, common["dtype"], prov,
+                                       same_as=first_tokens))
+            greedy[-1].pop("_tokens")
+            log(f"greedy ({current}, kernels {k}): {greedy[-1]['identical_sequences']}/{greedy[-1]['prompts']} "
+                f"identical to TP=1, {greedy[-1]['identical_to_same_as']} to {first_tokens[0]}")
+            (out / "greedy.json").write_text(json.dumps(greedy, indent=1))
+            if not args.skip_tp1:
+                warm(one)
             warm(many)
         for rnd in range(max(1, args.repeats // 2)):
             if time.perf_counter() - T0 > args.deadline_s:
                 log(f"deadline: round {rnd} of the decode A/B not started")
                 break
             for half, order in enumerate((variants, variants[::-1])):
-                for name, engine, backend, pipelined in order:
+                for name, engine, backend, pipelined, k in order:
+                    if k != kernels_now:
+                        use_kernels(k)
+                        kernels_now = k
                     if backend is not None and backend != current:
                         switch(backend)
                         current = backend

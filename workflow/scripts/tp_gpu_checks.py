@@ -24,6 +24,7 @@ import torch
 from rimuru.distributed.faults import kill_rank_under_load
 from rimuru.engine.llm import LLM
 from rimuru.engine.sampling_params import SamplingParams
+from rimuru.kernels import variants
 from rimuru.models.checkpoint import write_synthetic_checkpoint
 from rimuru.provenance import provenance
 
@@ -72,7 +73,8 @@ def main() -> None:
     ref = [o.output_token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)]
     del one
     result = {"tensor_parallel_size": args.tp, "backend": "nccl" if args.device == "cuda" else "gloo",
-              "policy": args.policy, "graphs": args.graphs, "impl": args.impl, "dtype": "float32", "greedy": [],
+              "decode_kernels": variants.current(), "policy": args.policy, "graphs": args.graphs, "impl": args.impl,
+              "dtype": "float32", "greedy": [],
               **provenance()}
     names = args.all_reduce.split(",")
     for i, name in enumerate(names):  # the last engine stays for the killed rank
