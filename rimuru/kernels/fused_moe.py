@@ -364,10 +364,25 @@ BY_ROWS_PER_EXPERT: tuple[tuple[float, MoeConfigs], ...] = (
 SMALL_CONFIGS = MoeConfigs(_cfg(16, 16, 32, 1, 4, 1), _cfg(16, 32, 32, 1, 4, 1))
 
 
+def slice_table(num_experts: int, f: int, d: int) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    """The tuned table of the full-width shape whose tensor-parallel slice ``(num_experts, f, d)`` is (``f`` times 2,
+    4 or 8 tuned): its tiles by token count, for the ``slice_tiles`` lever. None where there is none."""
+    return next((TUNED[(num_experts, f * w, d)] for w in (2, 4, 8) if (num_experts, f * w, d) in TUNED), None)
+
+
+def _table(num_experts: int, f: int, d: int) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]] | None:
+    table = TUNED.get((num_experts, f, d))
+    if table is None and variants.on("slice_tiles"):
+        table = slice_table(num_experts, f, d)
+    return table
+
+
 def pick_configs(num_tokens: int, top_k: int, num_experts: int, f: int, d: int) -> MoeConfigs:
+    """The tiles of one fused-MoE call: the tuned table of the shape, else (``slice_tiles`` lever) that of the full
+    width it is a tensor-parallel slice of, else by average rows per expert (``BY_ROWS_PER_EXPERT``)."""
     if f < 128 or d < 128:
         return SMALL_CONFIGS
-    table = TUNED.get((num_experts, f, d))
+    table = _table(num_experts, f, d)
     if table:
         key = max((m for m in table if m <= num_tokens), default=min(table))
         gate_up, down = table[key]
@@ -388,7 +403,7 @@ def warmup_token_counts(num_experts: int, top_k: int, f: int, d: int) -> list[in
     from rimuru.kernels.moe_align import FUSED_SCATTER_MAX_PAIRS, PARALLEL_MAX_PAIRS
 
     seen: dict[tuple[MoeConfigs, bool, bool, bool, bool], int] = {}
-    table = TUNED.get((num_experts, f, d))
+    table = _table(num_experts, f, d)
     counts = sorted(table) if table else [max(1, int(min(b, 64.0) * num_experts / top_k)) for b, _ in
                                           BY_ROWS_PER_EXPERT]
     limit, direct = FUSED_SCATTER_MAX_PAIRS // top_k, DIRECT_MAX_PAIRS // top_k

@@ -47,6 +47,10 @@ wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
   at most ``pdl.PDL_MAX_ROWS`` rows, and the flag-free fused all-reduce kernel (``lamport_add_rms_norm_kernel``, the
   tensor-parallel sub-layer end) in the chain too (without it that kernel breaks the chain at every batch size): a TP
   rank's kernels are half a TP=1 step's, so each launch's latency weighs twice as much in its step;
+* ``slice_tiles`` (issue 13 wave 9, off by default until measured): a fused-MoE shape without a tuned table that is a
+  tensor-parallel slice of a tuned one (Qwen3-30B-A3B's experts at TP=2: intermediate 384 of 768) takes the full
+  width's tiles by token count (``fused_moe.slice_table``) instead of the generic rows-per-expert rule, which picks
+  64-row blocks from 256 tokens at top-8 where the tuned table keeps 16- and 32-row blocks up to 511;
 * ``pdl_eager`` (off by default): the programmatic-launch levers act outside CUDA graphs too (see below): the
   engine as measured at 38fd399, for an eager A/B.
 
@@ -75,7 +79,8 @@ from contextlib import contextmanager
 import torch
 
 LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv",
-          "gemv_le2", "moe_gemv_host", "pdl_eager", "align_par", "router_tiles", "wide_gemm", "pdl_wide")
+          "gemv_le2", "moe_gemv_host", "pdl_eager", "align_par", "router_tiles", "wide_gemm", "pdl_wide",
+          "slice_tiles")
 # The levers that measured faster (H200, 48 layers: results/reference/engine/run_2445415_48L/ab_* for the wave-5 two,
 # run_38fd399_48L/ for the wave-7 four; align_par: results/reference/e2e_tp2/align_vocab_48L/): the others made their
 # kernels slower than what they replace and are off unless asked for (``all`` or by name).

@@ -285,3 +285,29 @@ def test_one_token_gemv_blocks_at_qwen3_shapes():
 
 def triton_next_pow2(n):
     return 1 << (n - 1).bit_length()
+
+
+def test_slice_tiles_lever_gives_a_tp_slice_the_full_widths_tiles():
+    """``slice_tiles``: Qwen3-30B-A3B's experts at TP=2 (intermediate 384, no tuned table) take the tiles tuned for
+    the full width (768) by token count, and warm-up covers that table's choices; off, the rows-per-expert rule (64-row
+    blocks at 256 tokens); a tuned shape is the same either way."""
+    from rimuru.kernels import variants
+    from rimuru.kernels.fused_moe import TUNED, pick_configs, slice_table, warmup_token_counts
+
+    full = TUNED[(128, 768, 2048)]
+    assert slice_table(128, 384, 2048) is full and slice_table(128, 256, 2048) is None
+    with variants.use("fast"):
+        off = {t: pick_configs(t, 8, 128, 384, 2048) for t in (64, 128, 256)}
+        tp1 = pick_configs(256, 8, 128, 768, 2048)
+        warm_off = warmup_token_counts(128, 8, 384, 2048)
+    assert off[256].gate_up.block_m == 64
+    with variants.use("fast,slice_tiles"):
+        on = {t: pick_configs(t, 8, 128, 384, 2048) for t in (64, 128, 256)}
+        assert pick_configs(256, 8, 128, 768, 2048) == tp1
+        warm_on = warmup_token_counts(128, 8, 384, 2048)
+        assert {pick_configs(t, 8, 128, 384, 2048) for t in warm_on} == {pick_configs(t, 8, 128, 384, 2048)
+                                                                       for t in range(1, 8193)}
+    for t in (64, 128, 256):
+        assert (on[t].gate_up.block_m, on[t].gate_up.block_n, on[t].down.block_k) == \
+            (full[t][0][0], full[t][0][1], full[t][1][2])
+    assert on[256].gate_up.block_m == 32 and on[256] != off[256] and warm_on != warm_off
