@@ -523,6 +523,15 @@ def with_lateness(frame: pd.DataFrame, late: list[dict]) -> pd.DataFrame:
     return frame
 
 
+def load_gbps(frame: pd.DataFrame) -> float | None:
+    """Rank 0's effective load rate over a pass: expert bytes / step time, median over its eager decode steps that
+    loaded experts (GB/s; None if there are none)."""
+    eager = frame[(frame["cuda_graph"] == 0) & (frame["prefill_tokens"] == 0) & (frame["expert_bytes_loaded"] > 0)]
+    if eager.empty:
+        return None
+    return float((eager["expert_bytes_loaded"] / (eager["step_ms"] * 1e-3) / 1e9).median())
+
+
 def e2e_part(args, full, trace, common, out, cuda) -> None:
     """Elastic vs fixed at TP=N under the per-GPU budget, alternating; a discarded warm-up pass of the same workload
     on each engine before its timed pass."""
@@ -565,6 +574,10 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                 rate = args.rate if workload == "poisson" else None
                 serve(llm, trace, rate, args.seed)  # warm-up pass of this very workload, discarded
                 for rep, _ in group:
+                    # each rank's pinned-store H2D rate, all ranks at once, just before the timed pass (an
+                    # independent probe of what this engine's loads can get; not a fit to the run)
+                    h2d = llm.tp_group.probe_h2d(llm) if tp_exec is not None else [None] * tp
+                    log(f"{policy} repeat {rep}: H2D probe GB/s by rank {h2d}")
                     llm.timeline.clear()
                     base = llm.stats()
                     if tp_exec is not None:  # per-step host lateness (issue 15's TP policy gap), no device sync
@@ -597,10 +610,11 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                         "graphed_steps": int(frame["cuda_graph"].sum()), "engine_build": gi,
                         "warmup_pass": "same workload, discarded", "tensor_parallel_size": tp, "repeat": rep,
                         "all_reduce": llm.memory_report["all_reduce"],
+                        **{f"h2d_gbps_rank{r}": h2d[r] for r in range(tp)}, "load_gbps": load_gbps(frame),
                         **provenance()})
                     log(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "output_throughput",
                                                                "mean_ttft_ms", "mean_tpot_ms", "stalls", "compiles",
-                                                               "graphed_steps")}))
+                                                               "graphed_steps", "load_gbps")}))
             llm.check_integrity()
             if gi == len(groups) - 1:
                 kill_check(llm, trace, out, "nccl" if cuda else "gloo")

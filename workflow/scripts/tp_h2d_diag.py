@@ -68,7 +68,7 @@ def topology(ngpu: int) -> tuple[str, numa.Topology, list[str]]:
     return "".join(text), topo, buses
 
 
-def worker(case: str, gpu: int, node, pinned: bool, chunk: int, total: int, rounds: int, streams: int,
+def worker(case: str, gpu: int, node, pinned: bool, chunk: int, total: int, rounds: int, streams: int, nbuf: int,
            barrier, queue) -> None:
     """One process: bind (before CUDA), allocate + touch a host buffer, time its H2D copies; rows to the queue."""
     try:
@@ -82,33 +82,36 @@ def worker(case: str, gpu: int, node, pinned: bool, chunk: int, total: int, roun
         dev = torch.device("cuda", gpu)
         torch.cuda.set_device(dev)
         torch.empty(1, device=dev)
-        host = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
-        host.fill_(1)
-        pages = numa_pages(host)
+        hosts = [torch.empty(total, dtype=torch.uint8, pin_memory=pinned) for _ in range(nbuf)]
+        for host in hosts:
+            host.fill_(1)
         cpu_now = int(Path('/proc/self/stat').read_text().rsplit(')', 1)[1].split()[36])  # field 39: last CPU
         if barrier is not None:
             barrier.wait(timeout=120)
-        t0 = time.time()
-        med, rates = h2d_gbps(host, dev, chunk, total, rounds, streams)
-        for r, rate in enumerate(rates):
-            queue.put(dict(case=case, gpu=gpu, bound_node=node, cpu_at_alloc=cpu_now,
-                           host_pages=";".join(f"N{k}={v}" for k, v in sorted(pages.items())),
-                           memory="pinned" if pinned else "pageable", chunk_bytes=chunk, streams=streams,
-                           concurrent=int(barrier is not None), round=r, t_start=round(t0, 3), gbps=round(rate, 2)))
+        for b, host in enumerate(hosts):
+            pages = numa_pages(host)
+            t0 = time.time()
+            med, rates = h2d_gbps(host, dev, chunk, total, rounds, streams)
+            for r, rate in enumerate(rates):
+                queue.put(dict(case=case, gpu=gpu, bound_node=node, cpu_at_alloc=cpu_now, buffer=b,
+                               host_pages=";".join(f"N{k}={v}" for k, v in sorted(pages.items())),
+                               memory="pinned" if pinned else "pageable", chunk_bytes=chunk, streams=streams,
+                               concurrent=int(barrier is not None), round=r, t_start=round(t0, 3),
+                               gbps=round(rate, 2)))
     except BaseException as exc:  # noqa: BLE001 - report, do not hang the parent
         queue.put(dict(case=case, gpu=gpu, bound_node=node, error=repr(exc)))
 
 
 def run_case(ctx, case: str, procs: list[tuple], args) -> list[dict]:
-    """procs: (gpu, node, pinned, chunk, streams) per process; more than one = concurrent (a start barrier)."""
+    """procs: (gpu, node, pinned, chunk, streams, buffers) per process; more than one = concurrent (a start barrier)."""
     queue = ctx.Queue()
     barrier = ctx.Barrier(len(procs)) if len(procs) > 1 else None
-    ps = [ctx.Process(target=worker, args=(case, g, n, pin, chunk, args.total_mb << 20, args.rounds, st, barrier,
-                                           queue)) for g, n, pin, chunk, st in procs]
+    ps = [ctx.Process(target=worker, args=(case, g, n, pin, chunk, args.total_mb << 20, args.rounds, st, nbuf,
+                                           barrier, queue)) for g, n, pin, chunk, st, nbuf in procs]
     for p in ps:
         p.start()
     rows: list[dict] = []
-    expect = len(procs) * args.rounds
+    expect = sum(p[5] for p in procs) * args.rounds
     deadline = time.time() + args.case_timeout
     while len(rows) < expect and time.time() < deadline:
         try:
@@ -132,21 +135,22 @@ def cases(nodes: list[int], topo: numa.Topology, buses: list[str]) -> list[tuple
     for g in (0, 1):
         for n in nodes:
             tag = "local" if local.get(g) == n else ("remote" if local.get(g) is not None else "node")
-            out.append((f"alone_g{g}_n{n}_{tag}", [(g, n, True, EXPERT_SLICE, 1)]))
+            out.append((f"alone_g{g}_n{n}_{tag}", [(g, n, True, EXPERT_SLICE, 1, 1)]))
         for k in range(3):
-            out.append((f"alone_g{g}_unbound_{k}", [(g, "unbound", True, EXPERT_SLICE, 1)]))
-    out.append(("alone_g0_unbound_bigchunk", [(0, "unbound", True, 64 << 20, 1)]))
-    out.append(("alone_g0_unbound_2streams", [(0, "unbound", True, EXPERT_SLICE, 2)]))
-    out.append(("alone_g0_unbound_pageable", [(0, "unbound", False, EXPERT_SLICE, 1)]))
+            out.append((f"alone_g{g}_unbound_{k}", [(g, "unbound", True, EXPERT_SLICE, 1, 1)]))
+    out.append(("alone_g0_unbound_4buffers", [(0, "unbound", True, EXPERT_SLICE, 1, 4)]))
+    out.append(("alone_g0_unbound_bigchunk", [(0, "unbound", True, 64 << 20, 1, 1)]))
+    out.append(("alone_g0_unbound_2streams", [(0, "unbound", True, EXPERT_SLICE, 2, 1)]))
+    out.append(("alone_g0_unbound_pageable", [(0, "unbound", False, EXPERT_SLICE, 1, 1)]))
     both_local = [local.get(g) for g in (0, 1)]
     if len(nodes) > 1 and None not in both_local:
         remote = [next(n for n in nodes if n != both_local[g]) for g in (0, 1)]
-        out.append(("both_local", [(g, both_local[g], True, EXPERT_SLICE, 1) for g in (0, 1)]))
-        out.append(("both_remote", [(g, remote[g], True, EXPERT_SLICE, 1) for g in (0, 1)]))
+        out.append(("both_local", [(g, both_local[g], True, EXPERT_SLICE, 1, 1) for g in (0, 1)]))
+        out.append(("both_remote", [(g, remote[g], True, EXPERT_SLICE, 1, 1) for g in (0, 1)]))
     if len(nodes) > 1:
-        out.append(("both_node0", [(g, nodes[0], True, EXPERT_SLICE, 1) for g in (0, 1)]))
+        out.append(("both_node0", [(g, nodes[0], True, EXPERT_SLICE, 1, 1) for g in (0, 1)]))
     for k in range(2):
-        out.append((f"both_unbound_{k}", [(g, "unbound", True, EXPERT_SLICE, 1) for g in (0, 1)]))
+        out.append((f"both_unbound_{k}", [(g, "unbound", True, EXPERT_SLICE, 1, 1) for g in (0, 1)]))
     return out
 
 
@@ -191,12 +195,12 @@ def main() -> int:
             continue
         got = run_case(ctx, case, procs, args)
         rows += got
-        for g in sorted({r["gpu"] for r in got if "gbps" in r}):
-            rates = [r["gbps"] for r in got if r.get("gpu") == g and "gbps" in r]
-            pages = next(r["host_pages"] for r in got if r.get("gpu") == g and "gbps" in r)
-            print(f"[{time.time() - t_start:5.1f}s] {case:28s} gpu{g} median {statistics.median(rates):6.2f} GB/s "
-                  f"(min {min(rates):.2f} max {max(rates):.2f}) pages {pages}", flush=True)
-    fields = ["case", "gpu", "bound_node", "cpu_at_alloc", "host_pages", "memory", "chunk_bytes", "streams",
+        for g, b in sorted({(r["gpu"], r["buffer"]) for r in got if "gbps" in r}):
+            sel = [r for r in got if r.get("gpu") == g and r.get("buffer") == b]
+            rates = [r["gbps"] for r in sel]
+            print(f"[{time.time() - t_start:5.1f}s] {case:28s} gpu{g} buf{b} median {statistics.median(rates):6.2f} "
+                  f"GB/s (min {min(rates):.2f} max {max(rates):.2f}) pages {sel[0]['host_pages']}", flush=True)
+    fields = ["case", "gpu", "bound_node", "cpu_at_alloc", "buffer", "host_pages", "memory", "chunk_bytes", "streams",
               "concurrent", "round", "t_start", "gbps", "error"]
     with open(out / "h2d.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
@@ -204,14 +208,15 @@ def main() -> int:
         w.writerows(rows)
     with open(out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["case", "gpu", "bound_node", "host_pages", "median_gbps", "min_gbps", "max_gbps"])
+        w.writerow(["case", "gpu", "buffer", "bound_node", "host_pages", "median_gbps", "min_gbps", "max_gbps"])
         for case, _ in plan:
             for g in (0, 1):
-                got = [r for r in rows if r["case"] == case and r.get("gpu") == g and "gbps" in r]
-                if got:
-                    rates = [r["gbps"] for r in got]
-                    w.writerow([case, g, got[0]["bound_node"], got[0]["host_pages"], statistics.median(rates),
-                                min(rates), max(rates)])
+                for b in range(4):
+                    got = [r for r in rows if r["case"] == case and r.get("gpu") == g and r.get("buffer") == b]
+                    if got:
+                        rates = [r["gbps"] for r in got]
+                        w.writerow([case, g, b, got[0]["bound_node"], got[0]["host_pages"],
+                                    statistics.median(rates), min(rates), max(rates)])
     print(f"done in {time.time() - t_start:.1f}s", flush=True)
     return 0
 
