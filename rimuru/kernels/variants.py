@@ -5,7 +5,8 @@ Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the seven
 wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
 
 * ``merge``: split-KV decode merges its splits inside the decode kernel (the last split of a request and KV head
-  to finish merges; no ``decode_reduce_kernel`` launch);
+  to finish merges; no ``decode_reduce_kernel`` launch); off (2x H200 at 5096965, 48 layers: TP=1 -0.065 ms at 64
+  running and TP=2 unchanged, TP=2 -0.037 / TP=1 +0.019 at 256: mixed; results/reference/e2e_tp2/levers_48L/);
 * ``direct_moe``: the fused MoE builds its expert-grouped schedule from the top-k ids inside the kernel for
   small batches (no ``moe_align`` launch);
 * ``qkv_fused``: q/k RMSNorm + RoPE and the KV write in one launch per layer (not two ``norm_rope`` and a
@@ -43,11 +44,14 @@ wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
   through ``small_linear.wide_linear`` (all rows in one ``tl.dot`` tile, 32 output columns a program, no split-K)
   instead of cuBLAS (2x H200 at 4902a34: 7.5-7.7 vs 6.2-6.5 us at a TP=2 rank's shapes and 64 rows, 11.3-21.5 vs
   6.6-9.8 us elsewhere; results/reference/e2e_tp2/default_48L/);
-* ``pdl_wide`` (issue 13 wave 9, off by default until measured): ``pdl_chain`` at every decode batch size, not only
-  at most ``pdl.PDL_MAX_ROWS`` rows, and the flag-free fused all-reduce kernel (``lamport_add_rms_norm_kernel``, the
-  tensor-parallel sub-layer end) in the chain too (without it that kernel breaks the chain at every batch size): a TP
-  rank's kernels are half a TP=1 step's, so each launch's latency weighs twice as much in its step;
-* ``slice_tiles`` (issue 13 wave 9, off by default until measured): a fused-MoE shape without a tuned table that is a
+* ``pdl_wide`` (issue 13 wave 9, off: measured no gain and failed the killed-rank check): ``pdl_chain`` at every
+  decode batch size, not only at most ``pdl.PDL_MAX_ROWS`` rows, and the flag-free fused all-reduce kernel
+  (``lamport_add_rms_norm_kernel``, the tensor-parallel sub-layer end) in the chain too (without it that kernel breaks
+  the chain at every batch size). 2x H200 at 5096965, 48 layers: TP=2 -0.020 ms at 64 running but +0.078 at 256, TP=1
+  -0.076 / +0.272 (the step ratio worse at 64); bit-identical greedy tokens; a killed rank's error was not reported
+  within 72 s with it (results/reference/e2e_tp2/levers_48L/);
+* ``slice_tiles`` (issue 13 wave 9, off: measured no gain, TP=2 +0.025 ms at 64 running, -0.014 at 256 within the
+  spread; results/reference/e2e_tp2/levers_48L/): a fused-MoE shape without a tuned table that is a
   tensor-parallel slice of a tuned one (Qwen3-30B-A3B's experts at TP=2: intermediate 384 of 768) takes the full
   width's tiles by token count (``fused_moe.slice_table``) instead of the generic rows-per-expert rule, which picks
   64-row blocks from 256 tokens at top-8 where the tuned table keeps 16- and 32-row blocks up to 511;
