@@ -149,14 +149,18 @@ class TensorParallelGroup:
         """A rank died while the engine thread is blocked inside a step that cannot finish (a driver call waiting
         for a kernel that waits for the dead rank, which neither the NCCL abort nor the peer release freed): after
         ``LAST_RESORT_S`` the process reports the error naming the rank, dumps every thread's stack, terminates
-        the other workers and exits with status 1 — loud, never a hang. An engine thread that reported the error,
-        or that is not inside a step (the next step raises it), is left alone."""
+        the other workers and exits with status 1 — loud, never a hang. An engine thread that has left the step (it
+        raised the error) or was not inside one (the next step raises it) is left alone. One that reported the error
+        but is still inside the step is not: its ``fail`` → ``close`` can block in NCCL's abort, which waits for a
+        device that never drains (2x H200 at 5096965, the ``pdl_wide`` lever: the peer release's side-stream fill never
+        completed, and a last resort that stood down on the reported error left the process hanging,
+        results/reference/e2e_tp2/levers_48L/)."""
         deadline = time.monotonic() + LAST_RESORT_S
         while time.monotonic() < deadline:
-            if self.error is not None or self._closed:
+            if not self.busy:
                 return
             time.sleep(0.2)
-        if self.error is not None or self._closed or not self.busy:
+        if not self.busy:
             return
         import faulthandler
         import sys

@@ -435,22 +435,35 @@ def test_async_scheduling_killed_worker_ends_the_engine(model_dir):
 
 def test_last_resort_exits_loudly_only_when_the_engine_thread_is_stuck_in_a_step():
     """A rank died and the engine thread stays blocked inside a step (a driver call nothing frees): after
-    LAST_RESORT_S the process says which rank died and exits with status 1; an engine thread that is not inside a
-    step, or that already reported the error, is left alone."""
+    LAST_RESORT_S the process says which rank died and exits with status 1 — also when the engine thread already
+    reported the error and closed the group but is still inside the step (its close blocked in NCCL's abort, as on
+    2x H200 at 5096965); an engine thread that is not inside a step, or that left it (reported or not), is left alone,
+    and one that leaves the step before LAST_RESORT_S too."""
     import subprocess
     import sys
 
     code = """
-import sys, rimuru.distributed.group as g
-g.LAST_RESORT_S = 0.3
+import sys, threading, time, rimuru.distributed.group as g
+g.LAST_RESORT_S = 0.6
 grp = object.__new__(g.TensorParallelGroup)
 grp.error, grp._closed, grp.procs, grp.step = None, False, [], 7
-grp.busy = sys.argv[1] == "busy"
+busy, reported, leaves = (w in sys.argv[1].split(",") for w in ("busy", "reported", "leaves"))
+grp.busy = busy
+if reported:  # the engine thread's fail(): the error set and the group closed
+    grp.error, grp._closed = RuntimeError("rank 1 exited"), True
+if leaves:  # it raises out of the step after 0.2 s
+    threading.Timer(0.2, lambda: setattr(grp, "busy", False)).start()
 grp._last_resort(1, -9)
 print("left alone")
 """
-    stuck = subprocess.run([sys.executable, "-c", code, "busy"], capture_output=True, text=True, timeout=60)
-    assert stuck.returncode == 1 and "left alone" not in stuck.stdout
-    assert "rank 1 exited with code -9" in stuck.stderr and "step 7" in stuck.stderr
-    idle = subprocess.run([sys.executable, "-c", code, "idle"], capture_output=True, text=True, timeout=60)
-    assert idle.returncode == 0 and "left alone" in idle.stdout
+
+    def run(case: str):
+        return subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, timeout=60)
+
+    for case in ("busy", "busy,reported"):
+        stuck = run(case)
+        assert stuck.returncode == 1 and "left alone" not in stuck.stdout, case
+        assert "rank 1 exited with code -9" in stuck.stderr and "step 7" in stuck.stderr
+    for case in ("idle", "idle,reported", "busy,leaves", "busy,reported,leaves"):
+        idle = run(case)
+        assert idle.returncode == 0 and "left alone" in idle.stdout, case
