@@ -34,6 +34,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 from rimuru.distributed.errors import TensorParallelError
+from rimuru.distributed.h2d_probe import H2DRate, h2d_gbps
 from rimuru.distributed.replica import BatchReceiver, BatchSender, apply_ops, state_digest, synchronize
 from rimuru.engine.executor import LaunchedDecode
 
@@ -302,16 +303,17 @@ class TensorParallelGroup:
                 "iters": iters, "all_reduce": name, "sublayer": sublayer, "ms_per_group": mine,
                 "ms_per_group_by_rank": [mine, *others]}
 
-    def probe_h2d(self, llm, total_bytes: int = 1 << 30, rounds: int = 5) -> list[float | None]:
+    def probe_h2d(self, llm, total_bytes: int = 1 << 30, rounds: int = 5) -> list[H2DRate | None]:
         """Every rank at once copies ``total_bytes`` of its own pinned host expert store to its GPU, one expert slice
         a copy (as its loads do), ``rounds`` timed rounds after a discarded one: each rank's median GB/s, rank order
-        (None: the rank has no host store, e.g. ``static``). An independent probe of the rate its loads can get."""
+        (None: the rank has no host store, e.g. ``static``), with the host time to enqueue one copy. An independent
+        probe of the rate its loads can get."""
         self.send(("probe_h2d", total_bytes, rounds))
         try:
             mine = host_h2d_gbps(llm, total_bytes, rounds)
         except Exception as exc:  # noqa: BLE001
             raise self.fail(exc) from exc
-        return [mine, *(gbps for (gbps,) in self.gather("probed"))]
+        return [mine, *(rate for (rate,) in self.gather("probed"))]
 
     def use_all_reduce(self, llm, name: str) -> None:
         """Every rank switches its all-reduce to backend ``name`` and recaptures its decode graphs with it (an A/B
@@ -515,16 +517,14 @@ def wait_for_event(group: TensorParallelGroup, done: torch.cuda.Event) -> None:
         time.sleep(0)  # let the monitor thread in
 
 
-def host_h2d_gbps(llm, total_bytes: int, rounds: int) -> float | None:
-    """This rank's median H2D GB/s from its pinned host expert store, one expert slice a copy (None: no store or no
+def host_h2d_gbps(llm, total_bytes: int, rounds: int) -> H2DRate | None:
+    """This rank's H2D rate from its pinned host expert store, one expert slice a copy (None: no store or no
     CUDA)."""
-    from rimuru.distributed.h2d_probe import h2d_gbps
-
     host = llm.loader.host if llm.loader is not None else None
     if host is None or llm.device.type != "cuda":
         return None
     chunk = host[0, 0].numel() * host.element_size()
-    return h2d_gbps(host, llm.device, chunk, min(total_bytes, host.numel() * host.element_size()), rounds)[0]
+    return h2d_gbps(host, llm.device, chunk, min(total_bytes, host.numel() * host.element_size()), rounds)
 
 
 def switch_all_reduce(llm, name: str) -> None:

@@ -9,16 +9,26 @@ node(s) a host buffer's pages sit (the mapping holding its first byte).
 from __future__ import annotations
 
 import statistics
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 
+@dataclass(frozen=True)
+class H2DRate:
+    """``gbps``: the median round's rate (GPU-timed); ``rates``: every round's; ``issue_us``: the median round's host
+    time to enqueue one copy (wall clock around the enqueue loop / copies: a load's host side, not its transfer)."""
+    gbps: float
+    rates: list[float]
+    issue_us: float
+
+
 def h2d_gbps(host: torch.Tensor, device: torch.device, chunk_bytes: int, total_bytes: int, rounds: int = 5,
-             streams: int = 1) -> tuple[float, list[float]]:
-    """Median and per-round GB/s of copying ``total_bytes`` of ``host`` (flattened, from its start, wrapping) to
-    ``device`` in ``chunk_bytes`` copies, spread round-robin over ``streams`` side streams. One discarded round
-    first (warm-up)."""
+             streams: int = 1) -> H2DRate:
+    """The rate of copying ``total_bytes`` of ``host`` (flattened, from its start, wrapping) to ``device`` in
+    ``chunk_bytes`` copies, spread round-robin over ``streams`` side streams. One discarded round first (warm-up)."""
     if device.type != "cuda":
         raise ValueError(f"h2d_gbps needs a CUDA device, got {device}")
     flat = host.reshape(-1).view(torch.uint8)
@@ -31,25 +41,29 @@ def h2d_gbps(host: torch.Tensor, device: torch.device, chunk_bytes: int, total_b
     dst = torch.empty(slots * chunk_bytes, dtype=torch.uint8, device=device)
     side = [torch.cuda.Stream(device) for _ in range(streams)]
     rates: list[float] = []
+    issue: list[float] = []
     for r in range(rounds + 1):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         cur = torch.cuda.current_stream(device)
         start.record(cur)
         for s in side:
             s.wait_stream(cur)
+        t0 = time.perf_counter()
         for i in range(n):
             j = i % per
             k = i % slots
             with torch.cuda.stream(side[i % streams]):
                 dst[k * chunk_bytes:(k + 1) * chunk_bytes].copy_(flat[j * chunk_bytes:(j + 1) * chunk_bytes],
                                                                 non_blocking=True)
+        t1 = time.perf_counter()
         for s in side:
             cur.wait_stream(s)
         end.record(cur)
         end.synchronize()
         if r:
             rates.append(n * chunk_bytes / (start.elapsed_time(end) * 1e-3) / 1e9)
-    return statistics.median(rates), rates
+            issue.append((t1 - t0) / n * 1e6)
+    return H2DRate(statistics.median(rates), rates, statistics.median(issue))
 
 
 def numa_pages(tensor: torch.Tensor, maps: str | Path = "/proc/self/numa_maps") -> dict[int, int]:

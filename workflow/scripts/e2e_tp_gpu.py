@@ -577,7 +577,8 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                     # each rank's pinned-store H2D rate, all ranks at once, just before the timed pass (an
                     # independent probe of what this engine's loads can get; not a fit to the run)
                     h2d = llm.tp_group.probe_h2d(llm) if tp_exec is not None else [None] * tp
-                    log(f"{policy} repeat {rep}: H2D probe GB/s by rank {h2d}")
+                    log(f"{policy} repeat {rep}: H2D probe by rank (GB/s, us to enqueue a copy) "
+                        f"{[None if h is None else (round(h.gbps, 2), round(h.issue_us, 2)) for h in h2d]}")
                     llm.timeline.clear()
                     base = llm.stats()
                     if tp_exec is not None:  # per-step host lateness (issue 15's TP policy gap), no device sync
@@ -610,7 +611,9 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                         "graphed_steps": int(frame["cuda_graph"].sum()), "engine_build": gi,
                         "warmup_pass": "same workload, discarded", "tensor_parallel_size": tp, "repeat": rep,
                         "all_reduce": llm.memory_report["all_reduce"],
-                        **{f"h2d_gbps_rank{r}": h2d[r] for r in range(tp)}, "load_gbps": load_gbps(frame),
+                        **{f"h2d_gbps_rank{r}": None if h2d[r] is None else h2d[r].gbps for r in range(tp)},
+                        **{f"h2d_issue_us_rank{r}": None if h2d[r] is None else h2d[r].issue_us for r in range(tp)},
+                        "load_gbps": load_gbps(frame),
                         **provenance()})
                     log(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "output_throughput",
                                                                "mean_ttft_ms", "mean_tpot_ms", "stalls", "compiles",

@@ -91,7 +91,7 @@ def worker(case: str, gpu: int, node, pinned: bool, chunk: int, total: int, roun
         for b, host in enumerate(hosts):
             pages = numa_pages(host)
             t0 = time.time()
-            med, rates = h2d_gbps(host, dev, chunk, total, rounds, streams)
+            rates = h2d_gbps(host, dev, chunk, total, rounds, streams).rates
             for r, rate in enumerate(rates):
                 queue.put(dict(case=case, gpu=gpu, bound_node=node, cpu_at_alloc=cpu_now, buffer=b,
                                host_pages=";".join(f"N{k}={v}" for k, v in sorted(pages.items())),
