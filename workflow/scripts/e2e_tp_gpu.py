@@ -30,6 +30,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import time
@@ -584,7 +585,11 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                     if tp_exec is not None:  # per-step host lateness (issue 15's TP policy gap), no device sync
                         tp_exec.pop_lateness()
                         tp_exec.timing = True
+                    # rank 0's serving thread: CPU time and context switches over the pass (a slowed or preempted
+                    # host thread shows here, not in the H2D probe)
+                    ru0, cpu0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
                     metrics, duration = serve(llm, trace, rate, args.seed)
+                    ru1, cpu1 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
                     stats = llm.stats()
                     frame = llm.timeline.frame()
                     if tp_exec is not None:
@@ -613,11 +618,14 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                         "all_reduce": llm.memory_report["all_reduce"],
                         **{f"h2d_gbps_rank{r}": None if h2d[r] is None else h2d[r].gbps for r in range(tp)},
                         **{f"h2d_issue_us_rank{r}": None if h2d[r] is None else h2d[r].issue_us for r in range(tp)},
-                        "load_gbps": load_gbps(frame),
+                        "load_gbps": load_gbps(frame), "rank0_thread_cpu_s": cpu1 - cpu0,
+                        "rank0_involuntary_switches": ru1.ru_nivcsw - ru0.ru_nivcsw,
+                        "rank0_voluntary_switches": ru1.ru_nvcsw - ru0.ru_nvcsw,
                         **provenance()})
                     log(json.dumps({k: rows[-1][k] for k in ("policy", "workload", "repeat", "output_throughput",
                                                                "mean_ttft_ms", "mean_tpot_ms", "stalls", "compiles",
-                                                               "graphed_steps", "load_gbps")}))
+                                                               "graphed_steps", "load_gbps", "duration_s",
+                                                               "rank0_thread_cpu_s", "rank0_involuntary_switches")}))
             llm.check_integrity()
             if gi == len(groups) - 1:
                 kill_check(llm, trace, out, "nccl" if cuda else "gloo")
