@@ -44,12 +44,12 @@ wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
   through ``small_linear.wide_linear`` (all rows in one ``tl.dot`` tile, 32 output columns a program, no split-K)
   instead of cuBLAS (2x H200 at 4902a34: 7.5-7.7 vs 6.2-6.5 us at a TP=2 rank's shapes and 64 rows, 11.3-21.5 vs
   6.6-9.8 us elsewhere; results/reference/e2e_tp2/default_48L/);
-* ``pdl_wide`` (issue 13 wave 9, off: measured no gain and failed the killed-rank check): ``pdl_chain`` at every
+* ``pdl_wide`` (issue 13 wave 9, off: measured no gain for the step ratio): ``pdl_chain`` at every
   decode batch size, not only at most ``pdl.PDL_MAX_ROWS`` rows, and the flag-free fused all-reduce kernel
   (``lamport_add_rms_norm_kernel``, the tensor-parallel sub-layer end) in the chain too (without it that kernel breaks
   the chain at every batch size). 2x H200 at 5096965, 48 layers: TP=2 -0.020 ms at 64 running but +0.078 at 256, TP=1
-  -0.076 / +0.272 (the step ratio worse at 64); bit-identical greedy tokens; a killed rank's error was not reported
-  within 72 s with it (results/reference/e2e_tp2/levers_48L/);
+  -0.076 / +0.272 (the step ratio worse at 64); bit-identical greedy tokens; a killed-rank check with it hung once
+  (levers_48L/) and reported in 5.2 s once (kill_0d4539f/), where the default's control ran out of time;
 * ``slice_tiles`` (issue 13 wave 9, off: measured no gain, TP=2 +0.025 ms at 64 running, -0.014 at 256 within the
   spread; results/reference/e2e_tp2/levers_48L/): a fused-MoE shape without a tuned table that is a
   tensor-parallel slice of a tuned one (Qwen3-30B-A3B's experts at TP=2: intermediate 384 of 768) takes the full

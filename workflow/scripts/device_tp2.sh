@@ -38,7 +38,8 @@ kill_check() {  # $1 all_reduce (a comma list: an engine each, the last one's ra
   tag=$(echo "$1" | tr ',+' '__')  # the result's directory and log
   L=$(left)
   if [ "$L" -lt 45 ]; then echo "not started (time): kill check $1 $2" | tee -a "$OUT/driver.log"; return 1; fi
-  T=$(( 75 + 30 * $(echo "$1" | tr -cd ',' | wc -c) ))  # 30 s more for each engine after the first
+  T=$(( 105 + 30 * $(echo "$1" | tr -cd ',' | wc -c) ))  # 30 s more for each engine after the first; 105: a cold
+  # engine start took 50 s at 0d4539f (34 s warm), and the kill needs room for the last resort (30 s) and its dump
   T=$(( L < T ? L : T ))
   graphs=$([ "$2" = static ] && echo "--graphs --impl auto" || echo)  # graphs need the Triton kernels on GPUs
   echo "[$(( $(date +%s) - START ))s] kill check all_reduce=$1 policy=$2 (timeout $T s)" | tee -a "$OUT/driver.log"
