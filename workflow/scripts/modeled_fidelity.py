@@ -304,7 +304,9 @@ def main() -> None:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
                              f"{row['initial_cache_experts']}: budgets differ")
         n = int(row["num_requests"])
-        cal = hotset_prompts(command, n)
+        # the hotset routed the first prompts of the script's whole trace (--num-requests), a Poisson run may serve
+        # fewer of them (--poisson-requests): every served prompt is among the profiled ones when cal >= n
+        cal = hotset_prompts(command, int(command_arg(command, "--num-requests", n)))
         max_out = int(command_arg(command, "--max-output", 0))  # e2e_gpu.py's output cap (0: none)
         outputs = lengths["output_len"].clip(upper=max_out) if max_out else lengths["output_len"]
         if int(outputs[:n].sum()) != round(row["output_throughput"] * row["duration_s"]):
@@ -335,7 +337,7 @@ def main() -> None:
                          "running_lookahead": feat["running_lookahead"], "decode_kernels": feat["decode_kernels"],
                          "kernel_terms": kernels_option(feat["decode_kernels"])[1],
                          "async_overlap": feat["async_scheduling"], "commit": commit, "hotset_prompts": cal,
-                         "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": cal / n,
+                         "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": min(cal, n) / n,
                          "decode_gamma": llm.config.modeled_decode_gamma,
                          "decode_gamma_profile": gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[0],
                          "chunk_law": law_folder.get(str(Path(row["hotset"])), ("", None))[0],
