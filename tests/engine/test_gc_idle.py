@@ -28,7 +28,17 @@ def test_idle_collection_runs_only_when_idle_with_enough_pending_and_goes_full_o
         idle_collection(idle=True, counts=(-1, 0, 0), full_every=10)
 
 
-def test_young_threshold_is_held_by_a_count_and_restored_by_the_last_release():
+@pytest.fixture
+def no_holders(monkeypatch):
+    """No engine holds the threshold (one an earlier test warmed and never closed would, for the whole process)."""
+    monkeypatch.setattr(YoungThreshold, "_holders", 0)
+    monkeypatch.setattr(YoungThreshold, "_saved", None)
+    saved = gc.get_threshold()
+    yield
+    gc.set_threshold(*saved)
+
+
+def test_young_threshold_is_held_by_a_count_and_restored_by_the_last_release(no_holders):
     saved = gc.get_threshold()
     try:
         gc.set_threshold(700, 10, 10)
@@ -79,7 +89,7 @@ def _sequential_run(idle_collect: bool) -> tuple[GcRecorder, pd.DataFrame, tuple
     return rec, llm.timeline.frame(), serving
 
 
-def test_idle_collection_keeps_every_collection_out_of_the_steps():
+def test_idle_collection_keeps_every_collection_out_of_the_steps(no_holders):
     rec_on, frame_on, serving_on = _sequential_run(True)
     rec_off, frame_off, serving_off = _sequential_run(False)
     steps = len(frame_on)
