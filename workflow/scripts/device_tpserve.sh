@@ -6,7 +6,7 @@
 #      each rank's pinned-store H2D probe before every timed pass (h2d_gbps_rank0/1 in e2e_runs.csv) and rank 0's
 #      eager load rate (load_gbps), per-step lateness in timeline.csv.
 # Usage on the device: RIMURU_COMMIT=<sha> bash workflow/scripts/device_tpserve.sh  (DRY=1: CPU dry run, tiny sizes;
-# DIAG_S=0: no diagnostic). Results come back as diag.tgz / tp.tgz (the run tool returns at most 8 files).
+# DIAG_S=0: no diagnostic; DISCARD=0: no discarded first engine, as in the wave-9 calls). Results come back as diag.tgz / tp.tgz (the run tool returns at most 8 files).
 set -u
 PY=${PY:-python3}
 DIAG_S=${DIAG_S:-50}
@@ -32,7 +32,8 @@ fi
 [ "${DRY:-0}" = 1 ] || E2E_ARGS="--model qwen3-30b-a3b --layers 4 --num-requests 200 --max-output 128"
 timeout $(( E2E_S + 25 )) $PY workflow/scripts/e2e_tp_gpu.py $E2E_ARGS --skew 0.7 --tp 2 --budget 24GiB \
   --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz --repeats "$REPEATS" --policies elastic,fixed \
-  --workloads "$WORKLOADS" --skip-static --deadline-s $(( E2E_S - 60 )) --out "$OUT/tp" > "$OUT/e2e.log" 2>&1
+  --workloads "$WORKLOADS" --skip-static --deadline-s $(( E2E_S - 60 )) --out "$OUT/tp" \
+  $([ "${DISCARD:-1}" = 1 ] && echo --discard-engine) > "$OUT/e2e.log" 2>&1
 echo "e2e rc=$? at $(date -u +%TZ)" | tee -a "$OUT/driver.log"
 grep -h "H2D probe\|output_throughput\|deadline\|Error\|error" "$OUT/e2e.log" | tail -20
 tail -3 "$OUT/e2e.log"

@@ -193,6 +193,9 @@ def main() -> None:
                     help="the all-reduce of the hybrid and serving engines: the same for every engine of the A/B (one "
                     "engine per process can use symm_mem; the static part's engine is that one)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--discard-engine", action="store_true",
+                    help="serving: build, warm up and serve once on a first TP engine that is not recorded (in every "
+                         "wave-8/9 call the first engine of the process loaded slowest, either policy)")
     ap.add_argument("--ab-kernels", default="", help="decode kernel lever sets for the static step's A/B, "
                     "';'-separated (rimuru.kernels.variants: 'fast;fast,pdl_wide'): every engine runs the whole A/B "
                     "sequence with each, switched at run time (graphs recaptured on every rank); '' the process's "
@@ -560,6 +563,21 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
             groups[-1].append(run)
         else:
             groups.append([run])
+    if args.discard_engine:  # the first TP engine of a process loaded slowest in every wave-8/9 call, either
+        # policy (serving_19009df): build one, warm it up, serve each workload once, record nothing
+        log(f"discarded engine ({policies[0]}): build, warm-up, one pass of each workload")
+        llm = LLM(model_dir, gpu_memory_budget=budgets[policies[0]], policy=policies[0], kv_reserve=args.kv_reserve,
+                  hotset=args.hotset or None, tensor_parallel_size=tp, all_reduce=args.serving_all_reduce, **common)
+        try:
+            llm.warmup(2560)
+            for workload in args.workloads.split(","):
+                serve(llm, trace, args.rate if workload == "poisson" else None, args.seed)
+        finally:
+            llm.close()
+        del llm
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
     for gi, group in enumerate(groups):
         policy = group[0][1]
         if time.perf_counter() - T0 > args.deadline_s:
@@ -615,6 +633,7 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                         "duration_s": duration, "stalls": stalls, "compiles": compiles,
                         "graphed_steps": int(frame["cuda_graph"].sum()), "engine_build": gi,
                         "warmup_pass": "same workload, discarded", "tensor_parallel_size": tp, "repeat": rep,
+                        "discarded_first_engine": int(args.discard_engine),
                         "all_reduce": llm.memory_report["all_reduce"],
                         **{f"h2d_gbps_rank{r}": None if h2d[r] is None else h2d[r].gbps for r in range(tp)},
                         **{f"h2d_issue_us_rank{r}": None if h2d[r] is None else h2d[r].issue_us for r in range(tp)},
