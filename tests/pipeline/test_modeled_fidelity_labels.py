@@ -47,3 +47,31 @@ def test_a_tp_runs_h2d_rate_is_its_slowest_ranks_probe():
     assert modeled_tp_check.run_h2d_gbps(pd.Series({"h2d_gbps_rank0": 41.0, "h2d_gbps_rank1": 28.5})) == 28.5
     assert modeled_tp_check.run_h2d_gbps(pd.Series({"h2d_gbps_rank0": 41.0})) is None
     assert modeled_tp_check.run_h2d_gbps(pd.Series({"h2d_gbps_rank0": 41.0, "h2d_gbps_rank1": float("nan")})) is None
+
+
+def test_tp_band_pools_a_setups_runs_over_calls_and_policies(fidelity, tmp_path):
+    """Runs of one TP set-up from two folders are pooled (median, min, max); each folder's replay is compared with the
+    pooled median and the measured range; a run of another set-up (other request count) is its own band."""
+    base = {"model": "m (4/48 layers)", "budget_gib": 24.0, "workload": "burst", "request_rate": float("inf"),
+            "tensor_parallel_size": 2, "commit": "abc"}
+    a = pd.DataFrame([base | {"num_requests": 200, "policy": p, "output_throughput": t, "mean_ttft_ms": 200.0}
+                      for p, t in (("elastic", 100.0), ("fixed", 80.0))])
+    b = pd.DataFrame([base | {"num_requests": 200, "policy": p, "output_throughput": t, "mean_ttft_ms": 300.0}
+                      for p, t in (("elastic", 90.0), ("fixed", 120.0))])
+    c = pd.DataFrame([base | {"num_requests": 48, "policy": "fixed", "output_throughput": 50.0, "mean_ttft_ms": 9.0}])
+    paths = []
+    for name, frame in (("a", a), ("b", b), ("c", c)):
+        (tmp_path / name).mkdir()
+        frame.to_csv(tmp_path / name / "e2e_runs.csv", index=False)
+        paths.append(str(tmp_path / name / "e2e_runs.csv"))
+    rows = [{"run": f"tp2_{f}/{p}/burst", "metric": m, "modeled": v, "commit": "abc"}
+            for f in ("a", "b") for p in ("elastic", "fixed")
+            for m, v in (("output_throughput", 99.0), ("mean_ttft_ms", 400.0))]
+    band = fidelity.tp_band(paths, pd.DataFrame(rows))
+    thr = band[(band["metric"] == "output_throughput") & (band["num_requests"] == 200)]
+    assert len(thr) == 4 and set(thr["runs"]) == {4} and set(thr["folders"]) == {2}
+    assert thr["pooled_median"].iloc[0] == 95.0 and thr["pooled_min"].iloc[0] == 80.0
+    assert thr["rel_error_vs_pooled"].iloc[0] == pytest.approx(99 / 95 - 1) and thr["within_measured_range"].all()
+    ttft = band[(band["metric"] == "mean_ttft_ms") & (band["num_requests"] == 200)]
+    assert not ttft["within_measured_range"].any()  # 400 ms against 200-300 measured
+    assert band[band["num_requests"] == 48].empty  # its own set-up, and no replay row of folder c was given

@@ -99,6 +99,7 @@ rule modeled_fidelity:
         kinds="results/modeled/fidelity_kinds.csv",  # beside csv: measured vs replayed steps summed per step kind
         positions="results/modeled/fidelity_decode_position.csv",  # beside csv: fixed Poisson misses by decode position
         pairs="results/modeled/fidelity_policy_pairs.csv",  # beside csv: TP fixed minus elastic at the same steps
+        band="results/modeled/fidelity_tp_band.csv",  # beside csv: TP validation runs pooled per set-up vs the replays
         figure="figures/modeled_fidelity.png",
         timelines=directory("results/modeled/fidelity_timelines"),
     params:

@@ -365,6 +365,8 @@ def main() -> None:
     Path(args.out_csv).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_csv, index=False)
     tp_paths = [p.partition("=")[2] for p in args.tp_runs]
+    validate_tp = [p.partition("=")[2] for p in args.tp_runs if p.partition("=")[0] == "validate"]
+    tp_band(validate_tp, frame).to_csv(Path(args.out_csv).with_name("fidelity_tp_band.csv"), index=False)
     kinds = step_kinds(args.reference, tp_paths, timelines)
     kinds.to_csv(Path(args.out_csv).with_name("fidelity_kinds.csv"), index=False)
     positions = decode_positions(args.reference, timelines, args.cost_params)
@@ -375,6 +377,44 @@ def main() -> None:
                             kernels=lambda commit: kernels_option(maps["decode_kernels"][commit])[0])
     serving.to_csv(Path(args.out_csv).with_name("fidelity_steps.csv"), index=False)
     figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), serving, args.figure)
+
+
+TP_BAND_METRICS = ("output_throughput", "mean_ttft_ms")
+
+
+def tp_band(runs_paths: list[str], fidelity: pd.DataFrame) -> pd.DataFrame:
+    """The TP validation held to a stated band (wave 9): the measured runs of one set-up (model label, per-GPU
+    budget, requests, workload, TP degree) pooled over every validation folder, call and policy — the measured order
+    of the policies reversed from call to call while each rank's pinned H2D probe stayed flat, and the model predicts
+    both policies within ~1% — as median, min and max; beside it each folder's replay (``fidelity``'s rows at the
+    profile's rate) with its error against the pooled median and whether it lies within the measured range."""
+    runs = []
+    for path in runs_paths:
+        r = pd.read_csv(path, dtype={"commit": str})
+        runs.append(r[r["request_rate"] == float("inf")].assign(folder=Path(path).parent.name))
+    if not runs:
+        return pd.DataFrame()
+    runs = pd.concat(runs, ignore_index=True)
+    keys = ["model", "budget_gib", "num_requests", "workload", "tensor_parallel_size"]
+    out = []
+    for setup, g in runs.groupby(keys):
+        for m in TP_BAND_METRICS:
+            v = g[m].astype(float)
+            med = float(v.median())
+            for (folder, policy), _ in g.groupby(["folder", "policy"]):
+                row = fidelity[(fidelity["run"] == f"tp{int(setup[4])}_{folder}/{policy}/burst")
+                               & (fidelity["metric"] == m)]
+                if row.empty:
+                    continue
+                modeled = float(row["modeled"].iloc[0])
+                out.append({**dict(zip(keys, setup)), "metric": m, "runs": len(v), "folders": g["folder"].nunique(),
+                            "pooled_median": med, "pooled_min": float(v.min()), "pooled_max": float(v.max()),
+                            "spread_low": float(v.min()) / med - 1, "spread_high": float(v.max()) / med - 1,
+                            "run": f"{folder}/{policy}", "commit": str(row["commit"].iloc[0]), "modeled": modeled,
+                            "rel_error_vs_pooled": modeled / med - 1,
+                            "within_measured_range": bool(v.min() <= modeled <= v.max()),
+                            "goal": GOALS.get(m, float("nan"))})
+    return pd.DataFrame(out)
 
 
 def step_kind(frame: pd.DataFrame) -> np.ndarray:
