@@ -152,13 +152,19 @@ def batch_bucket(tokens: int) -> int:
     return 1 << max(0, int(tokens) - 1).bit_length()
 
 
+def bucket_median(frame: pd.DataFrame) -> pd.Series:
+    """Each step's bucket median of ``step_ms``: the bucket is the step's kind (decode-only or with prefill) and its
+    token count rounded up to a power of two (``batch_bucket``). The one grouping behind every stall count here."""
+    key = [(frame["prefill_tokens"] > 0).to_numpy(), frame["tokens"].map(batch_bucket).to_numpy()]
+    return frame.groupby(key)["step_ms"].transform("median")
+
+
 def stall_mask(frame: pd.DataFrame, factor: float = STALL_FACTOR) -> pd.Series:
     """Steps slower than ``factor`` x the median of their bucket: same kind (decode-only or with prefill) and
     token count rounded up to a power of two. A JIT compile or a host hiccup shows up here."""
     if frame.empty:
         return pd.Series([], dtype=bool)
-    key = [(frame["prefill_tokens"] > 0).to_numpy(), frame["tokens"].map(batch_bucket).to_numpy()]
-    median = frame.groupby(key)["step_ms"].transform("median")
+    median = bucket_median(frame)
     return frame["step_ms"] > factor * median
 
 
@@ -170,8 +176,7 @@ def pcie_stall_mask(frame: pd.DataFrame, pcie_bytes_per_s: float, factor: float 
     and still flags a step delayed by anything else (a compile, a pause, someone else's copies on the link)."""
     if frame.empty:
         return pd.Series([], dtype=bool)
-    key = [(frame["prefill_tokens"] > 0).to_numpy(), frame["tokens"].map(batch_bucket).to_numpy()]
-    median = frame.groupby(key)["step_ms"].transform("median")
+    median = bucket_median(frame)
     own = frame["expert_bytes_loaded"] / pcie_bytes_per_s * 1e3
     return frame["step_ms"] > factor * median.where(median > own, own)
 
@@ -195,8 +200,7 @@ def stall_kinds(frame: pd.DataFrame, pcie_bytes_per_s: float, collected_rows: fr
         return pd.DataFrame(columns=columns)
     if pcie_bytes_per_s <= 0:
         raise ValueError(f"pcie_bytes_per_s must be > 0, got {pcie_bytes_per_s}")
-    key = [(frame["prefill_tokens"] > 0).to_numpy(), frame["tokens"].map(batch_bucket).to_numpy()]
-    median = frame.groupby(key)["step_ms"].transform("median")
+    median = bucket_median(frame)
     flagged = frame["step_ms"] > factor * median
     own = frame["expert_bytes_loaded"] / pcie_bytes_per_s * 1e3
     out = frame.loc[flagged, ["running", "tokens", "prefill_tokens", "experts_loaded", "step_ms"]].copy()
