@@ -9,6 +9,9 @@ The decision is a pure function of what sysfs says (:func:`plan_affinity`); :fun
 root directory, so tests use fixtures) and :func:`apply_affinity` is the one side effect
 (``os.sched_setaffinity``). Where sysfs has no NUMA information (one node, ``numa_node`` -1, a CPU device, no
 sysfs at all), the plan is "leave as is" with the reason, never an error.
+
+The engine does not bind its ranks yet: the one two-GPU machine measured (a VM) exposes a single NUMA node, so a
+binding had nothing to show there (docs/tensor_parallel.md). ``workflow/scripts/tp_h2d_diag.py`` uses the plan.
 """
 
 from __future__ import annotations
@@ -123,11 +126,3 @@ def apply_affinity(plan: AffinityPlan) -> None:
     if plan.cpus is not None:
         os.sched_setaffinity(0, plan.cpus)
 
-
-def bind_to_gpu(setting: str, index: int | None, root: str | os.PathLike = "/") -> AffinityPlan:
-    """Plan and apply this process's binding for CUDA device ``index`` (None: no GPU); returns the plan."""
-    bus = gpu_bus_id(index) if index is not None else None
-    topo = read_topology([bus] if bus else [], root)
-    plan = plan_affinity(setting, bus, topo, frozenset(os.sched_getaffinity(0)))
-    apply_affinity(plan)
-    return plan
