@@ -443,22 +443,26 @@ def test_last_resort_exits_loudly_only_when_the_engine_thread_is_stuck_in_a_step
     import sys
 
     code = """
-import sys, threading, time, rimuru.distributed.group as g
-g.LAST_RESORT_S = 0.6
+import sys, time, types, rimuru.distributed.group as g
+busy, reported, leaves = (w in sys.argv[1].split(",") for w in ("busy", "reported", "leaves"))
+# stuck cases wait the whole LAST_RESORT_S; a leaving engine thread leaves long before it (no race with the clock)
+g.LAST_RESORT_S = 60.0 if leaves else 0.6
 grp = object.__new__(g.TensorParallelGroup)
 grp.error, grp._closed, grp.procs, grp.step = None, False, [], 7
-busy, reported, leaves = (w in sys.argv[1].split(",") for w in ("busy", "reported", "leaves"))
 grp.busy = busy
 if reported:  # the engine thread's fail(): the error set and the group closed
     grp.error, grp._closed = RuntimeError("rank 1 exited"), True
-if leaves:  # it raises out of the step after 0.2 s
-    threading.Timer(0.2, lambda: setattr(grp, "busy", False)).start()
+if leaves:  # it raises out of the step while the last resort waits (during its first wait)
+    def _sleep(s):
+        grp.busy = False
+        time.sleep(s)
+    g.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=_sleep)
 grp._last_resort(1, -9)
 print("left alone")
 """
 
     def run(case: str):
-        return subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, timeout=60)
+        return subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, timeout=120)
 
     for case in ("busy", "busy,reported"):
         stuck = run(case)
