@@ -48,14 +48,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from rimuru.distributed.release import ONE, ZERO, Fill
 
 AUTO = "auto"
 SYMM_MEM_OR_NCCL = "symm_mem_or_nccl"
@@ -95,8 +95,11 @@ class AllReduceBackend(Protocol):
         """``add_rms_norm(h, all_reduce(partial), weight, eps)`` with ``partial`` = ``addend`` (``[T, d]`` or
         ``[T, k, d]`` summed) + ``extra``, fused; None: not fused here (the communicator composes it)."""
 
-    def release_peers(self, dead: list[int]) -> None:
-        """A peer died: let kernels of this rank that wait for it finish (garbage), so the device drains."""
+    def release_fills(self, dead: list[int]) -> list[Fill]:
+        """A peer died: what this rank's device memory must hold so that its kernels waiting for the dead ranks
+        finish (with garbage) and the device drains — written by rank 0's monitor through the copy engines
+        (:mod:`rimuru.distributed.release`); empty where nothing spins on the GPU (the process group's abort
+        releases NCCL's kernels)."""
 
     def close(self) -> None: ...
 
@@ -116,8 +119,8 @@ class ProcessGroupAllReduce:
     def add_rms_norm(self, h, addend, weight, eps, extra):
         return None
 
-    def release_peers(self, dead: list[int]) -> None:
-        pass  # the group's abort unblocks NCCL's kernels (rimuru/distributed/group.py)
+    def release_fills(self, dead: list[int]) -> list[Fill]:
+        return []  # the group's abort unblocks NCCL's kernels (rimuru/distributed/group.py)
 
     def close(self) -> None:
         pass
@@ -192,7 +195,6 @@ class SymmMemAllReduce:
         ops = torch.ops.symm_mem
         self._one_shot = ops.one_shot_all_reduce_copy_out if not two_shot else None
         self._two_shot = ops.two_shot_all_reduce_out if two_shot else None
-        self._release_lock = threading.Lock()
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         size = t.element_size()
@@ -208,37 +210,19 @@ class SymmMemAllReduce:
     def add_rms_norm(self, h, addend, weight, eps, extra):
         return None
 
-    def release_peers(self, dead: list[int], timeout_s: float = 30.0) -> None:
-        """Called on rank 0's monitor thread when a rank died: a kernel of this rank spinning at a barrier for the
-        dead rank never ends by itself (PyTorch's barriers have no timeout), and a device that never drains hangs
-        every later synchronising call (a free, ``empty_cache``, the server's exit path). Until this device's
-        default stream drains (or ``timeout_s``), keep raising the dead rank's flags in this rank's signal pad and
-        clearing this rank's flags in the dead rank's pad, on a side stream: every barrier then passes (the sums are
-        garbage; the engine is ending with the error)."""
-        if not dead:
-            return
-        with self._release_lock, torch.cuda.device(self.ctx.device):
-            unblock = self._unblocker(dead)
-            side = torch.cuda.Stream(self.ctx.device)
-            probe = torch.cuda.Event()
-            probe.record(torch.cuda.default_stream(self.ctx.device))
-            deadline = time.monotonic() + timeout_s
-            while not probe.query() and time.monotonic() < deadline:
-                with torch.cuda.stream(side):
-                    unblock()
-                side.synchronize()
-
-    def _unblocker(self, dead: list[int]) -> Callable[[], None]:
-        """What one round of :meth:`release_peers` writes: the dead ranks' arrival flags in this rank's signal pad
-        raised, this rank's flags in theirs cleared."""
+    def release_fills(self, dead: list[int]) -> list[Fill]:
+        """PyTorch's barrier (``sync_remote_blocks``): block ``b`` of rank ``r`` raises flag ``[b, r]`` in every
+        rank's signal pad (a compare-and-swap 0 -> 1 that waits while it is 1), then waits for flag ``[b, peer]`` in
+        its own pad to be 1 and lowers it. So for a dead rank ``d``: column ``d`` of this rank's pad raised (every
+        wait for it passes) and column ``me`` of ``d``'s pad lowered (every put into it passes); this rank's own
+        column (raised and lowered by one thread within one barrier) is never touched. The sums are garbage; the
+        engine is ending with the error."""
         me = self.ctx.rank
-        mine, theirs = self._pad(me), [self._pad(r) for r in dead]
-
-        def unblock() -> None:
-            for r, pad in zip(dead, theirs):
-                mine[:, r].fill_(1)
-                pad[:, me].fill_(0)
-        return unblock
+        mine = self._pad(me)
+        fills = []
+        for r in dead:
+            fills += [Fill(mine[:, r], ONE), Fill(self._pad(r)[:, me], ZERO)]
+        return fills
 
     def _pad(self, rank: int) -> torch.Tensor:
         """Rank ``rank``'s signal pad as ``[blocks, world]`` int32 flags: flag ``[b, r]`` is rank ``r``'s arrival at
@@ -293,16 +277,10 @@ class SymmMemFusedAllReduce(SymmMemAllReduce):
 
         return one_shot_add_rms_norm(h, addend, weight, eps, extra, peer_recv, my_recv, self.peer_flags, self.flags)
 
-    def _unblocker(self, dead: list[int]) -> Callable[[], None]:
-        """Also this backend's flags: this rank's raised (its waits pass), the dead peer's cleared (its pushes
+    def release_fills(self, dead: list[int]) -> list[Fill]:
+        """Also this backend's row flags: this rank's raised (its waits pass), the dead peer's lowered (its pushes
         pass)."""
-        pads = super()._unblocker(dead)
-
-        def unblock() -> None:
-            pads()
-            self.flags.fill_(1)
-            self.peer_flags.fill_(0)
-        return unblock
+        return super().release_fills(dead) + [Fill(self.flags, ONE), Fill(self.peer_flags, ZERO)]
 
     def close(self) -> None:
         super().close()
@@ -327,14 +305,10 @@ class SymmMemLamportAllReduce(SymmMemFusedAllReduce):
 
         return lamport_add_rms_norm(h, addend, weight, eps, extra, peer_recv, my_recv)
 
-    def _unblocker(self, dead: list[int]) -> Callable[[], None]:
-        """This rank's receive buffer filled with zeros (not the empty value): every pending poll passes."""
-        pads = super()._unblocker(dead)
-
-        def unblock() -> None:
-            pads()
-            self.recv.zero_()
-        return unblock
+    def release_fills(self, dead: list[int]) -> list[Fill]:
+        """Also this rank's receive buffer, zero bytes (+0.0, not the empty value -0.0): every pending poll
+        passes."""
+        return super().release_fills(dead) + [Fill(self.recv, ZERO)]
 
 
 def fused_takes(rows: int, cols: int, dtype: torch.dtype, max_bytes: int) -> bool:

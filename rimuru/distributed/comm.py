@@ -8,6 +8,7 @@ events around each all-reduce so a run can report the all-reduce time per step.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,6 +16,8 @@ from typing import Protocol
 import torch
 
 from rimuru.kernels.graph_timing import capture, replay_ms
+
+RELEASE_TIMEOUT_S = 30.0  # the peer release's bound (the process's last resort acts LAST_RESORT_S after a death)
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ class TorchDistributed:
         self.backends: dict[str, AllReduceBackend] = {group.name: group}  # built so far (all ranks alike)
         self.selection_report: dict = {"all_reduce": group.name}
         self.dead_ranks: list[int] = []  # written by rank 0's monitor thread: every later collective raises at once
+        self._release_kit = None  # the peer release's pinned sources and side streams (CUDA, peer-memory backends)
+        self._release_lock = threading.Lock()
 
     # ------------------------------------------------------------------ backends
     def _context(self, dtype: torch.dtype):
@@ -133,6 +138,7 @@ class TorchDistributed:
 
         sel = select_all_reduce(requested, self._context(dtype), self.agree)
         self.backend = self.backends[sel.backend.name] = sel.backend
+        self._prepare_release()
         self.selection_report = sel.report()
         return self.selection_report
 
@@ -148,6 +154,7 @@ class TorchDistributed:
             if backend is None:
                 raise AllReduceUnavailable(f"all_reduce={name!r}: {reason}")
             self.backends[name] = backend
+            self._prepare_release()
         self.backend = self.backends[name]
 
     def mark_dead(self, dead: list[int]) -> None:
@@ -155,13 +162,33 @@ class TorchDistributed:
         moment it sees a rank die)."""
         self.dead_ranks = sorted(set(self.dead_ranks) | set(dead))
 
-    def release_peers(self, dead: list[int]) -> None:
-        """A rank died (rank 0's monitor thread): let this rank's kernels waiting for it finish, and make every
-        later collective of this rank raise instead of calling into a group whose peer is gone (an eager step
-        after NCCL's abort would otherwise wait in the next collective until the store's timeout)."""
+    def _release_fills(self, dead: list[int]) -> list:
+        return [f for backend in list(self.backends.values()) for f in backend.release_fills(dead)]
+
+    def _prepare_release(self) -> None:
+        """The peer release's sources and side streams (rimuru/distributed/release.py), made now for every fill any
+        dead peer could need: nothing is allocated at failure time."""
+        if self.device.type != "cuda":
+            return
+        from rimuru.distributed.release import ReleaseKit
+
+        peers = [r for r in range(self.world_size) if r != self.shard.rank]
+        fills = self._release_fills(peers)
+        self._release_kit = ReleaseKit(self.device, fills) if fills else None
+
+    def release_peers(self, dead: list[int], timeout_s: float = RELEASE_TIMEOUT_S):
+        """A rank died (rank 0's monitor thread): make every later collective of this rank raise instead of calling
+        into a group whose peer is gone (an eager step after NCCL's abort would otherwise wait in the next collective
+        until the store's timeout), then write what the dead ranks would have written into every backend's
+        peer-memory buffers (``release_fills``) through the copy engines until the device drains or ``timeout_s``
+        (:func:`rimuru.distributed.release.release`: it never blocks on the device). Returns the
+        :class:`~rimuru.distributed.release.ReleaseReport` (None: nothing to release)."""
         self.mark_dead(dead)
-        for backend in list(self.backends.values()):
-            backend.release_peers(dead)
+        fills = self._release_fills(dead)
+        if not fills or self._release_kit is None:
+            return None
+        with self._release_lock:
+            return self._release_kit.run(fills, timeout_s)
 
     def close(self) -> None:
         for backend in self.backends.values():

@@ -91,6 +91,8 @@ class TensorParallelGroup:
         self.step = 0
         self._closed = False
         self.busy = False  # the engine thread is inside a collective step (written by it only)
+        self._closing = False  # a thread is inside close() (its NCCL abort can wait for the device)
+        self._close_done = False  # close() has returned
         self._abort_lock = threading.Lock()
         self._aborted = False
         ctx = mp.get_context("spawn")
@@ -147,36 +149,45 @@ class TensorParallelGroup:
                     self._abort()  # NCCL's collectives
 
     def _last_resort(self, rank: int, code: int | None) -> None:
-        """A rank died while the engine thread is blocked inside a step that cannot finish (a driver call waiting
-        for a kernel that waits for the dead rank, which neither the NCCL abort nor the peer release freed): after
-        ``LAST_RESORT_S`` the process reports the error naming the rank, dumps every thread's stack, terminates
-        the other workers and exits with status 1 — loud, never a hang. An engine thread that has left the step (it
-        raised the error) or was not inside one (the next step raises it) is left alone. One that reported the error
-        but is still inside the step is not: its ``fail`` → ``close`` can block in NCCL's abort, which waits for a
-        device that never drains (2x H200 at 5096965, the ``pdl_wide`` lever: the peer release's side-stream fill never
-        completed, and a last resort that stood down on the reported error left the process hanging,
-        results/reference/e2e_tp2/levers_48L/)."""
+        """A rank died while rank 0 is blocked in a call that cannot finish (a driver call waiting for a kernel that
+        waits for the dead rank, which neither the NCCL abort nor the peer release freed): ``LAST_RESORT_S`` after
+        the death the process reports the error naming the rank, dumps every thread's stack, terminates the other
+        workers and exits with status 1 — loud, never a hang. Blocked means the engine thread inside a step
+        (``busy``) or any thread inside :meth:`close` (NCCL's abort waits for a device that never drains: 2x H200
+        at 5096965, results/reference/e2e_tp2/levers_48L/, where the engine thread's ``fail`` → ``close`` hung in
+        it). It stands down early once :meth:`close` has finished and no step runs, and at the deadline if nothing
+        is blocked (an engine left alone after the error: its next step raises). The decision is
+        :func:`last_resort_action`."""
         deadline = time.monotonic() + LAST_RESORT_S
-        while time.monotonic() < deadline:
-            if not self.busy:
+        while True:
+            action = last_resort_action(blocked=self.busy or self._closing, finished=self._close_done,
+                                        expired=time.monotonic() >= deadline)
+            if action == STAND_DOWN:
                 return
+            if action == EXIT:
+                break
             time.sleep(0.2)
-        if not self.busy:
-            return
         import faulthandler
         import sys
 
-        print(f"rimuru: tensor-parallel rank {rank} exited with code {code}; the engine thread is still blocked in "
-              f"step {self.step} {LAST_RESORT_S:.0f} s later: exiting (status 1). Stacks:", file=sys.stderr, flush=True)
+        where = f"step {self.step}" if self.busy else "close (NCCL's abort)"
+        print(f"rimuru: tensor-parallel rank {rank} exited with code {code}; rank 0 is still blocked in {where} "
+              f"{LAST_RESORT_S:.0f} s later: exiting (status 1). Stacks:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(all_threads=True)
         _terminate(self.procs)
         os._exit(1)
 
     def _release(self, rank: int) -> None:
+        """The peer release (``comm.release_peers``: copy-engine writes, bounded); what it did goes to stderr, the
+        evidence of why a device did or did not drain after a death."""
+        import sys
+
         try:
-            self.comm.release_peers([rank])
-        except Exception:  # noqa: BLE001 - best effort: the engine ends with the error anyway
-            pass
+            report = self.comm.release_peers([rank])
+            if report is not None:
+                print(f"rimuru: rank {rank} died; {report.line()}", file=sys.stderr, flush=True)
+        except Exception as exc:  # noqa: BLE001 - best effort: the engine ends with the error anyway
+            print(f"rimuru: rank {rank} died; peer release failed: {exc!r}", file=sys.stderr, flush=True)
 
     def _abort(self) -> None:
         """Abort the NCCL group, once: the monitor thread (a rank died) and the engine thread (``fail`` →
@@ -348,6 +359,14 @@ class TensorParallelGroup:
         if self._closed:
             return
         self._closed = True
+        self._closing = True
+        try:
+            self._close()
+        finally:
+            self._closing = False
+        self._close_done = True
+
+    def _close(self) -> None:
         for conn in self.conns:
             try:
                 conn.send(("stop",))
@@ -374,6 +393,21 @@ class TensorParallelGroup:
                     dist.destroy_process_group()
                 except Exception:  # noqa: BLE001 - the group may be broken by the failure being reported
                     pass
+
+
+WAIT, STAND_DOWN, EXIT = "wait", "stand_down", "exit"
+
+
+def last_resort_action(blocked: bool, finished: bool, expired: bool) -> str:
+    """The last resort's decision, each poll after a rank died: ``blocked`` — rank 0 inside a step or inside
+    ``close`` (calls that can wait for the device for ever); ``finished`` — ``close`` returned; ``expired`` —
+    ``LAST_RESORT_S`` passed since the death. Stand down once closed and nothing blocks; exit loudly if still blocked
+    at the deadline; stand down at the deadline if nothing blocks (the next step raises the error)."""
+    if not blocked and finished:
+        return STAND_DOWN
+    if expired:
+        return EXIT if blocked else STAND_DOWN
+    return WAIT
 
 
 def _terminate(procs) -> None:

@@ -100,8 +100,8 @@ class FakeBackend:
     def add_rms_norm(self, h, addend, weight, eps, extra):
         return None
 
-    def release_peers(self, dead):
-        pass
+    def release_fills(self, dead):
+        return []
 
     def close(self):
         self.log.append(("close", self.name))

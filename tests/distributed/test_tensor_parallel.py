@@ -433,28 +433,42 @@ def test_async_scheduling_killed_worker_ends_the_engine(model_dir):
     assert not worker.is_alive()
 
 
-def test_last_resort_exits_loudly_only_when_the_engine_thread_is_stuck_in_a_step():
-    """A rank died and the engine thread stays blocked inside a step (a driver call nothing frees): after
-    LAST_RESORT_S the process says which rank died and exits with status 1 — also when the engine thread already
-    reported the error and closed the group but is still inside the step (its close blocked in NCCL's abort, as on
-    2x H200 at 5096965); an engine thread that is not inside a step, or that left it (reported or not), is left alone,
-    and one that leaves the step before LAST_RESORT_S too."""
+def test_last_resort_decision():
+    """last_resort_action: stand down once closed with nothing blocked; at the deadline exit if still blocked (in a step
+    or in close), else stand down; wait otherwise."""
+    from rimuru.distributed.group import EXIT, STAND_DOWN, WAIT, last_resort_action
+
+    assert last_resort_action(blocked=False, finished=True, expired=False) == STAND_DOWN
+    assert last_resort_action(blocked=True, finished=True, expired=False) == WAIT  # closed, still in the step
+    assert last_resort_action(blocked=False, finished=False, expired=False) == WAIT  # nothing closed it yet
+    assert last_resort_action(blocked=True, finished=False, expired=True) == EXIT
+    assert last_resort_action(blocked=True, finished=True, expired=True) == EXIT
+    assert last_resort_action(blocked=False, finished=False, expired=True) == STAND_DOWN
+
+
+def test_last_resort_exits_loudly_only_when_rank_0_is_stuck_in_a_step_or_in_close():
+    """A rank died and rank 0 stays blocked inside a step or inside close() (a driver call nothing frees: NCCL's abort
+    waiting for a device that never drains, as on 2x H200 at 5096965): after LAST_RESORT_S the process says which
+    rank died and where it is stuck, and exits with status 1 — also when the engine thread already reported the error
+    and its close is blocked inside the step, and when a close blocks after the step raised (outside any step). An
+    engine left alone (not in a step, not closing) is left alone; one that leaves the step and finishes close() before
+    LAST_RESORT_S is left alone at once."""
     import subprocess
     import sys
 
     code = """
 import sys, time, types, rimuru.distributed.group as g
-busy, reported, leaves = (w in sys.argv[1].split(",") for w in ("busy", "reported", "leaves"))
+busy, closing, closed, leaves = (w in sys.argv[1].split(",") for w in ("busy", "closing", "closed", "leaves"))
 # stuck cases wait the whole LAST_RESORT_S; a leaving engine thread leaves long before it (no race with the clock)
 g.LAST_RESORT_S = 60.0 if leaves else 0.6
 grp = object.__new__(g.TensorParallelGroup)
 grp.error, grp._closed, grp.procs, grp.step = None, False, [], 7
-grp.busy = busy
-if reported:  # the engine thread's fail(): the error set and the group closed
+grp.busy, grp._closing, grp._close_done = busy, closing, closed
+if closing or closed:  # fail(): the error set and the group's close started (closing) or finished (closed)
     grp.error, grp._closed = RuntimeError("rank 1 exited"), True
-if leaves:  # it raises out of the step while the last resort waits (during its first wait)
+if leaves:  # it raises out of the step and its close finishes while the last resort waits (during its first wait)
     def _sleep(s):
-        grp.busy = False
+        grp.busy, grp._closing, grp._close_done = False, False, True
         time.sleep(s)
     g.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=_sleep)
 grp._last_resort(1, -9)
@@ -464,10 +478,10 @@ print("left alone")
     def run(case: str):
         return subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, timeout=120)
 
-    for case in ("busy", "busy,reported"):
+    for case, where in (("busy", "step 7"), ("busy,closing", "step 7"), ("closing", "close")):
         stuck = run(case)
         assert stuck.returncode == 1 and "left alone" not in stuck.stdout, case
-        assert "rank 1 exited with code -9" in stuck.stderr and "step 7" in stuck.stderr
-    for case in ("idle", "idle,reported", "busy,leaves", "busy,reported,leaves"):
+        assert "rank 1 exited with code -9" in stuck.stderr and where in stuck.stderr, case
+    for case in ("idle", "closed", "busy,leaves", "busy,closing,leaves"):
         idle = run(case)
         assert idle.returncode == 0 and "left alone" in idle.stdout, case
