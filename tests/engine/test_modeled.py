@@ -358,7 +358,8 @@ def test_decode_gamma_fit_recovers_the_tempering_the_loads_were_drawn_with():
 
     rng = np.random.default_rng(1)
     pi = rng.dirichlet(np.full(32, 0.4), size=3) * 4
-    order = np.array([(layer, e) for e in range(32) for layer in range(3)])  # cache: the first experts of each layer
+    rank = np.argsort(-pi, axis=1)  # cache: each layer's most popular experts first, as a hotset orders them
+    order = np.array([(layer, rank[layer, i]) for i in range(32) for layer in range(3)])
     running = np.array([1, 2, 4, 8, 16, 32, 64, 3, 5, 7])
     graphed = (running <= 16).astype(int)
     timeline = pd.DataFrame({"prefill_tokens": 0, "decode_tokens": running, "running": running,
@@ -368,9 +369,21 @@ def test_decode_gamma_fit_recovers_the_tempering_the_loads_were_drawn_with():
     misses = expected_misses(FitRun("truth", timeline, None, "fixed", truth, order))
     waste = 0.1
     timeline["experts_loaded"] = misses * np.where(graphed == 1, 1.0, 1 + waste) + timeline["adjust"]
+    timeline["experts_touched"] = [truth.expected_touched(0.0, decode=d).sum() for d in running]
     fit = fit_decode_gamma([FitRun("drawn", timeline, None, "fixed", RoutingModel(pi, 4), order)], waste)
     assert fit["decode_gamma"] == pytest.approx(1.3, rel=1e-3)
     assert fit["expected_loads_at_gamma_1"] > fit["recorded_loads"] == pytest.approx(fit["expected_loads"], rel=1e-4)
+    # per batch bucket: at the fitted gamma recorded = expected, loads and touched; the profile itself (gamma 1)
+    # expects more misses than the truth, concentrated on the cached experts, most at one decode token (a
+    # tempering's correction fades as a batch saturates)
+    buckets = {b["decode_tokens"]: b for b in fit["by_batch"]}
+    assert sum(b["steps"] for b in buckets.values()) == len(running)
+    assert set(buckets) == {"(0, 1]", "(1, 2]", "(2, 4]", "(4, 8]", "(8, 16]", "(16, 32]", "(32, 64]"}
+    for b in buckets.values():
+        assert b["loads_over_expected"] == pytest.approx(1.0, rel=2e-3)
+        assert b["touched_over_expected"] == pytest.approx(1.0, rel=2e-3)
+        assert b["loads_over_expected_gamma_1"] < 1
+    assert buckets["(0, 1]"]["loads_over_expected_gamma_1"] < buckets["(32, 64]"]["loads_over_expected_gamma_1"]
 
 
 def test_load_floor_takes_each_layer_count_from_the_newest_file(tmp_path):

@@ -21,6 +21,8 @@ def calibration_inputs(w):
             + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv",
                 f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"] if "tp_fit" in MODELED else [])
             + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})]
+            + [t for keys in MODELED.get("decode_gamma_fit", {}).values() for key in keys
+               for t in glob.glob(f"{REF}/{key.rpartition(':')[0]}/timelines.csv.gz")]
             + [f"{REF}/{key.rpartition(':')[0]}/{f}" for keys in MODELED.get("chunk_law_fit", {}).values()
                for key in keys for f in ("e2e.csv", "hotset.json")]
             + [t for keys in MODELED.get("chunk_law_fit", {}).values() for key in keys

@@ -180,6 +180,22 @@ def main() -> None:
              "prior_tokens": base.routing_prior_tokens, "reference_curve": base.routing_reference_curve}
     runs = [fit_run(k, chunk) for k in args.fit_runs.split(",")]
     base = base.replace(prefetch_waste=prefetch_waste(runs))
+    prior_builds = {}
+    for item in args.routing_prior_build:
+        name, _, folders = item.partition("=")
+        if not folders:
+            raise SystemExit(f"--routing-prior-build takes NAME=DIR+DIR..., got {item!r}")
+        profiles, top_k = [], set()
+        for folder in folders.split("+"):
+            hotset_path, runs_path = ref / folder / "hotset.json", ref / folder / "e2e.csv"
+            if not hotset_path.exists() or not runs_path.exists():
+                raise SystemExit(f"--routing-prior-build {name}: no hotset.json or e2e.csv in {ref / folder}")
+            profiles.append(Hotset.load(hotset_path).probability)
+            top_k.add(spec_with_layers(*parse_run_model(pd.read_csv(runs_path)["model"].iloc[0])).top_k)
+            data.extend([data_entry(hotset_path), data_entry(runs_path)])
+        if len(top_k) != 1:
+            raise SystemExit(f"--routing-prior-build {name}: the folders' models route to {sorted(top_k)} experts")
+        prior_builds[name] = fit_routing_prior(profiles, top_k.pop()) | {"folders": folders.split("+")}
     decode_gamma = {}
     for item in args.decode_gamma_fit:
         profile, _, keys = item.partition("=")
@@ -187,10 +203,18 @@ def main() -> None:
             raise SystemExit(f"--decode-gamma-fit takes PROFILE=RUN+RUN..., got {item!r}")
         hotset = Hotset.load(ref / profile)
         data.append(data_entry(ref / profile))
+        # a profile of a model build with its own shrinkage (routing_prior_build) is shrunk as its build's runs replay
+        build = next((name for name, fit in prior_builds.items()
+                      if str(Path(profile).parent) in fit["folders"]), "")
+        shrink = chunk if not build else chunk | {
+            "prior_tokens": prior_builds[build]["routing_prior_tokens"],
+            "reference_curve": tuple(prior_builds[build]["routing_reference_curve"])}
         gamma_runs = []
         for key in keys.split("+"):
             path, policy = key.rsplit(":", 1)
-            if (ref / path).is_dir():  # a TP folder: timeline.csv(.gz) and e2e_runs.csv
+            if (ref / path / "timelines.csv.gz").exists():  # a one-GPU e2e folder: timelines.csv.gz and e2e.csv
+                t_path, runs_path = ref / path / "timelines.csv.gz", ref / path / "e2e.csv"
+            elif (ref / path).is_dir():  # a TP folder: timeline.csv(.gz) and e2e_runs.csv
                 t_path = next(p for p in (ref / path / "timeline.csv.gz", ref / path / "timeline.csv") if p.exists())
                 runs_path = ref / path / "e2e_runs.csv"
             else:
@@ -201,10 +225,11 @@ def main() -> None:
             model = pd.read_csv(runs_path)["model"].iloc[0]
             spec = spec_with_layers(*parse_run_model(model))
             data.append(data_entry(t_path))
-            for repeat, t in t_frame.groupby("repeat"):
-                gamma_runs.append(FitRun(f"{key}#{repeat}", t.reset_index(drop=True), spec, policy,
-                                         RoutingModel.from_hotset(hotset, spec.top_k, **chunk), hotset.global_order()))
-        decode_gamma[profile] = fit_decode_gamma(gamma_runs, base.prefetch_waste)
+            by = [c for c in ("workload", "repeat") if c in t_frame]  # one run per workload and repeat
+            for run_id, t in t_frame.groupby(by):
+                gamma_runs.append(FitRun(f"{key}#{'/'.join(map(str, run_id))}", t.reset_index(drop=True), spec, policy,
+                                         RoutingModel.from_hotset(hotset, spec.top_k, **shrink), hotset.global_order()))
+        decode_gamma[profile] = fit_decode_gamma(gamma_runs, base.prefetch_waste) | {"routing_prior_build": build}
     chunk_laws = {}
     for item in args.chunk_law_fit:
         name, _, keys = item.partition("=")
@@ -238,22 +263,6 @@ def main() -> None:
         if not rows:
             raise SystemExit(f"--chunk-law-fit {name}: no prefill steps")
         chunk_laws[name] = fit_chunk_law(rows) | {"runs": keys.split("+")}
-    prior_builds = {}
-    for item in args.routing_prior_build:
-        name, _, folders = item.partition("=")
-        if not folders:
-            raise SystemExit(f"--routing-prior-build takes NAME=DIR+DIR..., got {item!r}")
-        profiles, top_k = [], set()
-        for folder in folders.split("+"):
-            hotset_path, runs_path = ref / folder / "hotset.json", ref / folder / "e2e.csv"
-            if not hotset_path.exists() or not runs_path.exists():
-                raise SystemExit(f"--routing-prior-build {name}: no hotset.json or e2e.csv in {ref / folder}")
-            profiles.append(Hotset.load(hotset_path).probability)
-            top_k.add(spec_with_layers(*parse_run_model(pd.read_csv(runs_path)["model"].iloc[0])).top_k)
-            data.extend([data_entry(hotset_path), data_entry(runs_path)])
-        if len(top_k) != 1:
-            raise SystemExit(f"--routing-prior-build {name}: the folders' models route to {sorted(top_k)} experts")
-        prior_builds[name] = fit_routing_prior(profiles, top_k.pop()) | {"folders": folders.split("+")}
     floor = load_floor([ref / path for path in args.decode_floor])
     for path, rows in floor.groupby("source", sort=False):
         data.append(data_entry(Path(path), rows) | {"layers": sorted(map(int, rows["layers"].unique()))})

@@ -164,7 +164,37 @@ def fit_decode_gamma(runs: list[FitRun], waste: float, bounds: tuple[float, floa
     gamma = lo if f_lo <= 0 else hi if f_hi >= 0 else brentq(lambda g: expected(g) - recorded, lo, hi, xtol=1e-4)
     return {"decode_gamma": float(gamma), "runs": [run.name for run, *_ in parts],
             "decode_steps": int(sum(len(t) for _, t, _, _ in parts)), "recorded_loads": recorded,
-            "expected_loads_at_gamma_1": expected(1.0), "expected_loads": expected(gamma), "waste": waste}
+            "expected_loads_at_gamma_1": expected(1.0), "expected_loads": expected(gamma), "waste": waste,
+            "by_batch": decode_gamma_by_batch([(run, t, factor) for run, t, factor, _ in parts], gamma)}
+
+
+def decode_gamma_by_batch(parts: list[tuple[FitRun, pd.DataFrame, np.ndarray]], gamma: float,
+                          edges: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 100_000)) -> list[dict]:
+    """Per decode-batch bucket of the decode-gamma fit's steps (``parts``: run, its decode-only steps, the load factor
+    per step): recorded over expected loads, and recorded over expected (layer, expert) pairs touched, at gamma 1 and
+    at ``gamma``. A tempering's correction fades as a batch saturates the experts: recorded/expected falling with the
+    batch at gamma 1 is what it fits; flat is what it cannot (docs/modeled.md, wave 7)."""
+    rows = []
+    for run, t, factor in parts:
+        tempered = run.routing.with_decode_gamma(gamma)
+        base = run.routing.with_decode_gamma(1.0)
+        miss = {g: factor * expected_misses(FitRun(run.name, t, run.spec, run.policy, r, run.cache_order))
+                for g, r in ((1.0, base), (gamma, tempered))}
+        for i, d in enumerate(t["decode_tokens"].to_numpy(float)):
+            rows.append((d, float(t["experts_loaded"].iloc[i] - max(t["adjust"].iloc[i], 0)),
+                         float(t["experts_touched"].iloc[i]), miss[1.0][i], miss[gamma][i],
+                         float(base.expected_touched(0.0, decode=d).sum()),
+                         float(tempered.expected_touched(0.0, decode=d).sum())))
+    frame = pd.DataFrame(rows, columns=["decode", "loads", "touched", "miss_1", "miss_g", "touch_1", "touch_g"])
+    frame["bucket"] = pd.cut(frame["decode"], list(edges))
+    out = []
+    for bucket, g in frame.groupby("bucket", observed=True):
+        out.append({"decode_tokens": f"({int(bucket.left)}, {int(bucket.right)}]", "steps": len(g),
+                    "loads_over_expected_gamma_1": float(g["loads"].sum() / g["miss_1"].sum()),
+                    "loads_over_expected": float(g["loads"].sum() / g["miss_g"].sum()),
+                    "touched_over_expected_gamma_1": float(g["touched"].sum() / g["touch_1"].sum()),
+                    "touched_over_expected": float(g["touched"].sum() / g["touch_g"].sum())})
+    return out
 
 
 def fit_chunk_routing(runs: list[FitRun]) -> dict:
