@@ -212,6 +212,15 @@ class TensorParallelGroup:
         finally:
             self._abort_lock.release()
 
+    def _abort_bounded(self) -> None:
+        """The NCCL abort of a failed engine: on its own daemon thread, the caller waiting ``ABORT_WAIT_S`` at most.
+        After a failure the abort can wait for a device that never drains (a kernel of this rank waiting for the
+        dead or silent rank: 2x H200 at 5096965, where the engine thread's ``fail`` → ``close`` hung inside it), and
+        the caller is the thread that must report the error."""
+        aborting = threading.Thread(target=self._abort, name="rimuru-tp-abort", daemon=True)
+        aborting.start()
+        aborting.join(ABORT_WAIT_S)
+
     def _worker_messages(self) -> list[str]:
         notes = []
         for rank, conn in enumerate(self.conns, start=1):
@@ -386,7 +395,9 @@ class TensorParallelGroup:
             # of commit 2ddadc1 stalled for minutes right after closing a TP=2 engine whose decode graphs had
             # captured all-reduces (the eager-only engines before closed cleanly). Abort is local to this process
             # and leaves the default group free for the next engine.
-            if self.backend == "nccl":
+            if self.backend == "nccl" and self.error is not None:  # a failure: never blocked in NCCL's abort
+                self._abort_bounded()
+            elif self.backend == "nccl":
                 self._abort()
             else:
                 try:

@@ -485,3 +485,45 @@ print("left alone")
     for case in ("idle", "closed", "busy,leaves", "busy,closing,leaves"):
         idle = run(case)
         assert idle.returncode == 0 and "left alone" in idle.stdout, case
+
+
+def test_failed_engines_nccl_abort_never_blocks_the_reporting_thread(monkeypatch):
+    """After a failure, close() runs NCCL's abort on its own thread and waits ABORT_WAIT_S at most: an abort that
+    never returns (a device that never drains) leaves the thread that reports the error free. Without a failure the
+    abort runs on the caller's thread, as before."""
+    import threading
+
+    import torch.distributed as dist
+
+    import rimuru.distributed.group as g
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(g, "ABORT_WAIT_S", 0.05)
+
+    def group(error):
+        grp = object.__new__(g.TensorParallelGroup)
+        grp.conns, grp.procs, grp.backend, grp.error = [], [], "nccl", error
+        grp._closed = grp._closing = grp._close_done = False
+        return grp
+
+    release, started, callers = threading.Event(), threading.Event(), []
+
+    def stuck_abort():
+        callers.append(threading.current_thread().name)
+        started.set()
+        release.wait(60)
+
+    grp = group(RuntimeError("rank 1 exited with code -9"))
+    grp._abort = stuck_abort
+    grp.close()  # returns although the abort is still inside NCCL
+    assert started.wait(10) and callers == ["rimuru-tp-abort"]
+    assert grp._close_done and not grp._closing
+    stuck = [t for t in threading.enumerate() if t.name == "rimuru-tp-abort"]
+    assert stuck and stuck[0].daemon and stuck[0].is_alive()
+    release.set()
+    stuck[0].join(5)
+
+    healthy = group(None)
+    healthy._abort = lambda: callers.append(threading.current_thread().name)
+    healthy.close()
+    assert callers[-1] == threading.current_thread().name
