@@ -258,11 +258,31 @@ class ReleaseKit:
         self.sources = Sources.for_fills(fills, pin=True)
         with torch.cuda.device(device):
             self.streams = [torch.cuda.Stream(device) for _ in range(streams)]
+        self.copies: Copies2D | None = None
+        self.fallback: str | None = None
         try:
-            self.copies: Copies2D | None = CudaRuntimeCopies()
-        except ImportError:
-            self.copies = None
+            self.copies = CudaRuntimeCopies()
+            self._first_copy()
+        except Exception as exc:  # noqa: BLE001 - no binding, or it cannot copy here: the kernels of wave 9
+            self.copies, self.fallback = None, f"{type(exc).__name__}: {exc}"
+
+    def _first_copy(self) -> None:
+        """One 4-byte copy now, at set-up, on the first side stream: whatever the binding initialises on its first
+        call (its runtime, the context) happens here, not while a kernel spins for a dead rank. (A first launch of a
+        kernel under CUDA's lazy module loading can need a context synchronisation, which a spinning kernel never
+        allows: one more reason the release launches no kernel.)"""
+        scratch = torch.zeros(1, dtype=torch.int32, device=self.device)
+        fill = Fill(scratch, ONE)
+        c = copy_plan(fill)
+        self.copies(c.dst, c.dpitch, self.sources.address(c), c.width, c.width, c.height,
+                    self.streams[0].cuda_stream)
+        self.streams[0].synchronize()
+        if int(scratch.item()) != 1:
+            raise RuntimeError("the set-up copy did not land")
 
     def run(self, fills: Sequence[Fill], timeout_s: float) -> ReleaseReport:
         with torch.cuda.device(self.device):
-            return release(fills, CudaReleaseDevice(self.device, self.sources, self.copies), self.streams, timeout_s)
+            device = CudaReleaseDevice(self.device, self.sources, self.copies)
+            if self.copies is None:
+                device.fallback = self.fallback or device.fallback
+            return release(fills, device, self.streams, timeout_s)

@@ -17,6 +17,7 @@ Results are plain dicts (``workflow/scripts/tp_release_probe.py`` writes them wi
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -45,13 +46,23 @@ def _after_kernel(x_ptr):
     tl.store(x_ptr, tl.load(x_ptr) + 1)
 
 
-def _spin(device: torch.device, stream: torch.cuda.Stream, programs: int, polls: int):
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
+def _warm(device: torch.device) -> None:
+    """Every kernel a probe launches, launched once before any spinner runs: under CUDA's lazy module loading a first
+    launch can need a context synchronisation, which would wait for the spinners (a third way to stall, kept out
+    of these measurements)."""
+    flag = torch.ones(1, dtype=torch.int32, device=device)
     counts = torch.zeros(2, dtype=torch.int32, device=device)
+    spin_kernel[(1,)](flag, counts, 1, num_warps=1)
+    _after_kernel[(1,)](counts)
+    flag.fill_(1)
     torch.cuda.synchronize(device)
+
+
+def _spin(stream: torch.cuda.Stream, flag: torch.Tensor, counts: torch.Tensor, programs: int, polls: int) -> None:
+    """Launch ``programs`` spinners on ``stream`` over ``flag`` / ``counts`` (allocated, zeroed and synchronised by the
+    caller: no allocation or first launch while spinners run)."""
     with torch.cuda.stream(stream):
         spin_kernel[(programs,)](flag, counts, polls, num_warps=1)
-    return flag, counts
 
 
 def occupancy_probe(device: torch.device, polls: int = 1 << 22, timeout_s: float = 20.0) -> list[dict]:
@@ -60,22 +71,27 @@ def occupancy_probe(device: torch.device, polls: int = 1 << 22, timeout_s: float
     programs released / timed out, and the seconds from the release being issued to the spinners' end."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     copies = CudaRuntimeCopies()
+    _warm(device)
     results = []
     for name, programs, way in (("full_kernel", sms * FULL_BLOCKS_PER_SM, "kernel"),
                                 ("full_copy_engine", sms * FULL_BLOCKS_PER_SM, "copy_engine"),
                                 ("one_per_sm_kernel", sms, "kernel")):
         spin_stream, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        flag, counts = _spin(device, spin_stream, programs, polls)
-        time.sleep(0.05)  # the spinners resident before the release is issued
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        counts = torch.zeros(2, dtype=torch.int32, device=device)
         fill = Fill(flag, ONE)
+        sources = Sources.for_fills([fill], pin=True)
         end = torch.cuda.Event()
+        torch.cuda.synchronize(device)
+        _spin(spin_stream, flag, counts, programs, polls)
+        time.sleep(0.05)  # the spinners resident before the release is issued
         t0 = time.monotonic()
         if way == "kernel":
             with torch.cuda.stream(side):
                 flag.fill_(1)
         else:
             with torch.cuda.stream(spin_stream):  # the device "drains" when the spinners end
-                dev = CudaReleaseDevice(device, Sources.for_fills([fill], pin=True), copies)
+                dev = CudaReleaseDevice(device, sources, copies)
             release([fill], dev, [side], timeout_s)
         end.record(spin_stream)
         while not end.query() and time.monotonic() - t0 < timeout_s:
@@ -84,7 +100,8 @@ def occupancy_probe(device: torch.device, polls: int = 1 << 22, timeout_s: float
         torch.cuda.synchronize(device)
         released, timed_out = counts.tolist()
         results.append({"case": name, "programs": programs, "sms": sms, "release": way, "released": released,
-                        "timed_out": timed_out, "seconds": round(seconds, 4), "polls": polls})
+                        "timed_out": timed_out, "seconds": round(seconds, 4), "polls": polls,
+                        "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "unset (lazy by default)")})
     return results
 
 
@@ -93,23 +110,26 @@ def queue_probe(device: torch.device, streams: int = 40, wait_s: float = 0.2, po
     ``streams`` fresh side streams. Which copies had not completed ``wait_s`` later (they share the spinner's
     hardware queue), then the spinner released by a copy on a stream that completed. ``CUDA_DEVICE_MAX_CONNECTIONS``
     is recorded as seen by the process."""
-    import os
-
     copies = CudaRuntimeCopies()
+    _warm(device)
     hold = torch.cuda.Stream(device)
-    flag, counts = _spin(device, hold, 1, polls)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    counts = torch.zeros(2, dtype=torch.int32, device=device)
     after = torch.zeros(1, dtype=torch.int32, device=device)
-    with torch.cuda.stream(hold):
-        _after_kernel[(1,)](after)  # queued behind the spinner: the stream's queue now waits on it
     targets = torch.zeros(streams, dtype=torch.int32, device=device)
     sources = Sources.for_fills([Fill(targets, ONE)], pin=True)
     side = [torch.cuda.Stream(device) for _ in range(streams)]
+    devs = [CudaReleaseDevice(device, sources, copies) for _ in side]
+    marks_made = [torch.cuda.Event() for _ in side]
+    torch.cuda.synchronize(device)
+    _spin(hold, flag, counts, 1, polls)
+    with torch.cuda.stream(hold):
+        _after_kernel[(1,)](after)  # queued behind the spinner: the stream's queue now waits on it
     marks = []
     for i, s in enumerate(side):
-        fill = Fill(targets[i:i + 1], ONE)
-        dev = CudaReleaseDevice(device, sources, copies)
-        dev.write(fill, s)
-        marks.append(dev.mark(s))
+        devs[i].write(Fill(targets[i:i + 1], ONE), s)
+        marks_made[i].record(s)
+        marks.append(marks_made[i])
     time.sleep(wait_s)
     blocked = [i for i, m in enumerate(marks) if not m.query()]
     same = [i for i, s in enumerate(side) if s.cuda_stream == hold.cuda_stream]  # PyTorch's pool hands streams out
@@ -118,8 +138,7 @@ def queue_probe(device: torch.device, streams: int = 40, wait_s: float = 0.2, po
     free = next((i for i in range(streams) if i not in blocked), None)
     t0 = time.monotonic()
     if free is not None:
-        dev = CudaReleaseDevice(device, Sources.for_fills([Fill(flag, ONE)], pin=True), copies)
-        dev.write(Fill(flag, ONE), side[free])
+        devs[free].write(Fill(flag, ONE), side[free])  # 4 bytes: the targets' source holds ``streams`` ones
     torch.cuda.synchronize(device)
     released, timed_out = counts.tolist()
     return {"streams": streams, "distinct_other_streams": distinct, "spinner_stream_at": same,

@@ -260,3 +260,19 @@ def test_copy_engine_release_frees_spinners_that_hold_every_sm():
     assert full["released"] == full["programs"] and full["timed_out"] == 0
     control = cases["one_per_sm_kernel"]
     assert control["released"] == control["programs"]
+
+
+def test_probe_spinner_counts_released_and_timed_out_programs():
+    """The GPU probes' spinner (rimuru/distributed/release_probe.py) under the interpreter: with the flag down every
+    program gives up after its polls (timed out); with it raised every program is released at once."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
+        pytest.skip("Triton on the CPU needs TRITON_INTERPRET=1")
+    from rimuru.distributed.release_probe import spin_kernel
+
+    for raised, expect in ((0, [0, 3]), (1, [3, 0])):
+        flag = torch.full((1,), raised, dtype=torch.int32)
+        counts = torch.zeros(2, dtype=torch.int32)
+        spin_kernel[(3,)](flag, counts, 4, num_warps=1)
+        assert counts.tolist() == expect
