@@ -139,7 +139,8 @@ class TorchDistributed:
         sel = select_all_reduce(requested, self._context(dtype), self.agree)
         self.backend = self.backends[sel.backend.name] = sel.backend
         self._prepare_release()
-        self.selection_report = sel.report()
+        self.selection_report = {**sel.report(),
+                                 "peer_release": None if self._release_kit is None else self._release_kit.way}
         return self.selection_report
 
     def use_all_reduce(self, name: str, dtype: torch.dtype) -> None:

@@ -162,9 +162,9 @@ class ReleaseDevice(Protocol):
 
 class CudaReleaseDevice:
     """:class:`ReleaseDevice` on a CUDA device: fills become copy-engine copies (:func:`copy_plan`, ``copies``), marks
-    are events, "drained" is an event recorded on the stream the engine's steps run on when the release began. If the
-    copy cannot be issued (no ``cuda-bindings``, a binding or CUDA error) that fill falls back to the ``fill_`` kernel
-    of wave 9, and the reason is kept (``fallback``)."""
+    are events, "drained" is an event recorded on the stream the engine's steps run on when the release began. Without
+    ``copies`` (no ``cuda-bindings``), or for a fill whose copy cannot be issued (a binding or CUDA error), the write
+    is the ``fill_`` kernel of wave 9, and the reason is kept (``fallback``)."""
 
     def __init__(self, device: torch.device, sources: Sources, copies: Copies2D | None) -> None:
         self.device, self.sources, self.copies = device, sources, copies
@@ -178,8 +178,8 @@ class CudaReleaseDevice:
             try:
                 self.copies(c.dst, c.dpitch, self.sources.address(c), c.width, c.width, c.height, stream.cuda_stream)
                 return "copy_engine"
-            except Exception as exc:  # noqa: BLE001 - the kernel path below still releases where SMs are free
-                self.fallback, self.copies = f"{type(exc).__name__}: {exc}", None
+            except Exception as exc:  # noqa: BLE001 - this fill by kernel (where SMs are free); the others still copy
+                self.fallback = f"{type(exc).__name__}: {exc}"
         with torch.cuda.stream(stream):
             fill.target.fill_(fill.value)
         return "kernel"
@@ -279,6 +279,11 @@ class ReleaseKit:
         self.streams[0].synchronize()
         if int(scratch.item()) != 1:
             raise RuntimeError("the set-up copy did not land")
+
+    @property
+    def way(self) -> str:
+        """How this kit writes: ``copy_engine``, or ``kernels (why)``."""
+        return "copy_engine" if self.copies is not None else f"kernels ({self.fallback})"
 
     def run(self, fills: Sequence[Fill], timeout_s: float) -> ReleaseReport:
         with torch.cuda.device(self.device):
