@@ -57,6 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     local.add_argument("--engine-seed", type=int, default=0, help="engine sampling seed")
     local.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                        help="split the model over this many processes and devices")
+    local.add_argument("--enable-expert-parallel", action="store_true",
+                       help="with --tensor-parallel-size > 1: whole routed experts per rank (policy static only)")
     local.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                        help="extra LLM(...) keyword option (value parsed as JSON when it parses)")
     ab = parser.add_argument_group("A/B comparison (inproc backend)")
@@ -205,6 +207,7 @@ def _make_engine(args: argparse.Namespace, **override):
     options = dict(gpu_memory_budget=args.gpu_memory_budget, policy=args.policy, device=args.device,
                    max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                    seed=args.engine_seed, tensor_parallel_size=args.tensor_parallel_size) \
+        | ({"enable_expert_parallel": True} if args.enable_expert_parallel else {}) \
         | dict(args.engine_option) | override
     try:
         return LLM(args.model, **options)

@@ -21,6 +21,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="engine sampling seed")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model over this many processes and devices (one GPU each)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="with --tensor-parallel-size > 1: whole routed experts per rank instead of every "
+                             "expert's intermediate slice (policy static only)")
     parser.add_argument("--engine-option", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
                         help="extra LLM(...) keyword option (value parsed as JSON when it parses)")
     parser.add_argument("--threads", type=int, default=None,
@@ -41,6 +44,14 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--threads must be at least 1, got {args.threads}")
     if args.tensor_parallel_size < 1:
         raise UserError(f"--tensor-parallel-size must be positive, got {args.tensor_parallel_size}")
+    if args.enable_expert_parallel:  # a bad combination is the engine config's clear error, before any process starts
+        from rimuru.engine.config import EngineConfig
+
+        try:
+            EngineConfig(policy=args.policy, tensor_parallel_size=args.tensor_parallel_size,
+                         enable_expert_parallel=True)
+        except ValueError as exc:
+            raise UserError(f"--enable-expert-parallel: {exc}") from None
     from rimuru.engine.cpu import configure_threads
     from rimuru.serve.server import serve
 
@@ -51,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
                    log_level=args.log_level, gpu_memory_budget=args.gpu_memory_budget, policy=args.policy,
                    device=args.device, max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                   tensor_parallel_size=args.tensor_parallel_size, **dict(args.engine_option))
+                   tensor_parallel_size=args.tensor_parallel_size,
+                   **({"enable_expert_parallel": True} if args.enable_expert_parallel else {}),
+                   **dict(args.engine_option))
     if status:  # the engine died: exit now. A failed tensor-parallel group can leave a thread inside NCCL's abort or a
         # kernel spinning for a dead rank, and the interpreter's teardown would then block or abort (2x H200, wave 5)
         import os

@@ -26,10 +26,17 @@ class Shard:
 
     rank: int = 0
     world: int = 1
+    experts: tuple[int, ...] | None = None  # expert parallelism: the global ids of the routed experts this rank
+    # holds whole, in local order (rimuru.distributed.expert_parallel); None: every expert's intermediate slice
 
     def __post_init__(self) -> None:
         if self.world < 1 or not 0 <= self.rank < self.world:
             raise ValueError(f"tensor-parallel rank {self.rank} of {self.world} is not a rank")
+
+    @property
+    def slices_experts(self) -> bool:
+        """Routed experts split along the intermediate dim (plain tensor parallelism on several ranks)."""
+        return self.world > 1 and self.experts is None
 
     def rows(self, n: int, what: str) -> slice:
         """This rank's contiguous block of ``n`` rows split evenly."""

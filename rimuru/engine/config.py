@@ -9,6 +9,7 @@ import torch
 from rimuru.units import parse_bytes
 
 EXECUTORS = ("torch", "modeled")
+EXPERT_PARALLEL_POLICIES = ("static",)  # the policies enable_expert_parallel can serve correctly
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,9 @@ class EngineConfig:
     # None (auto): rimuru.distributed.sharding.vocab_parallel decides (on for plain MoE models whose vocabulary
     # divides by the ranks, VOCAB_PARALLEL_AUTO; replicated for hybrids); True: on (an error where it cannot be);
     # False: off (the head replicated, as before wave 8)
+    enable_expert_parallel: bool = False  # tensor parallelism: whole routed experts per rank (E / ranks each, full
+    # intermediate width) instead of every expert's intermediate slice; attention, shared experts and dense MLPs
+    # stay split (rimuru.distributed.expert_parallel, docs/tensor_parallel.md "Expert parallelism"). static only
     enforce_eager: bool = False  # no CUDA graphs: every step runs the eager forward
     offload_graph_max_batch: int | None = None  # offloading policies replay decode graphs up to this batch
     # (None: rimuru.engine.cuda_graphs.OFFLOAD_GRAPH_MAX_BATCH); the modeled engine models the same choice
@@ -121,6 +125,22 @@ class EngineConfig:
         if self.loading_buffers == "sized" and self.tensor_parallel_size > 1:
             raise ValueError("loading_buffers='sized' runs on one device (tensor parallelism's ranks would have to "
                              "replay every resize): use loading_buffers='layer' with tensor_parallel_size > 1")
+        if self.enable_expert_parallel not in (True, False):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
+        if self.enable_expert_parallel:
+            if self.tensor_parallel_size < 2:
+                raise ValueError("enable_expert_parallel places whole experts on tensor-parallel ranks: it needs "
+                                 "tensor_parallel_size >= 2")
+            if self.policy not in EXPERT_PARALLEL_POLICIES:
+                raise ValueError(f"enable_expert_parallel serves policy {', '.join(EXPERT_PARALLEL_POLICIES)} only "
+                                 f"(every expert resident on its rank), not {self.policy!r}: the offloading "
+                                 "policies' one memory decision would cache different experts on each rank")
+            if self.record_routing:
+                raise ValueError("record_routing counts global expert ids; it does not run with "
+                                 "enable_expert_parallel (each rank routes to its local ids)")
+            if self.executor != "torch":
+                raise ValueError("enable_expert_parallel needs the torch executor (the modeled executor does not "
+                                 "model expert parallelism)")
         if self.tp_timeout_s <= 0:
             raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
         from rimuru.distributed.allreduce import all_reduce_candidates

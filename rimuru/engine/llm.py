@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from rimuru.distributed.comm import SINGLE, Shard, TorchDistributed
 from rimuru.distributed.errors import FatalEngineError, TensorParallelError
+from rimuru.distributed.expert_parallel import Placement, engine_placement
 from rimuru.distributed.group import (
     START_TIMEOUT_S,
     TensorParallelExecutor,
@@ -142,6 +143,10 @@ class LLM:
                 self.tp_group.comm = self.comm  # a dead rank: the monitor releases kernels waiting for it
         if config.modeled and config.record_routing:
             raise ValueError("record_routing needs the real forward pass (executor='torch')")
+        placement = None
+        if config.enable_expert_parallel:  # whole experts per rank: this rank's share, before its weights load
+            placement = self._expert_placement(model, config, shard.world)
+            shard = Shard(shard.rank, shard.world, placement.local[shard.rank])
         ckpt: LoadedCheckpoint | None = None
         if isinstance(model, SyntheticCheckpoint):
             ckpt, self.model_dir, self.model_name = model.load(device, dtype, shard), Path("."), model.name
@@ -173,7 +178,10 @@ class LLM:
 
         # ---- memory: the policy splits the budget, the pool holds what is left after dense weights and activations
         self.policy = policy = make_policy(config)
-        layout = PoolLayout.from_spec(spec, block_tokens=config.block_tokens, weight_dtype=dtype, tp=tp)
+        layout = PoolLayout.from_spec(spec, block_tokens=config.block_tokens, weight_dtype=dtype, tp=tp,
+                                      expert_tp=1 if placement is not None else None)
+        # what this rank's pool holds of the routed experts: all of them (sliced), or its own (expert parallelism)
+        rank_spec = spec if placement is None else dataclasses.replace(spec, num_experts=placement.per_rank)
         if ckpt is not None:
             dense_bytes = sum(t.numel() * t.element_size() for t in ckpt.dense.values())
             if shard.world > 1:  # one memory decision: every rank plans with the largest shard, so the pools match
@@ -182,15 +190,16 @@ class LLM:
         else:  # modeled: one rank's shard (replicated embeddings, LM head, norms, router); activations as on its GPU
             dense_bytes = spec.dense_bytes(dtype, tp)
         plan_device = torch.device("cuda") if config.modeled else device
-        self.plan = plan = policy.plan(spec, layout, dense_bytes, plan_device)
+        self.plan = plan = policy.plan(rank_spec, layout, dense_bytes, plan_device)
         self.pool = PagePool(layout, plan.pool, device)
         self.allocator = self.pool.allocator
 
         # ---- experts: hotset order, then the policy's loading buffers, cache and provider
         hotset_path = Path(config.hotset) if config.hotset else self.model_dir / "hotset.json"
-        self.hotset = (Hotset.load(hotset_path) if hotset_path.exists()
-                       else Hotset.uniform(spec.num_moe_layers, spec.num_experts))
-        self.loader, self.cache, self.provider = policy.build(plan, ckpt, self.pool, self.hotset, device, spec=spec)
+        self.hotset = (Hotset.load(hotset_path) if hotset_path.exists() and placement is None
+                       else Hotset.uniform(spec.num_moe_layers, rank_spec.num_experts))  # static under EP: order moot
+        self.loader, self.cache, self.provider = policy.build(plan, ckpt, self.pool, self.hotset, device,
+                                                              spec=rank_spec)
 
         # ---- scheduler, model and executor
         self.max_model_len = plan.max_model_len
@@ -223,7 +232,8 @@ class LLM:
                                                          device, self.comm)
             else:
                 self.model = QwenMoeModel(spec, ckpt.dense, device, config.attention_impl, config.moe_impl,
-                                          self.comm)
+                                          self.comm, None if placement is None
+                                          else torch.from_numpy(placement.map(shard.rank)))
                 if vocab_parallel(config.vocab_parallel_head, spec, tp):
                     self.model.use_vocab_parallel(True)
                 self.executor = TorchExecutor(self.model, self.kv, self.pool.view(KV),
@@ -243,13 +253,27 @@ class LLM:
         self._step_observers: list[StepObserver] = []  # observe_steps(): told when each step call starts and ends
         self._async = config.async_scheduling  # use_async_scheduling() switches it for a block of steps
         self._prompt_scores: dict[str, dict[int, TokenLogprob]] = {}  # prompt_logprobs until the first token
-        self.memory_report = {**plan.report(), "tensor_parallel_size": tp, **self.comm.selection_report}
+        self.memory_report = {**plan.report(), "tensor_parallel_size": tp, **self.comm.selection_report,
+                              "expert_parallel": placement is not None}
+        self.expert_placement = placement  # read-only: which global experts each rank holds whole (or None)
         if self.tp_group is not None:  # rank 0 decides; from now on every allocator change is replayed
             oplog: list = []
             self.kv.oplog = self.cache.oplog = oplog
             sender = BatchSender(oplog, self._generators.__contains__)
             self.executor = TensorParallelExecutor(self.executor, self.tp_group, sender, device)
             self.tp_group.gather("ready", START_TIMEOUT_S)
+
+    @staticmethod
+    def _expert_placement(model, config: EngineConfig, world: int) -> Placement:
+        """Expert parallelism's placement (rimuru.distributed.expert_parallel.engine_placement): the same on every
+        rank, from the model's config and the hotset file (``EngineConfig.hotset``, else the checkpoint's own)."""
+        if isinstance(model, LoadedCheckpoint | ModelSpec):
+            raise ValueError("enable_expert_parallel needs a checkpoint directory or a SyntheticCheckpoint")
+        synthetic = isinstance(model, SyntheticCheckpoint)
+        spec = ModelSpec.from_pretrained(model.config if synthetic else str(model))
+        path = Path(config.hotset) if config.hotset else None if synthetic else Path(model) / "hotset.json"
+        hotness = Hotset.load(path).probability if path is not None and path.exists() else None
+        return engine_placement(spec, world, hotness)
 
     def _collective(self, fn):
         """Run a start-up collective; on rank 0 a failure becomes the error naming the failed rank."""
@@ -794,17 +818,21 @@ class LLM:
             prefill_attention(q, kv, table, cu, torch.tensor([q_len], dtype=torch.int32, device=dev), scale,
                               max_query_len=q_len)
         experts, k = spec.num_experts, spec.top_k
-        table = torch.zeros(experts, PAGES_PER_EXPERT, dtype=torch.int32, device=dev)
-        for m in warmup_token_counts(experts, k, spec.moe_intermediate_size // self.comm.world_size, spec.hidden_size):
-            ids = torch.randint(0, experts, (m, k), device=dev, dtype=torch.int32)
+        ep = self.expert_placement
+        local = experts if ep is None else ep.per_rank  # expert parallelism: its experts whole, plus the null id
+        table = torch.zeros(local, PAGES_PER_EXPERT, dtype=torch.int32, device=dev)
+        f = spec.moe_intermediate_size // (1 if ep is not None else self.comm.world_size)
+        for m in warmup_token_counts(experts, k, f, spec.hidden_size):
+            ids = torch.randint(0, local + (ep is not None), (m, k), device=dev, dtype=torch.int32)
             weights = torch.full((m, k), 1.0 / k, device=dev)
             fused_moe(torch.randn(m, spec.hidden_size, device=dev, dtype=dtype), weights, ids,
-                      self.pool.view(EXPERT).tensor, table)
+                      self.pool.view(EXPERT).tensor, table,
+                      **({} if ep is None else {"null_expert": local, "tile_experts": experts}))
         # routing with and without a padding mask (graphs pass one, eager steps do not), and the fused residual
         # add + RMSNorm for each addend shape (a sub-layer's output, a token's k expert rows) and a shared expert
         from rimuru.kernels.norm_rope import add_rms_norm, warmup_routing
 
-        warmup_routing(experts, spec.hidden_size, k, spec.norm_topk_prob, dtype, dev)
+        warmup_routing(experts, spec.hidden_size, k, spec.norm_topk_prob, dtype, dev, self.model.expert_map)
         self.model.warmup_projections()  # the few-row projection kernel (``gemv`` lever) at each row-block height
         self.model.warmup_eager(kv)  # the first norm and the q/k norm + RoPE + KV write, as eager steps launch them
         h = torch.randn(2, spec.hidden_size, device=dev, dtype=dtype)

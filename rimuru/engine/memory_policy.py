@@ -189,7 +189,7 @@ class MemoryPolicy:
         ``ckpt`` None (a modeled engine, ``spec`` given): the loader books loads without copying and there is
         no provider (the modeled executor stands in for the model and its provider)."""
         alloc = pool.allocator
-        spec = ckpt.spec if ckpt is not None else spec
+        spec = spec if spec is not None else ckpt.spec  # expert parallelism: the rank's share of the experts
         virtual = (spec.num_moe_layers, spec.num_experts, PAGES_PER_EXPERT * pool.layout.page_bytes(EXPERT))
         loader = ExpertLoader(ckpt.experts.weights if ckpt is not None else None, pool.view(EXPERT).tensor, alloc,
                               plan.buffer_experts, virtual_shape=virtual)

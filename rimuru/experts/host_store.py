@@ -24,7 +24,9 @@ PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 class HostExpertStore:
     """``shard`` = (rank, world): the store holds only that tensor-parallel rank's rows ``f/world`` of every
-    projection; ``set_expert`` / ``set_projection`` take the full HF tensors and keep the rank's slice."""
+    projection; ``set_expert`` / ``set_projection`` take the full HF tensors and keep the rank's slice. With expert
+    parallelism (``shard.experts``) it holds those experts whole, in that order (expert ``shard.experts[j]`` is
+    row ``j``), and ``set_expert`` / ``set_projection`` of another rank's expert keep nothing."""
 
     def __init__(self, weights: torch.Tensor, moe_layers: Sequence[int] | None = None,
                  shard: Shard = ONE_RANK) -> None:
@@ -32,7 +34,11 @@ class HostExpertStore:
             raise ValueError(f"expert store wants [L, E, 3, f, d], got {tuple(weights.shape)}")
         self.weights = weights  # [L, E, 3, f, d]; written only while loading
         self.shard = shard
-        self._rows = shard.rows(weights.shape[3] * shard.world, "expert intermediate size")
+        self._rows = shard.rows(weights.shape[3] * shard.world, "expert intermediate size") if shard.slices_experts \
+            else slice(None)
+        self._local = None if shard.experts is None else {g: j for j, g in enumerate(shard.experts)}
+        if self._local is not None and len(self._local) != weights.shape[1]:
+            raise ValueError(f"an expert-parallel store of {len(self._local)} experts, got {weights.shape[1]} rows")
         layers = list(range(weights.shape[0])) if moe_layers is None else list(moe_layers)
         if len(layers) != weights.shape[0]:
             raise ValueError(f"{len(layers)} MoE layer ids for {weights.shape[0]} stored layers")
@@ -43,9 +49,12 @@ class HostExpertStore:
     def empty(cls, num_layers: int, num_experts: int, f: int, d: int, dtype: torch.dtype = torch.bfloat16,
               moe_layers: Sequence[int] | None = None, pin: bool | None = None,
               shard: Shard = ONE_RANK) -> HostExpertStore:
-        """``f`` is the model's full intermediate size; the store holds ``f / shard.world`` rows."""
+        """``f`` is the model's full intermediate size; the store holds ``f / shard.world`` rows (expert
+        parallelism: all ``f`` rows of ``shard.experts`` only)."""
         pin = torch.cuda.is_available() if pin is None else pin
-        rows = shard.rows(f, "expert intermediate size")
+        rows = shard.rows(f, "expert intermediate size") if shard.slices_experts else slice(0, f)
+        if shard.experts is not None:
+            num_experts = len(shard.experts)
         weights = torch.empty(num_layers, num_experts, PAGES_PER_EXPERT, rows.stop - rows.start, d, dtype=dtype,
                               pin_memory=pin)
         return cls(weights, moe_layers, shard)
@@ -96,9 +105,18 @@ class HostExpertStore:
 
     def set_projection(self, layer: int, expert: int, proj: int, weight: torch.Tensor) -> None:
         """One HF tensor: gate_proj / up_proj as [f, d], down_proj as [d, f] (transposed here); a sharded
-        store keeps its rows of it."""
+        store keeps its rows of it; an expert-parallel store keeps its own experts only (``expert`` is the
+        global id)."""
+        if self._local is not None:
+            if expert not in self._local:
+                return
+            expert = self._local[expert]
         rows = weight.T if proj == W2 else weight  # [f, d]
-        self.weights[self._row[layer], expert, proj].copy_(rows[self._rows] if self.shard.world > 1 else rows)
+        self.weights[self._row[layer], expert, proj].copy_(rows[self._rows] if self.shard.slices_experts else rows)
+
+    def holds(self, expert: int) -> bool:
+        """Whether the store keeps (part of) global expert ``expert``."""
+        return self._local is None or expert in self._local
 
     # ------------------------------------------------------------------ read
     def layer(self, layer: int) -> torch.Tensor:

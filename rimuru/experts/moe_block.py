@@ -56,10 +56,11 @@ class MoeLayerWeights:
         return cls(dense[f"{p}.gate.weight"], spec.top_k, spec.norm_topk_prob, shared)
 
 
-def route_layer(hidden: torch.Tensor, layer: MoeLayerWeights,
-                row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) for hidden [T, d] (``row_valid``: see ``route``)."""
-    return route(hidden, layer.gate_weight, layer.top_k, layer.norm_topk_prob, row_valid)
+def route_layer(hidden: torch.Tensor, layer: MoeLayerWeights, row_valid: torch.Tensor | None = None,
+                expert_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights fp32 [T, k], topk_ids int32 [T, k]) for hidden [T, d] (``row_valid``, ``expert_map``: see
+    ``route``)."""
+    return route(hidden, layer.gate_weight, layer.top_k, layer.norm_topk_prob, row_valid, expert_map)
 
 
 def shared_expert_forward(hidden: torch.Tensor, shared: SharedExpertWeights) -> torch.Tensor:
@@ -73,13 +74,21 @@ def shared_expert_forward(hidden: torch.Tensor, shared: SharedExpertWeights) -> 
 
 def routed_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    expert_view: torch.Tensor, page_table: torch.Tensor, impl: str = "auto",
-                   host_pages: torch.Tensor | None = None) -> torch.Tensor:
+                   host_pages: torch.Tensor | None = None, null_expert: int | None = None,
+                   tile_experts: int | None = None) -> torch.Tensor:
     """Routed part only: [T, d] through the page table [E, 3] into expert_view [P, f, d] (negative ids:
-    pages of ``host_pages``, read in place)."""
+    pages of ``host_pages``, read in place). Expert parallelism: pairs routed to ``null_expert`` (= E) are another
+    rank's and contribute nothing; ``tile_experts`` picks the Triton kernel's tiles."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = "triton" if hidden.is_cuda else "cpu"
+    if null_expert is not None and impl != "triton":
+        local = topk_ids != null_expert
+        if impl == "cpu" and host_pages is None:
+            return moe_cpu(hidden, topk_weights, torch.where(local, topk_ids, 0), expert_view, page_table, keep=local)
+        topk_weights = torch.where(local, topk_weights, torch.zeros_like(topk_weights))  # 0 x finite: exactly 0
+        topk_ids = torch.where(local, topk_ids, torch.zeros_like(topk_ids))
     if impl == "reference":
         return moe_reference(hidden, topk_weights, topk_ids, expert_view, page_table, host_pages)
     if impl == "cpu":
@@ -88,13 +97,15 @@ def routed_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: t
         return moe_cpu(hidden, topk_weights, topk_ids, expert_view, page_table)
     from rimuru.kernels.fused_moe import fused_moe
 
-    return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table, host_pages=host_pages)
+    return fused_moe(hidden, topk_weights, topk_ids, expert_view, page_table, host_pages=host_pages,
+                     null_expert=null_expert, tile_experts=tile_experts)
 
 
 def moe_forward_parts(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch.Tensor,
                       experts: ExpertProvider, moe_layer: int = 0,
                       routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+                      impl: str = "auto", null_expert: int | None = None,
+                      tile_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One MoE layer on hidden [T, d], left unsummed: ``(routed, shared)`` with ``routed`` the fused kernel's
     weighted rows [T, k, d] (Triton, no host-computed misses) or the routed output [T, d], and ``shared`` the
     shared expert's output [T, d] (None without one). :func:`moe_forward` sums them; the model folds the sum into
@@ -103,6 +114,10 @@ def moe_forward_parts(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view:
     ``experts`` gives MoE layer ``moe_layer``'s page table [E, PAGES_PER_EXPERT] (W1, W3, W2^T page ids in
     ``expert_view``); rows of experts no token routes to are never read. ``routing`` = (topk_weights,
     topk_ids) from ``route_layer`` when the caller already routed.
+
+    Expert parallelism: ``topk_ids`` are the rank's local ids (``route_layer(..., expert_map)``), ``null_expert``
+    the id of another rank's experts (their rows are zero: this rank's partial sum), ``tile_experts`` the model's
+    expert count (TP=1's tiles).
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -111,14 +126,18 @@ def moe_forward_parts(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view:
     table = experts.layer_table(moe_layer, topk_ids, x)
     host_out = None
     if experts.computes_on_host:  # misses computed on the CPU (KTransformers-style policy)
+        if null_expert is not None:
+            raise ValueError("expert parallelism does not run with a provider that computes experts on the host")
         topk_weights, host_out = experts.split(moe_layer, x, topk_weights, topk_ids)
     if host_out is None and (impl == "triton" or (impl == "auto" and x.is_cuda)):
         from rimuru.kernels.fused_moe import fused_moe_experts
 
-        out = fused_moe_experts(x, topk_weights, topk_ids, expert_view, table, host_pages=experts.host_pages)
+        out = fused_moe_experts(x, topk_weights, topk_ids, expert_view, table, host_pages=experts.host_pages,
+                                null_expert=null_expert, tile_experts=tile_experts)
         out = out.view(x.shape[0], topk_ids.shape[1], x.shape[1])
     else:
-        out = routed_experts(x, topk_weights, topk_ids, expert_view, table, impl, experts.host_pages)
+        out = routed_experts(x, topk_weights, topk_ids, expert_view, table, impl, experts.host_pages, null_expert,
+                             tile_experts)
         if host_out is not None:
             out = out + host_out
     experts.layer_done(moe_layer)  # its loading buffer may be refilled once the routed part is queued

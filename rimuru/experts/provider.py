@@ -51,9 +51,9 @@ def _device_only_split(topk_weights: torch.Tensor) -> tuple[torch.Tensor, None]:
 
 def touched_mask(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E] bool: experts at least one token routes to. No host sync (unlike ``bincount`` on CUDA), so it
-    can run inside a captured graph."""
-    mask = torch.zeros(num_experts, dtype=torch.bool, device=topk_ids.device)
-    return mask.index_fill_(0, topk_ids.reshape(-1).long(), True)
+    can run inside a captured graph. An id ``E`` (expert parallelism's null expert: another rank's) is not counted."""
+    mask = torch.zeros(num_experts + 1, dtype=torch.bool, device=topk_ids.device)
+    return mask.index_fill_(0, topk_ids.reshape(-1).long(), True)[:num_experts]
 
 
 def prefetch_next_step(touched: int, num_experts: int, next_in_place: bool = False) -> bool:
@@ -290,8 +290,8 @@ class DeviceTableExperts:
             return
         layers = [m for m, _ in self._step_ids]
         ids = torch.stack([t.reshape(-1) for _, t in self._step_ids]).long()  # [M, T*k]: one copy, one cast
-        used = torch.zeros(len(layers), self.num_experts, dtype=torch.bool, device=ids.device)
-        used.scatter_(1, ids, True)
+        used = torch.zeros(len(layers), self.num_experts + 1, dtype=torch.bool, device=ids.device)
+        used = used.scatter_(1, ids, True)[:, :self.num_experts]  # id E: expert parallelism's null expert
         first, last = layers[0], layers[-1]
         rows = self.tables[first: last + 1] if layers == list(range(first, last + 1)) else self.tables[layers]
         absent = rows[:, :, 0] < 0

@@ -107,7 +107,7 @@ def fused_moe_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, HOST_PAGES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr, SINGLE: tl.constexpr, BLOCK_P: tl.constexpr,
-    PDL_WAIT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False,
+    PDL_WAIT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False, NULL_EXPERT: tl.constexpr = -1,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile of one expert's rows. Grid ``(max_blocks * cdiv(N, BLOCK_N),)``.
 
@@ -122,6 +122,8 @@ def fused_moe_kernel(
     ``(num_pairs * cdiv(N, BLOCK_N),)``. ``SINGLE`` (one token, whose k experts are distinct): block ``m`` is pair
     ``m`` alone, no scan. ``PDL_WAIT`` / ``LAUNCH_DEPENDENTS``: programmatic dependent launch
     (:func:`rimuru.kernels.pdl.pdl_enter`; the ``pdl_chain`` lever), before anything else, early exits included.
+    ``NULL_EXPERT`` >= 0 (expert parallelism): pairs routed to that id belong to another rank — their blocks read
+    no weights, GATE_UP skips them and DOWN writes their rows as zeros (the page table has no row for it).
     """
     pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     pid = tl.program_id(0)
@@ -141,7 +143,10 @@ def fused_moe_kernel(
 
     # DIRECT: the pair's expert (>= 0); aligned: the block's (-1 past the end of the schedule)
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-    table_row = page_table_ptr + tl.maximum(expert, 0) * 3  # page ids read before the block checks: their
+    local = tl.maximum(expert, 0)
+    if NULL_EXPERT >= 0:
+        local = tl.where(expert == NULL_EXPERT, 0, local)
+    table_row = page_table_ptr + local * 3  # page ids read before the block checks: their
     if GATE_UP:  #                                           latency overlaps the schedule's
         p1 = _page_id(table_row, expert, 0, PAGED)
         p3 = _page_id(table_row, expert, 1, PAGED)
@@ -164,6 +169,13 @@ def fused_moe_kernel(
     a_row = pair // TOP_K if GATE_UP else pair
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if NULL_EXPERT >= 0:
+        if expert == NULL_EXPERT:  # another rank's expert: its rows of the partial sum are zeros
+            if not GATE_UP:
+                tl.store(c_ptr + pair[:, None] * stride_cm + offs_n[None, :],
+                         tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty),
+                         mask=row_mask[:, None] & (offs_n[None, :] < N))
+            return
     offs_wn = offs_n % N  # wrap instead of masking weight loads; the store masks
     offs_k = tl.arange(0, BLOCK_K)
     page_elems = F.to(tl.int64) * D
@@ -456,7 +468,7 @@ class DirectSchedule:
 
 # ---------------------------------------------------------------------------------------------- launch
 def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment | DirectSchedule, *, N, K, F, D, top_k, gate_up,
-            paged, cfg: MoeKernelConfig, host=None, tokens: int) -> None:
+            paged, cfg: MoeKernelConfig, host=None, tokens: int, null_expert: int | None = None) -> None:
     grid = (align.max_blocks * triton.cdiv(N, cfg.block_n),)
     direct = isinstance(align, DirectSchedule)
     if direct:
@@ -473,6 +485,7 @@ def _launch(a, w, c, page_table, topk_weights, align: MoeAlignment | DirectSched
         DOT_PRECISION=variants.dot_precision(a.dtype),
         DIRECT=direct, SINGLE=direct and align.single, BLOCK_P=DIRECT_MAX_PAIRS if direct else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **chain(a.device, tokens),
+        **({} if null_expert is None else {"NULL_EXPERT": null_expert}),
     )
 
 
@@ -480,8 +493,13 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
                       weights: torch.Tensor, page_table: torch.Tensor | None, *,
                       configs: MoeConfigs | None = None, align: MoeAlignment | None = None,
                       out: torch.Tensor | None = None, intermediate: torch.Tensor | None = None,
-                      host_pages: torch.Tensor | None = None) -> torch.Tensor:
+                      host_pages: torch.Tensor | None = None, null_expert: int | None = None,
+                      tile_experts: int | None = None) -> torch.Tensor:
     """Both passes; returns the per-routing rows ``[T * k, d]`` (already scaled by their weights).
+
+    Expert parallelism: ``null_expert`` (the page table's row count) is the id of pairs whose expert another rank
+    holds; their rows come out zero and no weights are read for them. ``tile_experts``: the model's expert count
+    that picks the tiles (a rank's experts see TP=1's rows per expert, so TP=1's tuned tiles).
 
     ``host_pages`` [J, f, d] (pinned host memory, device-addressable): page-table entries ``-(1 + j)``
     read page ``j`` from it directly (zero-copy), so a miss needs no load and no host decision.
@@ -503,7 +521,9 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         page_table = topk_ids  # unused pointer
     if weights.shape[-1] != d or not weights.is_contiguous() or not hidden.is_contiguous():
         raise ValueError(f"want contiguous hidden [T, {weights.shape[-1]}] and weights, got {tuple(hidden.shape)}")
-    if align is None and configs is None and moe_gemv(T, f, d, variants.on("moe_gemv"),
+    if null_expert is not None and null_expert != E:
+        raise ValueError(f"the null expert is the page table's row count {E}, got {null_expert}")
+    if null_expert is None and align is None and configs is None and moe_gemv(T, f, d, variants.on("moe_gemv"),
                                                       host_pages is not None and not variants.on("moe_gemv_host")):
         flat = topk_ids.reshape(-1)
         if flat.dtype != torch.int32 or not flat.is_contiguous():
@@ -515,20 +535,20 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
         _launch_gemv(hidden, weights, h, page_table, w_flat, flat, N=f, K=d, gate_up=True, **common)
         _launch_gemv(h, weights, y, page_table, w_flat, flat, N=d, K=f, gate_up=False, **common)
         return y
-    configs = configs or pick_configs(T, k, E, f, d)
+    configs = configs or pick_configs(T, k, tile_experts or E, f, d)
     if align is None and direct_schedule(T * k, configs.gate_up.block_m, variants.on("direct_moe")):
         flat = topk_ids.reshape(-1)
         if flat.dtype != torch.int32 or not flat.is_contiguous():
             flat = flat.to(torch.int32).contiguous()
         align = DirectSchedule(flat, configs.gate_up.block_m, T * k, T == 1)
     elif align is None:
-        align = moe_align(topk_ids, E, configs.gate_up.block_m)
+        align = moe_align(topk_ids, E + (null_expert is not None), configs.gate_up.block_m)
     elif align.block_m != configs.gate_up.block_m:
         raise ValueError(f"alignment has block_m {align.block_m}, configs want {configs.gate_up.block_m}")
     w_flat = topk_weights.reshape(-1).to(torch.float32).contiguous()
     h = intermediate if intermediate is not None else torch.empty(T * k, f, dtype=hidden.dtype, device=hidden.device)
     y = out if out is not None else torch.empty(T * k, d, dtype=hidden.dtype, device=hidden.device)
-    common = dict(F=f, D=d, top_k=k, paged=paged, host=host_pages, tokens=T)
+    common = dict(F=f, D=d, top_k=k, paged=paged, host=host_pages, tokens=T, null_expert=null_expert)
     _launch(hidden, weights, h, page_table, w_flat, align, N=f, K=d, gate_up=True, cfg=configs.gate_up, **common)
     _launch(h, weights, y, page_table, w_flat, align, N=d, K=f, gate_up=False, cfg=configs.down, **common)
     return y
@@ -536,10 +556,12 @@ def fused_moe_experts(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids
 
 def fused_moe(hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_view: torch.Tensor,
               page_table: torch.Tensor | None, *, configs: MoeConfigs | None = None,
-              align: MoeAlignment | None = None, host_pages: torch.Tensor | None = None) -> torch.Tensor:
+              align: MoeAlignment | None = None, host_pages: torch.Tensor | None = None,
+              null_expert: int | None = None, tile_experts: int | None = None) -> torch.Tensor:
     """Routed-expert MoE output ``[T, d]``: hidden [T, d], topk_weights [T, k] fp32, topk_ids [T, k],
-    expert_view [P, f, d] with page_table [E, 3] (or contiguous [E, 3, f, d] with page_table None)."""
+    expert_view [P, f, d] with page_table [E, 3] (or contiguous [E, 3, f, d] with page_table None);
+    ``null_expert`` / ``tile_experts``: expert parallelism (:func:`fused_moe_experts`)."""
     T, d = hidden.shape
     y = fused_moe_experts(hidden, topk_weights, topk_ids, expert_view, page_table, configs=configs, align=align,
-                          host_pages=host_pages)
+                          host_pages=host_pages, null_expert=null_expert, tile_experts=tile_experts)
     return y.view(T, -1, d).sum(dim=1, dtype=torch.float32).to(hidden.dtype)

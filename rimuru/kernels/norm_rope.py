@@ -189,11 +189,13 @@ def _softmax_topk(x, offs, valid, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BL
 @triton.jit
 def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, row_valid_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
                         BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, HAS_VALID: tl.constexpr,
-                        PDL_WAIT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False):
+                        PDL_WAIT: tl.constexpr = False, LAUNCH_DEPENDENTS: tl.constexpr = False,
+                        map_ptr=None, HAS_MAP: tl.constexpr = False):
     """One token per program: fp32 softmax over its router logits, the top ``TOP_K`` (first index on ties),
     optionally renormalised; weights fp32 and ids int32 ``[T, TOP_K]``, largest first. With ``HAS_VALID`` a row
     whose ``row_valid`` is 0 (padding of a captured batch) takes row 0's routing. ``PDL_WAIT`` /
-    ``LAUNCH_DEPENDENTS``: :func:`rimuru.kernels.pdl.pdl_enter`."""
+    ``LAUNCH_DEPENDENTS``: :func:`rimuru.kernels.pdl.pdl_enter`. ``HAS_MAP`` (expert parallelism): the ids written
+    are ``map[id]``, the rank's local ids (:mod:`rimuru.distributed.expert_parallel`), in the same launch."""
     pdl_enter(PDL_WAIT, LAUNCH_DEPENDENTS)
     row = tl.program_id(0).to(tl.int64)
     src = row
@@ -205,6 +207,8 @@ def topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, row_valid_ptr, num_exp
     w, ids = _softmax_topk(x, offs, valid, TOP_K, BLOCK_K, BLOCK_E, RENORM)
     slots = tl.arange(0, BLOCK_K)
     keep = slots < TOP_K
+    if HAS_MAP:
+        ids = tl.load(map_ptr + ids, mask=keep, other=0)
     tl.store(weights_ptr + row * TOP_K + slots, w, mask=keep)
     tl.store(ids_ptr + row * TOP_K + slots, ids, mask=keep)
 
@@ -390,10 +394,10 @@ def router_topk(hidden: torch.Tensor, gate_weight: torch.Tensor, top_k: int, ren
 
 
 def warmup_routing(num_experts: int, hidden_size: int, top_k: int, renormalize: bool, dtype: torch.dtype,
-                   device: torch.device) -> None:
+                   device: torch.device, expert_map: torch.Tensor | None = None) -> None:
     """Compile every routing kernel a step can launch: :func:`topk_softmax` and, with the ``router_fused`` lever,
     :func:`router_topk` (with ``router_tiles``, :func:`router_tiles`), each with and without a padding mask (graphs
-    pass one, eager steps do not)."""
+    pass one, eager steps do not); ``expert_map`` (expert parallelism): :func:`topk_softmax` with it."""
     logits = torch.randn(2, num_experts, device=device, dtype=dtype)
     hidden = torch.randn(2, hidden_size, device=device, dtype=dtype)
     gate = torch.randn(num_experts, hidden_size, device=device, dtype=dtype)
@@ -401,7 +405,7 @@ def warmup_routing(num_experts: int, hidden_size: int, top_k: int, renormalize: 
     if tiled_router(tiles, num_experts, hidden_size, variants.on("router_tiles")):
         hidden_tiles = torch.randn(tiles, hidden_size, device=device, dtype=dtype)
     for valid in (None, torch.ones(2, 1, dtype=torch.bool, device=device)):
-        topk_softmax(logits, top_k, renormalize, valid)
+        topk_softmax(logits, top_k, renormalize, valid, expert_map)
         if fused_router(2, variants.on("router_fused")):
             router_topk(hidden, gate, top_k, renormalize, valid)
         if tiled_router(tiles, num_experts, hidden_size, variants.on("router_tiles")):
@@ -410,10 +414,12 @@ def warmup_routing(num_experts: int, hidden_size: int, top_k: int, renormalize: 
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
-                 row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 row_valid: torch.Tensor | None = None,
+                 expert_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, E]`` → (weights fp32 [T, k], ids int32 [T, k]) as :func:`rimuru.experts.router.route` computes
     them after its gate matmul, in one launch instead of five. ``row_valid`` [T] or [T, 1] bool: rows marked False
-    take row 0's routing (so a captured batch's padding reads no extra experts)."""
+    take row 0's routing (so a captured batch's padding reads no extra experts). ``expert_map`` [E] int32 (expert
+    parallelism): the ids come out as ``expert_map[id]``."""
     T, E = logits.shape
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
@@ -422,7 +428,8 @@ def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
         topk_softmax_kernel[(T,)](logits, weights, ids, valid, E, logits.stride(0), TOP_K=top_k,
                                   BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
                                   RENORM=renormalize, HAS_VALID=row_valid is not None,
-                                  num_warps=1 if E <= 256 else 4, **chain(logits.device, T))
+                                  num_warps=1 if E <= 256 else 4, **chain(logits.device, T),
+                                  **({} if expert_map is None else {"map_ptr": expert_map, "HAS_MAP": True}))
     return weights, ids
 
 

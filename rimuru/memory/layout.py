@@ -144,15 +144,19 @@ class PoolLayout:
         conv: tuple[int, int] | None = None,
         conv_dtype: torch.dtype = torch.bfloat16,
         tp: int = 1,
+        expert_tp: int | None = None,
     ) -> PoolLayout:
-        """Sizes in model units; ``tp`` shards the expert intermediate dim, KV heads and state heads.
+        """Sizes in model units; ``tp`` shards the expert intermediate dim, KV heads and state heads
+        (``expert_tp``, default ``tp``: the expert intermediate dim's split alone; 1 with expert parallelism, whose
+        ranks hold whole experts).
 
         ``kv`` = (block_tokens, kv_heads, head_dim); ``ssm_state`` = (heads, k_dim, v_dim);
         ``conv`` = (rows, conv_dim) of one request's conv state of one layer.
         """
-        if expert_intermediate % tp:
-            raise ValueError(f"expert intermediate size {expert_intermediate} is not divisible by tp={tp}")
-        classes = [PageClass(EXPERT, 2, (expert_intermediate // tp, hidden_size), weight_dtype)]
+        expert_tp = tp if expert_tp is None else expert_tp
+        if expert_intermediate % expert_tp:
+            raise ValueError(f"expert intermediate size {expert_intermediate} is not divisible by tp={expert_tp}")
+        classes = [PageClass(EXPERT, 2, (expert_intermediate // expert_tp, hidden_size), weight_dtype)]
         if ssm_state is not None:
             heads, *rest = ssm_state
             if heads % tp:
@@ -169,7 +173,7 @@ class PoolLayout:
             row = PageClass(CONV, 3, (conv_dim // tp,), conv_dtype, run=rows)
             parent = conv_parent(row, [c for c in classes if c.level == 2])
             classes.append(PageClass(CONV, 3, row.page_shape, conv_dtype, parent=parent, run=rows))
-        return cls(tuple(classes), meta={"tp": tp})
+        return cls(tuple(classes), meta={"tp": tp, "expert_tp": expert_tp})
 
     @classmethod
     def from_spec(
@@ -181,6 +185,7 @@ class PoolLayout:
         weight_dtype: torch.dtype = torch.bfloat16,
         kv_dtype: torch.dtype | None = None,
         ssm_dtype: torch.dtype = torch.float32,
+        expert_tp: int | None = None,
     ) -> PoolLayout:
         """Layout of a model (a ``ModelSpec``: qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe).
 
@@ -203,4 +208,5 @@ class PoolLayout:
             conv=conv,
             conv_dtype=weight_dtype,
             tp=tp,
+            expert_tp=expert_tp,
         )

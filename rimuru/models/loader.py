@@ -89,8 +89,10 @@ def load_checkpoint(model_dir: str | Path, device: str | torch.device = "cpu", d
                 name = normalize_name(raw)
                 if m := _PER_EXPERT.search(name):
                     layer, expert, proj = int(m.group(1)), int(m.group(2)), _PROJ[m.group(3)]
-                    get_store(t := f.get_tensor(raw)).set_projection(layer, expert, proj, t)
                     filled[row[layer], expert, proj] = True
+                    if store is not None and not store.holds(expert):  # expert parallelism: another rank's
+                        continue
+                    get_store(t := f.get_tensor(raw)).set_projection(layer, expert, proj, t)
                 elif m := _FUSED.search(name):
                     layer, kind = int(m.group(1)), m.group(2)
                     t = f.get_tensor(raw)

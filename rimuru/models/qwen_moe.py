@@ -39,11 +39,19 @@ class _LayerWeights:
 
 
 class QwenMoeModel:
+    expert_map: torch.Tensor | None = None  # expert parallelism's global -> local ids (set in __init__; subclasses
+    _ep: dict = {}  # that build themselves keep None / {}: no expert parallelism)
+
     def __init__(self, spec: ModelSpec, dense: dict[str, torch.Tensor], device: torch.device,
-                 attention_impl: str = "auto", moe_impl: str = "auto", comm: Communicator = SINGLE) -> None:
+                 attention_impl: str = "auto", moe_impl: str = "auto", comm: Communicator = SINGLE,
+                 expert_map: torch.Tensor | None = None) -> None:
         """``dense`` holds this rank's shards (rimuru/distributed/sharding.py) when ``comm`` spans several
         ranks: each rank computes its heads and its slice of every MLP, one all-reduce after attention
-        and one after the MoE/MLP complete the sums. At world size 1 nothing is reduced."""
+        and one after the MoE/MLP complete the sums. At world size 1 nothing is reduced.
+
+        ``expert_map`` [E] int32 (expert parallelism, rimuru/distributed/expert_parallel.py): this rank holds whole
+        experts; routed ids become its local ids (another rank's: the null expert, the map's largest value), and the
+        routed experts' partial sum is over its own experts only."""
         if spec.model_type not in SUPPORTED:
             raise ValueError(f"the engine runs {', '.join(SUPPORTED)} models; {spec.model_type} "
                              "(linear-attention layers) is not supported yet")
@@ -66,6 +74,9 @@ class QwenMoeModel:
         self.rope = rope
         self.layers = [self._resolve(layer) for layer in range(spec.num_layers)]
         self.routing_counts: torch.Tensor | None = None  # [moe_layers, E] when recording
+        self.expert_map = None if expert_map is None else expert_map.to(device=device, dtype=torch.int32)
+        self._ep = {} if expert_map is None else {"null_expert": int(expert_map.max()),
+                                                   "tile_experts": spec.num_experts}
 
     def _resolve(self, layer: int) -> _LayerWeights:
         w, p = self.w, f"model.layers.{layer}"
@@ -132,6 +143,11 @@ class QwenMoeModel:
              row_valid: torch.Tensor | None = None) -> torch.Tensor:
         """Decoder layer ``layer``'s MoE block output [T, d] (summed; not all-reduced)."""
         m = self.moe_index[layer]
+        if self.expert_map is not None:
+            routed, shared = self._moe_parts(layer, x, experts, expert_view, row_valid)
+            if routed.dim() == 3:
+                routed = routed.sum(dim=1, dtype=torch.float32).to(x.dtype)
+            return routed if shared is None else routed + shared
         topk_weights, topk_ids = route_layer(x, self.moe[m], row_valid)
         self._record(m, topk_ids)
         return moe_forward(x, self.moe[m], expert_view, experts, m, routing=(topk_weights, topk_ids),
@@ -150,9 +166,11 @@ class QwenMoeModel:
         expert weights."""
         m = self.moe_index[layer]
         lw = self.moe[m]
-        topk_weights, topk_ids = route_layer(x, lw, row_valid)
-        self._record(m, topk_ids)
-        return moe_forward_parts(x, lw, expert_view, experts, m, routing=(topk_weights, topk_ids), impl=self.moe_impl)
+        topk_weights, topk_ids = route_layer(x, lw, row_valid, self.expert_map)  # expert parallelism: local ids
+        if self.expert_map is None:
+            self._record(m, topk_ids)
+        return moe_forward_parts(x, lw, expert_view, experts, m, routing=(topk_weights, topk_ids), impl=self.moe_impl,
+                                 **self._ep)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_view, expert_view: torch.Tensor,

@@ -18,7 +18,8 @@
 # TP=1 engine (the A/B among the TP all-reduces); BATCHES, PROFILE, MOE_SWEEP: e2e_tp_gpu.py's lists; ROUTING_BENCH=1:
 # tp_routing_bench.py before the A/B, =auto: and the A/B with the kernel levers it finds faster; AB_KERNELS: decode
 # kernel lever sets the A/B runs each engine with, ';'-separated ('fast;fast,pdl_wide'); GREEDY_PROMPTS: the static
-# greedy check's prompts (16); CHECK_KERNELS: the kill checks' kernel levers (RIMURU_DECODE_KERNELS of their process))
+# greedy check's prompts (16); CHECK_KERNELS: the kill checks' kernel levers (RIMURU_DECODE_KERNELS of their process);
+# EP=1: the decode A/B again with expert parallelism on the TP engine (step_ep/), see below)
 set -u
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
@@ -101,18 +102,36 @@ if [ "$DEVICE" = cuda ] && [ -n "${ROUTING_BENCH:-}" ]; then
 fi
 echo "decode kernels: ${RIMURU_DECODE_KERNELS:-fast (default)}" | tee -a "$OUT/driver.log"
 
-T=$(( $(left) - ${CHECK_RESERVE:-100} )); [ "$T" -gt 220 ] && T=220  # CHECK_RESERVE: seconds kept for the checks
-if [ "$DEVICE" = cuda ] && [ -z "${SKIP_STEP:-}" ]; then
+# EP=1: the decode A/B runs twice, each in its own process (a process holds one symmetric-memory TP engine): the
+# default TP engine (step/), then the same A/B with enable_expert_parallel on the TP engine (step_ep/: whole experts
+# per rank), each against its own TP=1 engine; the time left for the A/B is split between them (EP_SHARE percent
+# to the first, default 55: it compiles the kernels cold)
+T_ALL=$(( $(left) - ${CHECK_RESERVE:-100} ))
+runs=$([ -n "${EP:-}" ] && echo "plain ep" || echo "plain")
+# DRY_STEP=1 with DEVICE=cpu: the decode A/B's shell and script on the CPU (gloo) with MODEL (a tiny model),
+# STATIC_LAYERS, BUDGET_TP1/BUDGET_TPN, DECODE_STEPS and HOTSET ('' for none) set to fit it
+if { [ "$DEVICE" = cuda ] || [ -n "${DRY_STEP:-}" ]; } && [ -z "${SKIP_STEP:-}" ]; then
 FIRST=${FIRST:-nccl}
-echo "[$(( $(date +%s) - START ))s] decode A/B $FIRST,$AB (timeout $T s)" | tee -a "$OUT/driver.log"
 async=$([ -n "${ASYNC_AB:-}" ] && echo --async-ab || echo --no-async-ab)
-timeout "$T" $PY workflow/scripts/e2e_tp_gpu.py --model qwen3-30b-a3b --layers 4 --static-layers 48 --skew 0.7 \
-  --tp 2 --static-budget-tp1 72GiB --static-budget 44GiB --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz \
-  --num-requests 48 --batches "${BATCHES:-64,128}" --decode-steps 30 --repeats 4 --all-reduce "$FIRST" --ab-all-reduce "$AB" \
-  $async ${SKIP_TP1:+--skip-tp1} --ab-kernels "${AB_KERNELS:-}" --greedy-prompts "${GREEDY_PROMPTS:-16}" --ar-rows 1 --profile-batches "${PROFILE-64}" --moe-sweep "${MOE_SWEEP-64,128}" --skip-serving \
-  --deadline-s $(( T - ${DEADLINE_MARGIN:-45} )) \
-  --out "$OUT/step" > "$OUT/step.log" 2>&1
-echo "[$(( $(date +%s) - START ))s] decode A/B rc=$?" | tee -a "$OUT/driver.log"
+for run in $runs; do
+  if [ "$run" = plain ]; then
+    T=$([ -n "${EP:-}" ] && echo $(( T_ALL * ${EP_SHARE:-55} / 100 )) || echo "$T_ALL"); dir=step; extra=""
+  else
+    T=$(( $(left) - ${CHECK_RESERVE:-100} )); dir=step_ep; extra=--expert-parallel
+  fi
+  [ "$T" -gt 220 ] && T=220  # CHECK_RESERVE: seconds kept for the checks
+  if [ "$T" -lt 60 ]; then echo "not started (time): decode A/B $run" | tee -a "$OUT/driver.log"; continue; fi
+  echo "[$(( $(date +%s) - START ))s] decode A/B $run $FIRST,$AB (timeout $T s)" | tee -a "$OUT/driver.log"
+  timeout "$T" $PY workflow/scripts/e2e_tp_gpu.py --model "${MODEL:-qwen3-30b-a3b}" --layers 4 \
+    --static-layers "${STATIC_LAYERS:-48}" --skew 0.7 --tp 2 --static-budget-tp1 "${BUDGET_TP1:-72GiB}" \
+    --static-budget "${BUDGET_TPN:-44GiB}" --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz \
+    --hotset "${HOTSET-results/reference/e2e_tp2/hotset.json}" --device "$DEVICE" \
+    --num-requests 48 --batches "${BATCHES:-64,128}" --decode-steps "${DECODE_STEPS:-30}" --repeats 4 --all-reduce "$FIRST" --ab-all-reduce "$AB" \
+    $async ${SKIP_TP1:+--skip-tp1} --ab-kernels "${AB_KERNELS:-}" --greedy-prompts "${GREEDY_PROMPTS:-16}" --ar-rows 1 --profile-batches "${PROFILE-64}" --moe-sweep "${MOE_SWEEP-64,128}" --skip-serving \
+    --deadline-s $(( T - ${DEADLINE_MARGIN:-45} )) $extra \
+    --out "$OUT/$dir" > "$OUT/$dir.log" 2>&1
+  echo "[$(( $(date +%s) - START ))s] decode A/B $run rc=$?" | tee -a "$OUT/driver.log"
+done
 fi
 
 for spec in ${CHECKS-nccl:static symm_mem:static nccl:fixed}; do

@@ -196,6 +196,9 @@ def main() -> None:
     ap.add_argument("--discard-engine", action="store_true",
                     help="serving: build, warm up and serve once on a first TP engine that is not recorded (in every "
                          "wave-8/9 call the first engine of the process loaded slowest, either policy)")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="static part: the TP engine with enable_expert_parallel (whole experts per rank, placed by "
+                         "--hotset's layer 0); its rows are engine tpN-ep-*, column expert_parallel")
     ap.add_argument("--ab-kernels", default="", help="decode kernel lever sets for the static step's A/B, "
                     "';'-separated (rimuru.kernels.variants: 'fast;fast,pdl_wide'): every engine runs the whole A/B "
                     "sequence with each, switched at run time (graphs recaptured on every rank); '' the process's "
@@ -295,7 +298,9 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
     one = None if args.skip_tp1 else LLM(recipe, gpu_memory_budget=args.static_budget_tp1, **engine_opts)
     warm1 = one.warmup(1024) if one is not None else "skipped"
     many = LLM(recipe, gpu_memory_budget=args.static_budget, tensor_parallel_size=tp, all_reduce=args.all_reduce,
-               **engine_opts)
+               **expert_parallel_options(args, out), **engine_opts)
+    if args.expert_parallel:
+        log(f"expert parallelism: rank experts {[list(ids) for ids in many.expert_placement.local]}")
     warmn = many.warmup(1024)
     first = many.comm.backend.name
     # the other backends of the A/B; the CPU dry run (gloo only) runs the same sequence with gloo again
@@ -339,6 +344,7 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                     "batch": b, "engine": name, "repeat": rep, "tensor_parallel_size": engine.comm.world_size,
                     "all_reduce": engine.comm.backend.name if is_tp else None, "async_scheduling": pipelined,
                     "vocab_parallel_head": engine.model.vocab_parallel if is_tp else False,
+                    "expert_parallel": bool(is_tp and args.expert_parallel),
                     "step_ms_median": statistics.median(steps), "step_ms_min": min(steps),
                     "step_ms_max": max(steps), "steps": len(steps), **seg,
                     "all_reduce_calls_per_step": 2 * args.static_layers if is_tp else 0,
@@ -432,7 +438,7 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
         # the variants: (label, engine, all-reduce or None, async scheduling); async on and off for each engine
         # (--async-ab), TP=N with every all-reduce of `names`. The sequence runs the variants, then the same in
         # reverse (ABBA for every pair), ``--repeats // 2`` rounds, after a warm-up pass of every engine and mode.
-        tp_name = f"tp{tp}"
+        tp_name = f"tp{tp}" + ("-ep" if args.expert_parallel else "")
         modes = (True, False) if args.async_ab else (True,)
         tp_order = others + ([first] if first not in others else [])
         specs = kernel_specs or [kernel_variants.current()]
@@ -492,7 +498,7 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
                     switch(name)
                     current = name
                 profile(f"{tp_name}-{name}", many)
-        if args.moe_sweep and time.perf_counter() - T0 < args.deadline_s:
+        if args.moe_sweep and not args.expert_parallel and time.perf_counter() - T0 < args.deadline_s:
             from profile_decode_gpu import moe_sweep
 
             sweep = moe_sweep(many, [int(t) for t in args.moe_sweep.split(",")], shard=tp)
@@ -506,6 +512,22 @@ def static_part(args, full, common, out, link, gbps, trace) -> None:
         many.close()
         log(f"TP engine closed in {time.perf_counter() - t:.1f} s")
         one = many = None  # noqa: F841 - the engines go now (the closures above hold these names)
+
+
+def expert_parallel_options(args, out: Path) -> dict:
+    """The static TP engine's options for ``--expert-parallel``: whole experts per rank, placed by the routing of the
+    model's layer 0 — the repeated-layer model's every layer — from ``--hotset`` (the 4-layer checkpoint of the same
+    recipe, seed and skew: its layer-0 router and Zipf order are the same tensors, seeded by name), written as a
+    one-layer hotset under ``out``. Nothing without the flag."""
+    if not args.expert_parallel:
+        return {}
+    from rimuru.experts.hotset import Hotset
+
+    path = out / "ep_hotset.json"
+    hot = Hotset.load(args.hotset) if args.hotset else None
+    if hot is not None:
+        Hotset(hot.probability[:1], hot.num_tokens, hot.model + " (layer 0)").save(path)
+    return {"enable_expert_parallel": True, **({"hotset": str(path)} if hot is not None else {})}
 
 
 def with_lateness(frame: pd.DataFrame, late: list[dict]) -> pd.DataFrame:
