@@ -75,3 +75,18 @@ def test_tp_band_pools_a_setups_runs_over_calls_and_policies(fidelity, tmp_path)
     ttft = band[(band["metric"] == "mean_ttft_ms") & (band["num_requests"] == 200)]
     assert not ttft["within_measured_range"].any()  # 400 ms against 200-300 measured
     assert band[band["num_requests"] == 48].empty  # its own set-up, and no replay row of folder c was given
+
+
+def test_seed_spread_summarises_each_runs_draws(fidelity):
+    """fidelity_seeds.csv: per run and metric, the draws' median, min and max error and their count, beside each draw;
+    no draws (no Poisson run replayed): an empty table."""
+    draws = pd.DataFrame({"run": ["a/elastic/poisson"] * 3 + ["b/fixed/poisson"] * 2,
+                          "engine_seed": [0, 1, 2, 0, 1], "metric": "forward_steps",
+                          "rel_error": [0.021, 0.014, 0.018, -0.022, -0.029]})
+    out = fidelity.seed_spread(draws)
+    assert len(out) == 5 and out["engine_seed"].tolist() == [0, 1, 2, 0, 1]
+    a = out[out["run"] == "a/elastic/poisson"].iloc[0]
+    assert (a["draws"], a["draws_median"], a["draws_min"], a["draws_max"]) == (3, 0.018, 0.014, 0.021)
+    b = out[out["run"] == "b/fixed/poisson"].iloc[0]
+    assert b["draws"] == 2 and b["draws_median"] == pytest.approx(-0.0255)
+    assert fidelity.seed_spread(pd.DataFrame()).empty

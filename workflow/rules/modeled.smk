@@ -102,6 +102,7 @@ rule modeled_fidelity:
         positions="results/modeled/fidelity_decode_position.csv",  # beside csv: fixed Poisson misses by decode position
         pairs="results/modeled/fidelity_policy_pairs.csv",  # beside csv: TP fixed minus elastic at the same steps
         band="results/modeled/fidelity_tp_band.csv",  # beside csv: TP validation runs pooled per set-up vs the replays
+        seeds="results/modeled/fidelity_seeds.csv",  # beside csv: one-GPU Poisson runs replayed with other routing seeds
         figure="figures/modeled_fidelity.png",
         timelines=directory("results/modeled/fidelity_timelines"),
     params:
@@ -122,6 +123,7 @@ rule modeled_fidelity:
         gamma=" ".join(f"{folder}={profile}" for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
         laws=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("chunk_law", {}).items()),
         priors=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("routing_prior", {}).items()),
+        seed_spread=FIDELITY.get("seed_spread", 0),
         tp_gamma=(f"--tp-decode-gamma {FIDELITY['tp_decode_gamma']}" if FIDELITY.get("tp_decode_gamma") else ""),
     log: "results/logs/modeled/fidelity.log"
     shell:
@@ -136,7 +138,7 @@ rule modeled_fidelity:
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
         "--decode-gamma {params.gamma} {params.tp_gamma} --chunk-law {params.laws} --routing-prior {params.priors} "
-        "--fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
+        "--seed-spread {params.seed_spread} --fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
 

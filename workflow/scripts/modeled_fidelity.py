@@ -190,6 +190,10 @@ def main() -> None:
                     help="FOLDER=NAME: FOLDER's runs replay with the profile shrinkage NAME the calibration fitted for "
                          "their model build (fitted.routing_prior_build); other folders with the calibration's "
                          "routing_prior_tokens / routing_reference_curve")
+    ap.add_argument("--seed-spread", type=int, default=0,
+                    help="replay every one-GPU Poisson run this many more times with the next engine seeds (the "
+                         "routing draws; arrivals stay the run's) and write fidelity_seeds.csv beside --out-csv: each "
+                         "draw and, per run and metric, their median, min and max (rows of record: the run's own seed)")
     ap.add_argument("--out-csv", required=True)
     ap.add_argument("--out-timelines", required=True, help="folder for the modeled timelines")
     ap.add_argument("--figure", required=True)
@@ -263,7 +267,7 @@ def main() -> None:
         prior_folder[str(Path(folder) / "hotset.json")] = (name, (float(b["routing_prior_tokens"]),
                                                                   tuple(b["routing_reference_curve"])))
     default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
-    rows = []
+    rows, seed_rows = [], []
     timelines = Path(args.out_timelines)
     timelines.mkdir(parents=True, exist_ok=True)
     for (run, label, workload), group in e2e.groupby(["run", "policy", "workload"], sort=False):
@@ -287,18 +291,20 @@ def main() -> None:
         command = row["command"]
         kv_reserve = float(command_arg(command, "--kv-reserve", 0.1))
         seed = int(command_arg(command, "--seed", 0))
-        llm = LLM(small, executor="modeled", gpu_memory_budget=budget, policy=policy, kv_reserve=kv_reserve,
-                  loading_buffers=buffers,
-                  hotset=row["hotset"], hardware=args.hardware, cost_params=args.cost_params, seed=seed,
-                  offload_graph_max_batch=feat["graph_cap"], async_scheduling=feat["async_scheduling"],
-                  modeled_next_step_prefetch=feat["next_step_prefetch"], kv_compaction=feat["kv_compaction"],
-                  short_lookahead=feat["short_lookahead"], expand_headroom=feat["expand_headroom"],
-                  prefetch_before_graphs=feat["prefetch_before_graphs"], running_lookahead=feat["running_lookahead"],
-                  modeled_decode_kernels=kernels_option(feat["decode_kernels"])[0],
-                  modeled_routing_profile=row["routing_profile"] or None,
-                  modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1],
-                  modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1],
-                  modeled_routing_prior=prior_folder.get(str(Path(row["hotset"])), ("", None))[1])
+
+        engine_options = dict(
+            executor="modeled", gpu_memory_budget=budget, policy=policy, kv_reserve=kv_reserve,
+            loading_buffers=buffers, hotset=row["hotset"], hardware=args.hardware, cost_params=args.cost_params,
+            offload_graph_max_batch=feat["graph_cap"], async_scheduling=feat["async_scheduling"],
+            modeled_next_step_prefetch=feat["next_step_prefetch"], kv_compaction=feat["kv_compaction"],
+            short_lookahead=feat["short_lookahead"], expand_headroom=feat["expand_headroom"],
+            prefetch_before_graphs=feat["prefetch_before_graphs"], running_lookahead=feat["running_lookahead"],
+            modeled_decode_kernels=kernels_option(feat["decode_kernels"])[0],
+            modeled_routing_profile=row["routing_profile"] or None,
+            modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1],
+            modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1],
+            modeled_routing_prior=prior_folder.get(str(Path(row["hotset"])), ("", None))[1])
+        llm = LLM(small, seed=seed, **engine_options)
         initial = llm.memory_report["initial_cache_experts"]
         if initial != row["initial_cache_experts"]:
             raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
@@ -315,12 +321,17 @@ def main() -> None:
         trace = [TraceRequest(int(p), int(o), float(a)) for p, o, a in
                  zip(lengths["prompt_len"][:n], outputs[:n], draw_arrivals(args.arrivals, n, rate, seed))]
         warm = int(command_arg(command, "--warmup-requests", 0))
-        before = [list(zip(lengths["prompt_len"][:warm].astype(int), outputs[:warm].astype(int)))]
-        if warm:
-            run_batch(llm, before[0], "warmup-")  # the measured run's discarded pass, before its clock started
-        graph_before = llm.executor.graph_steps
-        metrics = replay(llm, trace)
-        metrics["cuda_graph_steps"] = llm.executor.graph_steps - graph_before
+        before = list(zip(lengths["prompt_len"][:warm].astype(int), outputs[:warm].astype(int)))
+        metrics = replay_with_warmup(llm, before, trace)
+        if workload == "poisson" and not row["routing_profile"]:  # the replay's own draw-to-draw spread
+            for k in range(args.seed_spread + 1):
+                draw = metrics if k == 0 else replay_with_warmup(LLM(small, seed=seed + k, **engine_options),
+                                                                 before, trace)
+                for m in SEED_METRICS:
+                    med = float(group[m].astype(float).median())
+                    seed_rows.append({"run": key, "engine_seed": seed + k, "metric": m, "measured": med,
+                                      "measured_min": float(group[m].min()), "measured_max": float(group[m].max()),
+                                      "modeled": float(draw[m]), "rel_error": float(draw[m]) / med - 1})
         for m in METRICS:
             measured = group[m].astype(float)
             med, modeled = float(measured.median()), float(metrics[m])
@@ -364,6 +375,7 @@ def main() -> None:
     frame = pd.DataFrame(rows)
     Path(args.out_csv).parent.mkdir(parents=True, exist_ok=True)
     frame.to_csv(args.out_csv, index=False)
+    seed_spread(pd.DataFrame(seed_rows)).to_csv(Path(args.out_csv).with_name("fidelity_seeds.csv"), index=False)
     tp_paths = [p.partition("=")[2] for p in args.tp_runs]
     validate_tp = [p.partition("=")[2] for p in args.tp_runs if p.partition("=")[0] == "validate"]
     tp_band(validate_tp, frame).to_csv(Path(args.out_csv).with_name("fidelity_tp_band.csv"), index=False)
@@ -380,6 +392,29 @@ def main() -> None:
 
 
 TP_BAND_METRICS = ("output_throughput", "mean_ttft_ms")
+
+
+def replay_with_warmup(llm: LLM, before: list[tuple[int, int]], trace: list[TraceRequest]) -> dict:
+    """The run's discarded pass (``before``: prompt and output lengths, all at once, before its clock started), then
+    the timed ``trace``: ``replay``'s metrics plus the timed pass's decode-graph steps."""
+    if before:
+        run_batch(llm, before, "warmup-")
+    graph_before = llm.executor.graph_steps
+    metrics = replay(llm, trace)
+    metrics["cuda_graph_steps"] = llm.executor.graph_steps - graph_before
+    return metrics
+SEED_METRICS = ("output_throughput", "mean_ttft_ms", "forward_steps")
+
+
+def seed_spread(draws: pd.DataFrame) -> pd.DataFrame:
+    """``draws`` (one row per run, engine seed and metric: the replay of that seed) with, per run and metric, the
+    draws' median, min and max error against the measured median (``draws_*``) and the number of draws: how far the
+    replay's own routing draws move a metric (wave 10). A miss smaller than that spread is not resolved by one draw."""
+    if draws.empty:
+        return draws
+    stats = draws.groupby(["run", "metric"])["rel_error"].agg(draws="count", draws_median="median",
+                                                             draws_min="min", draws_max="max").reset_index()
+    return draws.merge(stats, on=["run", "metric"])
 
 
 def tp_band(runs_paths: list[str], fidelity: pd.DataFrame) -> pd.DataFrame:
