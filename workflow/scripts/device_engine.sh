@@ -14,6 +14,8 @@
 #   POISSON_RUNS="..."   a second e2e_gpu.py call for the Poisson runs (POISSON_NREQ requests at RATE/s)
 #   BURST2_NREQ=200      the E2E_RUNS again at a second burst size
 #   E2E48_RUNS="..."     the full 48-layer model, E2E48_NREQ requests at once, outputs capped (E2E48_ARGS)
+#   E2E_TRACE_SKIP=N     every e2e call serves the trace from its request N+1 on (other prompts than the committed
+#                        runs' first ones: fit data for the modeled executor that no validation run serves; issue 15)
 # Every output lands in /tmp/res and comes back as one results.tar.gz plus the logs under $OUT (at most 8 files
 # come back); the e2e calls also write timelines.csv: every run's per-step timeline with policy/workload/repeat.
 # MODEL (qwen3-30b-a3b), DEVICE (cuda) and FLOOR_ARGS/E2E_ARGS let the same script dry-run on the CPU first:
@@ -79,9 +81,15 @@ if [ "${PROFILE:-0}" = 1 ]; then
     | grep -v -i warn > "$RES/profile.log"
   grep -E "^batch" "$RES/profile.log"
 fi
+TRACE=.device/trace_sharegpt_400.jsonl
+if [ -n "${E2E_TRACE_SKIP:-}" ]; then  # the trace from request N+1 on, named by N (the command column shows it)
+  tail -n +$(( E2E_TRACE_SKIP + 1 )) "$TRACE" > "/tmp/trace_sharegpt_400_skip${E2E_TRACE_SKIP}.jsonl"
+  TRACE=/tmp/trace_sharegpt_400_skip${E2E_TRACE_SKIP}.jsonl
+  echo "trace: $TRACE ($(wc -l < "$TRACE") requests)" | tee -a "$RES/env.log"
+fi
 e2e() {  # name runs nreq timeout [layers repeats warm-up-requests calibration-prompts extra-args]
   timeout "$4" python3 workflow/scripts/e2e_gpu.py --model "$MODEL" --device "$DEVICE" --layers "${5:-${LAYERS:-4}}" \
-    --fast-synth --trace .device/trace_sharegpt_400.jsonl --num-requests "$3" --rate "${RATE:-4}" --runs "$2" \
+    --fast-synth --trace "$TRACE" --num-requests "$3" --rate "${RATE:-4}" --runs "$2" \
     --repeats "${6:-${REPEATS:-2}}" --warmup-requests "${7:-${WARMUP:-16}}" --calibration-prompts "${8:-${CAL:-64}}" \
     ${9:-${E2E_ARGS:-}} --out "$RES/$1" 2>&1 | grep -v Warning > "$RES/$1.log"
   grep -E '^\{"policy"' "$RES/$1.log" | grep request_throughput | cut -c1-260
