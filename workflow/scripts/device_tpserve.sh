@@ -11,7 +11,8 @@
 #      discarded first engine (DISCARD=1, the default: the first TP engine of a process was the slow one in every
 #      wave-8/9 call) and a discarded pass of the same workload on every engine; per-rank H2D probe before every
 #      timed pass; the killed-rank check on the last engine.
-# Usage on the device: RIMURU_COMMIT=<sha> KILLS=3 PROBE=1 E2E_S=0 DIAG_S=0 BUDGET_S=165 bash workflow/scripts/device_tpserve.sh
+# Usage on the device: RIMURU_COMMIT=<sha> KILLS=3 PROBE=1 E2E_S=0 DIAG_S=0 BUDGET_S=180 bash workflow/scripts/device_tpserve.sh
+# (the serving A/B: KILLS=0 PROBE=0 DIAG_S=0 E2E_S=300 BUDGET_S=340)
 # (DRY=1: the CPU dry run, tiny sizes, gloo). Results come back as one archive per part (the run tool returns at most
 # 8 files): kills.tgz, probe.tgz, diag.tgz, tp.tgz, plus driver.log.
 set -u
