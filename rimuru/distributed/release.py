@@ -133,7 +133,8 @@ class CudaRuntimeCopies:
         self.kind = runtime.cudaMemcpyKind.cudaMemcpyHostToDevice
 
     def __call__(self, dst, dpitch, src, spitch, width, height, stream) -> None:
-        err, *_ = self.rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, self.kind, stream)
+        err, *_ = self.rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, self.kind,
+                                            self.rt.cudaStream_t(stream))  # the raw handle, as the binding's type
         if err != self.rt.cudaError_t.cudaSuccess:
             raise RuntimeError(f"cudaMemcpy2DAsync: {err!r}")
 

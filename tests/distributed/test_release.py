@@ -205,10 +205,10 @@ def test_cuda_runtime_copies_call_cudaMemcpy2DAsync_host_to_device():
 
     rt = types.SimpleNamespace(
         cudaMemcpyKind=types.SimpleNamespace(cudaMemcpyHostToDevice="h2d"), cudaError_t=Err,
-        cudaMemcpy2DAsync=lambda *a: (calls.append(a), ("ok",))[1])
+        cudaStream_t=lambda handle: ("stream", handle), cudaMemcpy2DAsync=lambda *a: (calls.append(a), ("ok",))[1])
     copies = CudaRuntimeCopies(rt)
     copies(1000, 8, 2000, 4, 4, 6, 77)
-    assert calls == [(1000, 8, 2000, 4, 4, 6, "h2d", 77)]
+    assert calls == [(1000, 8, 2000, 4, 4, 6, "h2d", ("stream", 77))]
     rt.cudaMemcpy2DAsync = lambda *a: ("cudaErrorInvalidValue",)
     with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
         copies(1000, 8, 2000, 4, 4, 6, 77)
