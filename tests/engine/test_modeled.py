@@ -778,6 +778,18 @@ def test_hotset_prompts_are_the_runs_first_served_prompts():
     assert hotset_prompts("e2e_gpu.py", 400) == 256  # the script's default
 
 
+def test_trace_skip_reads_the_requests_a_runs_trace_skipped():
+    """device_engine.sh E2E_TRACE_SKIP=N names the sliced trace ..._skipN.jsonl: the run's prompts are the lengths
+    file's rows N onward; a run of the trace's first requests skipped none."""
+    from rimuru.engine.modeled.reference import trace_skip
+
+    sliced = "workflow/scripts/e2e_gpu.py --layers 48 --trace /tmp/trace_sharegpt_400_skip200.jsonl --num-requests 100"
+    assert trace_skip(sliced) == 200
+    assert trace_skip("e2e_gpu.py --trace .device/trace_sharegpt_400.jsonl --num-requests 100") == 0
+    assert trace_skip("e2e_tp_gpu.py --trace results/reference/e2e_tp2/trace_skip7.jsonl.gz") == 7
+    assert trace_skip("e2e_gpu.py --num-requests 100") == 0  # no --trace recorded
+
+
 def test_modeled_routing_profile_replaces_the_routing_not_the_cache_order(tmp_path):
     """modeled_routing_profile: the routing model draws from that profile's probabilities while the cache is still
     filled in the served hotset's order; the torch executor refuses the option."""

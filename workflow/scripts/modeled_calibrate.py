@@ -34,7 +34,7 @@ from rimuru.engine.modeled.calibration import (
 )
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import load_gpu
-from rimuru.engine.modeled.reference import command_arg, parse_run_model, spec_with_layers
+from rimuru.engine.modeled.reference import command_arg, parse_run_model, spec_with_layers, trace_skip
 from rimuru.engine.modeled.routing import RoutingModel
 from rimuru.experts.hotset import Hotset
 from rimuru.models.spec import ModelSpec
@@ -245,7 +245,9 @@ def main() -> None:
                 raise SystemExit(f"--chunk-law-fit {key}: no timelines*.csv.gz or e2e.csv in {ref / folder}")
             runs = pd.read_csv(runs_path)
             spec = spec_with_layers(*parse_run_model(runs["model"].iloc[0]))
-            prompts = int(prompt_lens[: int(runs["num_requests"].iloc[0])].sum())
+            # the run's trace: the lengths file from the request its trace started at (device_engine.sh E2E_TRACE_SKIP)
+            lens = prompt_lens[trace_skip(runs["command"].iloc[0]):]
+            prompts = int(lens[: int(runs["num_requests"].iloc[0])].sum())
             routing = RoutingModel.from_hotset(Hotset.load(hotset_path), spec.top_k, prior_tokens=chunk["prior_tokens"],
                                                reference_curve=chunk["reference_curve"])
             data.extend([data_entry(runs_path), data_entry(hotset_path)] + [data_entry(p) for p in paths])
@@ -257,7 +259,7 @@ def main() -> None:
                     if int(t["prefill_tokens"].sum()) != prompts:
                         raise SystemExit(f"--chunk-law-fit {key}: {int(t['prefill_tokens'].sum())} prefill tokens, "
                                          f"the trace's first prompts {prompts}: --lengths is not the run's trace")
-                    chunks = prefill_chunks(t["prefill_tokens"], prompt_lens)
+                    chunks = prefill_chunks(t["prefill_tokens"], lens)
                     rows += [(routing, int(d), c, float(m)) for d, c, m in
                              zip(t["decode_tokens"], chunks, t["experts_touched"]) if sum(c) > 1]
         if not rows:

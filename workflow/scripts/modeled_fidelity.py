@@ -39,6 +39,7 @@ from rimuru.engine.modeled.reference import (
     hotset_prompts,
     parse_run_model,
     spec_with_layers,
+    trace_skip,
 )
 from rimuru.engine.modeled.replay import TraceRequest, arrivals, replay, run_batch
 from rimuru.models.spec import ModelSpec
@@ -314,14 +315,16 @@ def main() -> None:
         # fewer of them (--poisson-requests): every served prompt is among the profiled ones when cal >= n
         cal = hotset_prompts(command, int(command_arg(command, "--num-requests", n)))
         max_out = int(command_arg(command, "--max-output", 0))  # e2e_gpu.py's output cap (0: none)
-        outputs = lengths["output_len"].clip(upper=max_out) if max_out else lengths["output_len"]
+        # the run's trace: the lengths file from the request its trace started at (device_engine.sh E2E_TRACE_SKIP)
+        run_lengths = lengths.iloc[trace_skip(command):].reset_index(drop=True)
+        outputs = run_lengths["output_len"].clip(upper=max_out) if max_out else run_lengths["output_len"]
         if int(outputs[:n].sum()) != round(row["output_throughput"] * row["duration_s"]):
             raise SystemExit(f"{key}: the lengths file is not the run's trace (output tokens differ)")
         rate = None if np.isinf(row["request_rate"]) else float(row["request_rate"])
         trace = [TraceRequest(int(p), int(o), float(a)) for p, o, a in
-                 zip(lengths["prompt_len"][:n], outputs[:n], draw_arrivals(args.arrivals, n, rate, seed))]
+                 zip(run_lengths["prompt_len"][:n], outputs[:n], draw_arrivals(args.arrivals, n, rate, seed))]
         warm = int(command_arg(command, "--warmup-requests", 0))
-        before = list(zip(lengths["prompt_len"][:warm].astype(int), outputs[:warm].astype(int)))
+        before = list(zip(run_lengths["prompt_len"][:warm].astype(int), outputs[:warm].astype(int)))
         metrics = replay_with_warmup(llm, before, trace)
         if workload == "poisson" and not row["routing_profile"]:  # the replay's own draw-to-draw spread
             for k in range(args.seed_spread + 1):

@@ -60,6 +60,16 @@ def command_arg(command: str, name: str, default=None):
     return args[args.index(name) + 1] if name in args else default
 
 
+def trace_skip(command: str) -> int:
+    """How many requests of its trace a run skipped: ``device_engine.sh``'s ``E2E_TRACE_SKIP=N`` serves the trace from
+    request N+1 on through a file named ``..._skipN.jsonl`` (``--trace`` of the recorded command), so its prompts are
+    the lengths file's rows N onward; 0 for a run of the trace's first requests."""
+    import re
+
+    found = re.search(r"_skip(\d+)\.jsonl(?:\.gz)?$", str(command_arg(command, "--trace", "")))
+    return int(found.group(1)) if found else 0
+
+
 def hotset_prompts(command: str, num_requests: int, default: int = 256) -> int:
     """How many calibration prompts ``e2e_gpu.py`` routed for a run's hotset: the trace's first
     ``min(--calibration-prompts, num_requests)`` — prompts the run itself then served (their first 256 tokens, with
