@@ -130,7 +130,8 @@ for run in $runs; do
     $async ${SKIP_TP1:+--skip-tp1} --ab-kernels "${AB_KERNELS:-}" --greedy-prompts "${GREEDY_PROMPTS:-16}" --ar-rows 1 --profile-batches "${PROFILE-64}" --moe-sweep "${MOE_SWEEP-64,128}" --skip-serving \
     --deadline-s $(( T - ${DEADLINE_MARGIN:-45} )) $extra \
     --out "$OUT/$dir" > "$OUT/$dir.log" 2>&1
-  echo "[$(( $(date +%s) - START ))s] decode A/B $run rc=$?" | tee -a "$OUT/driver.log"
+  rc=$?  # (before the line below: its $(date) would reset $?)
+  echo "[$(( $(date +%s) - START ))s] decode A/B $run rc=$rc" | tee -a "$OUT/driver.log"
 done
 fi
 
