@@ -66,13 +66,15 @@ def test_expert_parallel_store_keeps_its_experts_whole():
 
 # ---------------------------------------------------------------------------------------------- the kernel
 @needs_triton
-@pytest.mark.parametrize("T", [1, 7, 70])  # one token; the direct schedule; moe_align (140 pairs > 128)
+@pytest.mark.parametrize("T,E,k", [(1, 8, 2), (7, 8, 2), (70, 8, 2), (40, 16, 8)])  # one token; the direct schedule;
+# moe_align (140 pairs > 128); 320 pairs > 256: with `fast`, the one-launch parallel alignment (align_par), the
+# path of a 64- or 256-request decode step, its null expert one more bin
 @pytest.mark.parametrize("lever", ["baseline", "fast"])
-def test_null_expert_rows_are_zero_and_the_ranks_sum_to_the_whole(T, lever):
+def test_null_expert_rows_are_zero_and_the_ranks_sum_to_the_whole(T, E, k, lever):
     """Each rank's fused MoE over its own experts (local ids, the others the null expert) writes zeros in the null
     pairs' rows; the two ranks' partial sums add up to the MoE over all experts."""
     gen = torch.Generator().manual_seed(T)
-    E, f, d, k = 8, 32, 64, 2
+    f, d = 32, 64
     view = torch.randn(3 * E, f, d, generator=gen) / d**0.5
     table = torch.arange(3 * E, dtype=torch.int32).reshape(E, 3)
     ids = torch.rand(T, E, generator=gen).topk(k, dim=-1).indices.to(torch.int32)
