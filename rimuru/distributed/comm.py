@@ -184,19 +184,20 @@ class TorchDistributed:
         fills = self._release_fills(peers)
         self._release_kit = ReleaseKit(self.device, fills) if fills else None
 
-    def release_peers(self, dead: list[int], timeout_s: float = RELEASE_TIMEOUT_S):
+    def release_peers(self, dead: list[int], timeout_s: float = RELEASE_TIMEOUT_S, progress=None):
         """A rank died (rank 0's monitor thread): make every later collective of this rank raise instead of calling
         into a group whose peer is gone (an eager step after NCCL's abort would otherwise wait in the next collective
         until the store's timeout), then write what the dead ranks would have written into every backend's
         peer-memory buffers (``release_fills``) through the copy engines until the device drains or ``timeout_s``
         (:func:`rimuru.distributed.release.release`: it never blocks on the device). Returns the
-        :class:`~rimuru.distributed.release.ReleaseReport` (None: nothing to release)."""
+        :class:`~rimuru.distributed.release.ReleaseReport` (None: nothing to release); ``progress`` gets the report
+        so far while it runs long."""
         self.mark_dead(dead)
         fills = self._release_fills(dead)
         if not fills or self._release_kit is None:
             return None
         with self._release_lock:
-            return self._release_kit.run(fills, timeout_s)
+            return self._release_kit.run(fills, timeout_s, progress)
 
     def close(self) -> None:
         for backend in self.backends.values():

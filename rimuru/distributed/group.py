@@ -182,8 +182,11 @@ class TensorParallelGroup:
         evidence of why a device did or did not drain after a death."""
         import sys
 
+        def still(report) -> None:
+            print(f"rimuru: rank {rank} died; still releasing: {report.line()}", file=sys.stderr, flush=True)
+
         try:
-            report = self.comm.release_peers([rank])
+            report = self.comm.release_peers([rank], progress=still)
             if report is not None:
                 print(f"rimuru: rank {rank} died; {report.line()}", file=sys.stderr, flush=True)
         except Exception as exc:  # noqa: BLE001 - best effort: the engine ends with the error anyway

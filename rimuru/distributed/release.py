@@ -215,19 +215,31 @@ class ReleaseReport:
                 + (f"; kernel fallback: {self.fallback}" if self.fallback else ""))
 
 
+PROGRESS_S = (1.0, 5.0, 15.0)  # a release still running then reports so far (the process may end before it does)
+
+
 def release(fills: Sequence[Fill], device: ReleaseDevice, streams: Sequence, timeout_s: float,
-            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> ReleaseReport:
+            clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+            progress: Callable[[ReleaseReport], None] | None = None) -> ReleaseReport:
     """Write ``fills`` round after round, rotating over ``streams``, until ``device.drained()`` or ``timeout_s``.
 
     A stream gets its next round only once its last one completed (``passed``): a stream whose queue sits behind a
     stuck kernel holds one round, never a growing backlog, while the others keep writing. Nothing here blocks on the
-    device, so the call returns by ``timeout_s`` (plus one round's issue) whatever the device does."""
+    device, so the call returns by ``timeout_s`` (plus one round's issue) whatever the device does. ``progress``
+    gets the report so far at each of ``PROGRESS_S`` the release is still running (a process that ends with the
+    error meanwhile keeps the evidence)."""
     report = ReleaseReport(issued=[0] * len(streams), completed=[0] * len(streams))
     start = clock()
     pending: list = [None] * len(streams)
+    ticks = list(PROGRESS_S)
     while not device.drained():
-        if clock() - start >= timeout_s:
+        elapsed = clock() - start
+        if elapsed >= timeout_s:
             break
+        if progress is not None and ticks and elapsed >= ticks[0]:
+            ticks = [t for t in ticks if t > elapsed]
+            report.seconds = elapsed
+            progress(report)
         for i, stream in enumerate(streams):
             if pending[i] is not None:
                 if not device.passed(pending[i]):
@@ -286,9 +298,10 @@ class ReleaseKit:
         """How this kit writes: ``copy_engine``, or ``kernels (why)``."""
         return "copy_engine" if self.copies is not None else f"kernels ({self.fallback})"
 
-    def run(self, fills: Sequence[Fill], timeout_s: float) -> ReleaseReport:
+    def run(self, fills: Sequence[Fill], timeout_s: float,
+            progress: Callable[[ReleaseReport], None] | None = None) -> ReleaseReport:
         with torch.cuda.device(self.device):
             device = CudaReleaseDevice(self.device, self.sources, self.copies)
             if self.copies is None:
                 device.fallback = self.fallback or device.fallback
-            return release(fills, device, self.streams, timeout_s)
+            return release(fills, device, self.streams, timeout_s, progress=progress)

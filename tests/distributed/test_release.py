@@ -197,6 +197,20 @@ def test_release_returns_by_its_deadline_when_the_device_never_drains():
     assert "drained=False" in report.line()
 
 
+def test_a_long_release_reports_its_progress():
+    """At 1, 5 and 15 s a release still running hands out its report so far (the process may end with the error
+    before the release does)."""
+    b = _backend(SymmMemAllReduce)
+    fills = b.release_fills([1])
+    dev = HostDevice(Sources.for_fills(fills, pin=False), stuck={"b"})  # never drains
+    clock, seen = Clock(), []
+    report = release(fills, dev, streams=["a", "b"], timeout_s=20.0, clock=clock, sleep=clock.sleep,
+                     progress=lambda r: seen.append((round(r.seconds, 2), r.drained, list(r.issued))))
+    assert [s for s, _, _ in seen] == [1.0, 5.0, 15.0] and not any(d for _, d, _ in seen)
+    assert seen[0][2][1] == 1 and seen[0][2][0] > 1  # the stuck stream holds its one round
+    assert not report.drained
+
+
 def test_cuda_runtime_copies_call_cudaMemcpy2DAsync_host_to_device():
     calls = []
 
@@ -239,7 +253,7 @@ def test_communicator_release_marks_dead_and_merges_every_backends_fills():
     ran = []
 
     class Kit:
-        def run(self, fills, timeout_s):
+        def run(self, fills, timeout_s, progress=None):
             ran.append((len(fills), timeout_s))
             return "report"
 
