@@ -18,8 +18,8 @@ def calibration_inputs(w):
                for k in MODELED["fit_timelines"]]
             + [f"{REF}/{f}" for f in MODELED.get("async_floor", [])]
             + [f"{REF}/{d}/{f}" for d in MODELED.get("routing_prior_fit", []) for f in ("hotset.json", "e2e.csv")]
-            + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv",
-                f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"] if "tp_fit" in MODELED else [])
+            + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"]
+               + glob.glob(f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv*") if "tp_fit" in MODELED else [])
             + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})]
             + [t for keys in MODELED.get("decode_gamma_fit", {}).values() for key in keys
                for t in glob.glob(f"{REF}/{key.rpartition(':')[0]}/timelines.csv.gz")]

@@ -296,9 +296,12 @@ def main() -> None:
     if args.tp_step and args.tp_timelines:
         step_tp = pd.read_csv(ref / args.tp_step)
         folder = ref / args.tp_timelines
-        tp_runs, tp_frame = pd.read_csv(folder / "e2e_runs.csv"), pd.read_csv(folder / "timeline.csv")
+        t_path = next((p for p in (folder / "timeline.csv", folder / "timeline.csv.gz") if p.exists()), None)
+        if t_path is None:
+            raise SystemExit(f"--tp-timelines {args.tp_timelines}: no timeline.csv(.gz) in {folder}")
+        tp_runs, tp_frame = pd.read_csv(folder / "e2e_runs.csv"), pd.read_csv(t_path)
         data += [data_entry(ref / args.tp_step, step_tp), data_entry(folder / "e2e_runs.csv", tp_runs),
-                 data_entry(folder / "timeline.csv")]
+                 data_entry(t_path)]
         tp_timelines = []
         for policy, t in tp_frame.groupby("policy"):
             row = tp_runs[tp_runs["policy"] == policy].iloc[0]
