@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -10,6 +12,85 @@ from rimuru.units import parse_bytes
 
 EXECUTORS = ("torch", "modeled")
 EXPERT_PARALLEL_POLICIES = ("static",)  # the policies enable_expert_parallel can serve correctly
+
+
+
+def _int_at_least(low: int) -> Callable[[Any], bool]:
+    return lambda v: not isinstance(v, bool) and isinstance(v, int) and v >= low
+
+
+def _positive_number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0
+
+
+def _one_of(*choices: Any) -> Callable[[Any], bool]:
+    return lambda v: any(v is c or (type(v) is type(c) and v == c) for c in choices)
+
+
+def _chunk_law(v: Any) -> bool:
+    return len(v) == 2 and v[0] > 0 and 0 < v[1] <= 1
+
+
+def _routing_prior(v: Any) -> bool:
+    return len(v) == 2 and v[0] >= 0 and len(v[1]) > 0 and abs(sum(v[1]) - 1) <= 1e-6
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    """One field's rule: ``valid(value)``, and what a valid value is, for the error (``"{name} must be {what}"``)."""
+
+    name: str
+    valid: Callable[[Any], bool]
+    what: str
+
+    def check(self, value: Any) -> None:
+        try:
+            ok = self.valid(value)
+        except (TypeError, ValueError):  # a value of the wrong shape (a number where a pair belongs, ...)
+            ok = False
+        if not ok:
+            raise ValueError(f"{self.name} must be {self.what}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModeledOption(FieldRule):
+    """An option of the modeled executor only: ``unset`` is its value with any other executor."""
+
+    unset: Any = None
+
+    def check(self, value: Any, executor: str = "modeled") -> None:  # type: ignore[override]
+        if value is self.unset or (self.unset is not None and value == self.unset):
+            return
+        if executor != "modeled":
+            raise ValueError(f"{self.name} is an option of the modeled executor (executor='modeled'); "
+                             f"executor is {executor!r}")
+        super().check(value)
+
+
+FIELD_RULES = (
+    FieldRule("executor", _one_of(*EXECUTORS), f"one of {', '.join(EXECUTORS)}"),
+    FieldRule("gc_young_threshold", _int_at_least(1), "an integer >= 1"),
+    FieldRule("loading_buffers", _one_of("layer", "sized"), "'layer' or 'sized'"),
+    FieldRule("prefetch", _one_of("predict", "none"), "'predict' or 'none'"),
+    FieldRule("tensor_parallel_size", _int_at_least(1), "a positive integer"),
+    FieldRule("vocab_parallel_head", _one_of(None, True, False), "True, False or None (auto)"),
+    FieldRule("enable_expert_parallel", _one_of(True, False), "True or False"),
+    FieldRule("tp_timeout_s", _positive_number, "a positive number of seconds"),
+    FieldRule("offload_graph_max_batch", lambda v: v is None or _int_at_least(0)(v),
+              "a non-negative integer or None"),
+    FieldRule("kv_reserve", lambda v: not isinstance(v, bool) and 0 <= v < 1, "in [0, 1)"),
+)
+
+MODELED_OPTIONS = (
+    ModeledOption("modeled_step_ms", _positive_number, "a positive step time in ms"),
+    ModeledOption("modeled_routing_profile", lambda v: True, "a routing profile"),
+    ModeledOption("modeled_chunk_law", _chunk_law, "a prefill chunk law (scale > 0, exponent in (0, 1])"),
+    ModeledOption("modeled_decode_kernels", _int_at_least(0), "the wave (a non-negative integer) of the decode "
+                  "kernels modeled"),
+    ModeledOption("modeled_routing_prior", _routing_prior, "(prior tokens >= 0, a reference curve summing to 1)"),
+    ModeledOption("modeled_h2d_gbps", _positive_number, "a positive host-to-device rate in GB/s"),
+    ModeledOption("modeled_decode_gamma", _positive_number, "a positive exponent of the decode routing", unset=1.0),
+)
 
 
 @dataclass(frozen=True)
@@ -103,86 +184,43 @@ class EngineConfig:
     # step n runs on the device, its tokens fed on the device (docs/engine.md, "Async scheduling")
 
     def __post_init__(self) -> None:
+        """Every option checked once, at construction: each field against its rule (``FIELD_RULES``), the modeled
+        executor's options (``MODELED_OPTIONS``), then the rules that tie fields together. A bad value is a
+        ``ValueError`` naming the field and the value, never a failure deep inside the engine."""
+        from rimuru.distributed.allreduce import all_reduce_candidates
         from rimuru.engine.memory_policy import policy_class
-
-        policy_class(self.policy)
         from rimuru.models.tokenizer import TOKENIZER_CHOICES
 
+        policy_class(self.policy)  # the policy registry's own error
         if self.tokenizer not in TOKENIZER_CHOICES:
             raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got {self.tokenizer!r}")
-        if isinstance(self.gc_young_threshold, bool) or not isinstance(self.gc_young_threshold, int) \
-                or self.gc_young_threshold < 1:
-            raise ValueError(f"gc_young_threshold must be an integer >= 1, got {self.gc_young_threshold!r}")
-        if self.loading_buffers not in ("layer", "sized"):
-            raise ValueError(f"loading_buffers must be 'layer' or 'sized', got {self.loading_buffers!r}")
-        if self.prefetch not in ("predict", "none"):
-            raise ValueError(f"prefetch must be 'predict' or 'none', got {self.prefetch!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.vocab_parallel_head not in (None, True, False):
-            raise ValueError(f"vocab_parallel_head must be True, False or None (auto), "
-                             f"got {self.vocab_parallel_head!r}")
+        for rule in FIELD_RULES:
+            rule.check(getattr(self, rule.name))
+        for option in MODELED_OPTIONS:
+            option.check(getattr(self, option.name), self.executor)
+        self._check_combinations()
+        all_reduce_candidates(self.all_reduce, "cuda" if self.modeled else self.torch_device.type)  # modeled: a GPU
+
+    def _check_combinations(self) -> None:
+        """The rules between fields: what tensor parallelism and expert parallelism can run with."""
         if self.loading_buffers == "sized" and self.tensor_parallel_size > 1:
             raise ValueError("loading_buffers='sized' runs on one device (tensor parallelism's ranks would have to "
                              "replay every resize): use loading_buffers='layer' with tensor_parallel_size > 1")
-        if self.enable_expert_parallel not in (True, False):
-            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
-        if self.enable_expert_parallel:
-            if self.tensor_parallel_size < 2:
-                raise ValueError("enable_expert_parallel places whole experts on tensor-parallel ranks: it needs "
-                                 "tensor_parallel_size >= 2")
-            if self.policy not in EXPERT_PARALLEL_POLICIES:
-                raise ValueError(f"enable_expert_parallel serves policy {', '.join(EXPERT_PARALLEL_POLICIES)} only "
-                                 f"(every expert resident on its rank), not {self.policy!r}: the offloading "
-                                 "policies' one memory decision would cache different experts on each rank")
-            if self.record_routing:
-                raise ValueError("record_routing counts global expert ids; it does not run with "
-                                 "enable_expert_parallel (each rank routes to its local ids)")
-            if self.executor != "torch":
-                raise ValueError("enable_expert_parallel needs the torch executor (the modeled executor does not "
-                                 "model expert parallelism)")
-        if self.tp_timeout_s <= 0:
-            raise ValueError(f"tp_timeout_s must be positive, got {self.tp_timeout_s}")
-        from rimuru.distributed.allreduce import all_reduce_candidates
-
-        all_reduce_candidates(self.all_reduce, "cuda" if self.modeled else self.torch_device.type)  # modeled: a GPU
-        if self.offload_graph_max_batch is not None and (
-                isinstance(self.offload_graph_max_batch, bool) or not isinstance(self.offload_graph_max_batch, int)
-                or self.offload_graph_max_batch < 0):
-            raise ValueError(f"offload_graph_max_batch must be a non-negative integer or None, "
-                             f"got {self.offload_graph_max_batch!r}")
-        if not 0 <= self.kv_reserve < 1:
-            raise ValueError("kv_reserve must be in [0, 1)")
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {self.executor!r}")
-        if self.modeled_step_ms is not None and (self.executor != "modeled" or self.modeled_step_ms <= 0):
-            raise ValueError("modeled_step_ms is a positive step time of the modeled executor (executor='modeled')")
-        if self.modeled_routing_profile is not None and self.executor != "modeled":
-            raise ValueError("modeled_routing_profile is the modeled executor's routing profile (executor='modeled')")
-        if self.modeled_chunk_law is not None and (
-                self.executor != "modeled" or len(self.modeled_chunk_law) != 2 or not self.modeled_chunk_law[0] > 0
-                or not 0 < self.modeled_chunk_law[1] <= 1):
-            raise ValueError("modeled_chunk_law is the modeled executor's prefill chunk law (scale > 0, exponent in "
-                             f"(0, 1]; executor='modeled'), got {self.modeled_chunk_law!r}")
-        if self.modeled_decode_kernels is not None and (
-                self.executor != "modeled" or isinstance(self.modeled_decode_kernels, bool)
-                or not isinstance(self.modeled_decode_kernels, int) or self.modeled_decode_kernels < 0):
-            raise ValueError("modeled_decode_kernels is the wave (a non-negative integer) of the decode kernels the "
-                             f"modeled executor models (executor='modeled'), got {self.modeled_decode_kernels!r}")
-        if self.modeled_routing_prior is not None and (
-                self.executor != "modeled" or len(self.modeled_routing_prior) != 2
-                or not self.modeled_routing_prior[0] >= 0 or not len(self.modeled_routing_prior[1])
-                or abs(sum(self.modeled_routing_prior[1]) - 1) > 1e-6):
-            raise ValueError("modeled_routing_prior is the modeled executor's (prior tokens >= 0, reference curve "
-                             "summing to 1) (executor='modeled')")
-        if self.modeled_h2d_gbps is not None and (
-                self.executor != "modeled" or isinstance(self.modeled_h2d_gbps, bool)
-                or not isinstance(self.modeled_h2d_gbps, (int, float)) or not self.modeled_h2d_gbps > 0):
-            raise ValueError("modeled_h2d_gbps is a positive host-to-device rate in GB/s of the modeled executor "
-                             f"(executor='modeled'), got {self.modeled_h2d_gbps!r}")
-        if self.modeled_decode_gamma != 1.0 and (self.executor != "modeled" or not self.modeled_decode_gamma > 0):
-            raise ValueError("modeled_decode_gamma is a positive exponent of the modeled executor's decode routing "
-                             "(executor='modeled')")
+        if not self.enable_expert_parallel:
+            return
+        if self.tensor_parallel_size < 2:
+            raise ValueError("enable_expert_parallel places whole experts on tensor-parallel ranks: it needs "
+                             "tensor_parallel_size >= 2")
+        if self.policy not in EXPERT_PARALLEL_POLICIES:
+            raise ValueError(f"enable_expert_parallel serves policy {', '.join(EXPERT_PARALLEL_POLICIES)} only "
+                             f"(every expert resident on its rank), not {self.policy!r}: the offloading "
+                             "policies' one memory decision would cache different experts on each rank")
+        if self.record_routing:
+            raise ValueError("record_routing counts global expert ids; it does not run with "
+                             "enable_expert_parallel (each rank routes to its local ids)")
+        if self.executor != "torch":
+            raise ValueError("enable_expert_parallel needs the torch executor (the modeled executor does not "
+                             "model expert parallelism)")
 
     @property
     def modeled(self) -> bool:
