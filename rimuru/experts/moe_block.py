@@ -147,11 +147,13 @@ def moe_forward_parts(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view:
 
 def moe_forward(hidden: torch.Tensor, layer: MoeLayerWeights, expert_view: torch.Tensor, experts: ExpertProvider,
                 moe_layer: int = 0, routing: tuple[torch.Tensor, torch.Tensor] | None = None,
-                impl: str = "auto") -> torch.Tensor:
-    """One MoE layer: hidden [..., d] -> [..., d] (:func:`moe_forward_parts`, summed)."""
+                impl: str = "auto", null_expert: int | None = None, tile_experts: int | None = None) -> torch.Tensor:
+    """One MoE layer: hidden [..., d] -> [..., d] (:func:`moe_forward_parts`, summed; ``null_expert`` /
+    ``tile_experts``: expert parallelism, as there)."""
     shape = hidden.shape
     x = hidden.reshape(-1, shape[-1])  # [T, d]
-    out, shared = moe_forward_parts(x, layer, expert_view, experts, moe_layer, routing, impl)
+    out, shared = moe_forward_parts(x, layer, expert_view, experts, moe_layer, routing, impl, null_expert,
+                                    tile_experts)
     if out.dim() == 3:  # the fused kernel's weighted rows: summed in fp32, as fused_moe does
         out = out.sum(dim=1, dtype=torch.float32).to(x.dtype)
     if shared is not None:

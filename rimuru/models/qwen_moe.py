@@ -143,15 +143,11 @@ class QwenMoeModel:
              row_valid: torch.Tensor | None = None) -> torch.Tensor:
         """Decoder layer ``layer``'s MoE block output [T, d] (summed; not all-reduced)."""
         m = self.moe_index[layer]
-        if self.expert_map is not None:
-            routed, shared = self._moe_parts(layer, x, experts, expert_view, row_valid)
-            if routed.dim() == 3:
-                routed = routed.sum(dim=1, dtype=torch.float32).to(x.dtype)
-            return routed if shared is None else routed + shared
-        topk_weights, topk_ids = route_layer(x, self.moe[m], row_valid)
-        self._record(m, topk_ids)
+        topk_weights, topk_ids = route_layer(x, self.moe[m], row_valid, self.expert_map)  # expert parallelism: local
+        if self.expert_map is None:
+            self._record(m, topk_ids)
         return moe_forward(x, self.moe[m], expert_view, experts, m, routing=(topk_weights, topk_ids),
-                           impl=self.moe_impl)
+                           impl=self.moe_impl, **self._ep)
 
     def _record(self, m: int, topk_ids: torch.Tensor) -> None:
         if self.routing_counts is not None:
