@@ -175,8 +175,9 @@ class TorchDistributed:
 
     def _prepare_release(self) -> None:
         """The peer release's sources and side streams (rimuru/distributed/release.py), made now for every fill any
-        dead peer could need: nothing is allocated at failure time."""
-        if self.device.type != "cuda":
+        dead peer could need: nothing is allocated at failure time. Rank 0 only: its monitor thread is the one that
+        sees a rank die and releases (rimuru/distributed/group.py); the workers never release, so they build no kit."""
+        if self.device.type != "cuda" or self.shard.rank != 0:
             return
         from rimuru.distributed.release import ReleaseKit
 
