@@ -24,12 +24,7 @@ set -u
 DEVICE=${DEVICE:-cuda}
 PY=${PY:-python3}
 BUDGET_S=${BUDGET_S:-280}
-START=$(date +%s)
-left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --target /tmp/pylib .whl/*.whl >/dev/null 2>&1; fi
-export PYTHONPATH=$PWD:/tmp/pylib
-mkdir -p "$OUT"
+. "$(dirname "$0")/device_tp_env.sh"  # START, left, the multi-GPU environment, wheels, $OUT
 echo "start $(date -u +%FT%TZ) commit ${RIMURU_COMMIT:-unknown}" | tee "$OUT/driver.log"
 nvidia-smi --query-gpu=name,memory.total --format=csv >> "$OUT/driver.log" 2>&1
 

@@ -24,12 +24,7 @@ E2E_S=${E2E_S:-230}
 REPEATS=${REPEATS:-2}
 WORKLOADS=${WORKLOADS:-burst}
 BUDGET_S=${BUDGET_S:-600}
-START=$(date +%s)
-left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --target /tmp/pylib .whl/*.whl >/dev/null 2>&1; fi
-export PYTHONPATH=$PWD:/tmp/pylib
-mkdir -p "$OUT"
+. "$(dirname "$0")/device_tp_env.sh"  # START, left, the multi-GPU environment, wheels, $OUT
 echo "start $(date -u +%FT%TZ) commit ${RIMURU_COMMIT:-unknown} KILLS=$KILLS PROBE=$PROBE DIAG_S=$DIAG_S E2E_S=$E2E_S" \
   "BUDGET_S=$BUDGET_S" | tee "$OUT/driver.log"
 { nvidia-smi --query-gpu=name,memory.total,pci.bus_id --format=csv; free -g; head -5 /proc/meminfo; } \
