@@ -406,6 +406,8 @@ def replay_with_warmup(llm: LLM, before: list[tuple[int, int]], trace: list[Trac
     metrics = replay(llm, trace)
     metrics["cuda_graph_steps"] = llm.executor.graph_steps - graph_before
     return metrics
+
+
 SEED_METRICS = ("output_throughput", "mean_ttft_ms", "forward_steps")
 
 
