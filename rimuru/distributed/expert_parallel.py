@@ -28,9 +28,6 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
-import torch
-
-PLACEMENTS = ("contiguous", "balanced")
 
 
 @dataclass(frozen=True)
@@ -90,11 +87,6 @@ def place_experts(num_experts: int, world: int, hotness: np.ndarray | None = Non
     snake = np.concatenate([np.arange(world), np.arange(world)[::-1]])
     ranks = snake[np.arange(num_experts) % (2 * world)]
     return Placement(num_experts, tuple(tuple(sorted(int(e) for e in order[ranks == r])) for r in range(world)))
-
-
-def local_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor) -> torch.Tensor:
-    """Rank-local ids of routed ids ``topk_ids`` [T, k] (the null expert where another rank holds the expert)."""
-    return expert_map[topk_ids.long()].to(torch.int32)
 
 
 def rank_blocks(probability: np.ndarray, placement: Placement, tokens: int, block_m: int, samples: int = 2000,
