@@ -35,6 +35,7 @@ from rimuru.kernels.sync import last_to_arrive, reset
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a decode split's fixed cost dominates its KV reads
 MAX_SPLITS = 64  # the heuristic's cap
+FULL_GRID_PER_SM = 3  # nosplit_full: an unsplit grid of at least this many programs per SM is not split
 REDUCE_SPLITS = 8  # splits the merge kernel reads per iteration (one compiled variant for any split count)
 MERGE_SPLITS = 4  # splits the in-kernel merge reads per iteration (a [G, 4, D] fp32 tile)
 
@@ -461,13 +462,25 @@ def prefill_attention(
     return out
 
 
+def split_count(num_req: int, kv_heads: int, max_seq_len: int, sms: int, full_grid: bool = False) -> int:
+    """The decode's KV splits on a GPU of ``sms`` SMs: enough that ~4 programs per SM run, but never below
+    ``MIN_TOKENS_PER_SPLIT`` tokens a split. With ``full_grid`` (the ``nosplit_full`` lever) a grid that already
+    runs ``FULL_GRID_PER_SM`` programs per SM unsplit is not split: a split there only adds the merge launch
+    (2x H200 at 8452ced, 256 running at TP=2, 2 KV heads a rank: 512 programs against the target 528 made 2 splits
+    and a 235 us-a-step ``decode_reduce_kernel`` that TP=1's 1,024 programs do not launch)."""
+    programs = max(1, num_req * kv_heads)
+    if full_grid and programs >= FULL_GRID_PER_SM * sms:
+        return 1
+    want = triton.cdiv(4 * sms, programs)
+    return max(1, min(want, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+
+
 def choose_num_splits(num_req: int, kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Split the KV of each decode so that ~4 programs per SM run, but never below 256 tokens a split."""
+    """:func:`split_count` on ``device`` (one split off CUDA)."""
     if device.type != "cuda":
         return 1
-    target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    want = triton.cdiv(target, max(1, num_req * kv_heads))
-    return max(1, min(want, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return split_count(num_req, kv_heads, max_seq_len, sms, full_grid=variants.on("nosplit_full"))
 
 
 def decode_attention(
@@ -582,6 +595,6 @@ def paged_attention(
 
 
 __all__ = [
-    "choose_num_splits", "decode_attention", "decode_attention_reference", "paged_attention",
+    "choose_num_splits", "split_count", "decode_attention", "decode_attention_reference", "paged_attention",
     "prefill_attention", "prefill_attention_reference", "write_kv",
 ]

@@ -55,6 +55,10 @@ wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
   tensor-parallel slice of a tuned one (Qwen3-30B-A3B's experts at TP=2: intermediate 384 of 768) takes the full
   width's tiles by token count (``fused_moe.slice_table``) instead of the generic rows-per-expert rule, which picks
   64-row blocks from 256 tokens at top-8 where the tuned table keeps 16- and 32-row blocks up to 511;
+* ``nosplit_full`` (issue 13 wave 11, off until measured): the split-KV decode keeps one split when the unsplit grid
+  (requests x KV heads) already runs ``paged_attention.FULL_GRID_PER_SM`` (3) programs per SM
+  (``paged_attention.split_count``): at TP=2 a rank's 2 KV heads x 256 requests fell just under the 4-per-SM target
+  and split in two, adding a merge launch per layer (235 us a 48-layer step, results/reference/e2e_tp2/wave11_8452ced/);
 * ``pdl_eager`` (off by default): the programmatic-launch levers act outside CUDA graphs too (see below): the
   engine as measured at 38fd399, for an eager A/B.
 
@@ -84,7 +88,7 @@ import torch
 
 LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gemv", "pdl", "pdl_chain", "moe_gemv",
           "gemv_le2", "moe_gemv_host", "pdl_eager", "align_par", "router_tiles", "wide_gemm", "pdl_wide",
-          "slice_tiles")
+          "slice_tiles", "nosplit_full")
 # The levers that measured faster (H200, 48 layers: results/reference/engine/run_2445415_48L/ab_* for the wave-5 two,
 # run_38fd399_48L/ for the wave-7 four; align_par: results/reference/e2e_tp2/align_vocab_48L/): the others made their
 # kernels slower than what they replace and are off unless asked for (``all`` or by name).

@@ -12,9 +12,12 @@ from rimuru.kernels.attention_reference import (
     write_kv_reference,
 )
 from rimuru.kernels.paged_attention import (
+    FULL_GRID_PER_SM,
+    MIN_TOKENS_PER_SPLIT,
     decode_attention,
     paged_attention,
     prefill_attention,
+    split_count,
     write_kv,
 )
 from rimuru.kernels.sync import counters
@@ -305,3 +308,21 @@ def test_gpu_fp32_kernels_use_ieee_dots():
     batch = PagedBatch(**MIXED, block=16, kv_heads=4, group=8, head_dim=128)
     out = paged_attention(batch.q, batch.kv, batch.block_tables, batch.cu_query_lens, batch.seq_lens_t, batch.scale)
     assert rel_err(out, batch.sdpa()) <= 1e-4
+
+
+def test_split_count_targets_four_programs_per_sm_and_nosplit_full_keeps_a_full_grid_whole():
+    sms = 132  # the H200's
+    # TP=2's rank at 256 running: 2 KV heads x 256 = 512 programs, just under 4 x 132 = 528 -> 2 splits by default
+    assert split_count(256, 2, 4096, sms) == 2
+    assert split_count(256, 2, 4096, sms, full_grid=True) == 1
+    # TP=1 at 256 (1,024 programs) is one split either way; small grids split as before with the lever on
+    assert split_count(256, 4, 4096, sms) == split_count(256, 4, 4096, sms, full_grid=True) == 1
+    for req, heads in ((64, 4), (64, 2), (1, 4), (98, 4)):
+        assert req * heads < FULL_GRID_PER_SM * sms
+        assert split_count(req, heads, 4096, sms, full_grid=True) == split_count(req, heads, 4096, sms) > 1
+    # the threshold is the first grid of FULL_GRID_PER_SM programs per SM
+    edge = FULL_GRID_PER_SM * sms
+    assert split_count(edge, 1, 4096, sms, full_grid=True) == 1
+    assert split_count(edge - 1, 1, 4096, sms, full_grid=True) == 2
+    # a short KV never splits below MIN_TOKENS_PER_SPLIT tokens a split
+    assert split_count(1, 1, MIN_TOKENS_PER_SPLIT, sms) == 1
