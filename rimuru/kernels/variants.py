@@ -1,8 +1,8 @@
 """Which small-batch decode kernel variants the wrappers launch (issue 11, waves 5 and 7), for A/B runs in one process.
 
-Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the seven that measured faster on the H200,
-``direct_moe``, ``qkv_fused``, ``gemv``, ``pdl``, ``pdl_chain``, ``moe_gemv`` and ``align_par``; ``wave5``: the
-wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
+Levers (``baseline``: none, the wave-4 kernels; ``fast``, the default: the eight that measured faster on the H200,
+``direct_moe``, ``qkv_fused``, ``gemv``, ``pdl``, ``pdl_chain``, ``moe_gemv``, ``align_par`` and ``nosplit_full``;
+``wave5``: the wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
 
 * ``merge``: split-KV decode merges its splits inside the decode kernel (the last split of a request and KV head
   to finish merges; no ``decode_reduce_kernel`` launch); off (2x H200 at 5096965, 48 layers: TP=1 -0.065 ms at 64
@@ -55,10 +55,13 @@ wave-5 default, ``direct_moe`` and ``qkv_fused``; ``all``: every one):
   tensor-parallel slice of a tuned one (Qwen3-30B-A3B's experts at TP=2: intermediate 384 of 768) takes the full
   width's tiles by token count (``fused_moe.slice_table``) instead of the generic rows-per-expert rule, which picks
   64-row blocks from 256 tokens at top-8 where the tuned table keeps 16- and 32-row blocks up to 511;
-* ``nosplit_full`` (issue 13 wave 11, off until measured): the split-KV decode keeps one split when the unsplit grid
+* ``nosplit_full`` (issue 13 wave 11, in ``fast``): the split-KV decode keeps one split when the unsplit grid
   (requests x KV heads) already runs ``paged_attention.FULL_GRID_PER_SM`` (3) programs per SM
   (``paged_attention.split_count``): at TP=2 a rank's 2 KV heads x 256 requests fell just under the 4-per-SM target
-  and split in two, adding a merge launch per layer (235 us a 48-layer step, results/reference/e2e_tp2/wave11_8452ced/);
+  and split in two, adding a merge launch per layer (235 us a 48-layer step, results/reference/e2e_tp2/wave11_8452ced/).
+  2x H200 at 5b77161, 48 layers, same-process A/B x4: TP=2 at 256 running 11.309 -> 11.060 ms, TP=1 at 128 (512
+  programs too) 16.248 -> 15.997 ms, ranges separated; every other cell (64 running, TP=1 at 256, TP=2 at 128) within
+  0.01 ms; TP=2 greedy tokens identical with and without it (results/reference/e2e_tp2/nosplit_5b77161/);
 * ``pdl_eager`` (off by default): the programmatic-launch levers act outside CUDA graphs too (see below): the
   engine as measured at 38fd399, for an eager A/B.
 
@@ -90,10 +93,11 @@ LEVERS = ("merge", "direct_moe", "qkv_fused", "router_fused", "small_gemm", "gem
           "gemv_le2", "moe_gemv_host", "pdl_eager", "align_par", "router_tiles", "wide_gemm", "pdl_wide",
           "slice_tiles", "nosplit_full")
 # The levers that measured faster (H200, 48 layers: results/reference/engine/run_2445415_48L/ab_* for the wave-5 two,
-# run_38fd399_48L/ for the wave-7 four; align_par: results/reference/e2e_tp2/align_vocab_48L/): the others made their
-# kernels slower than what they replace and are off unless asked for (``all`` or by name).
+# run_38fd399_48L/ for the wave-7 four; align_par: results/reference/e2e_tp2/align_vocab_48L/; nosplit_full:
+# results/reference/e2e_tp2/nosplit_5b77161/): the others made their kernels slower than what they replace and are
+# off unless asked for (``all`` or by name).
 WAVE5 = ("direct_moe", "qkv_fused")
-FAST = WAVE5 + ("gemv", "pdl", "pdl_chain", "moe_gemv", "align_par")
+FAST = WAVE5 + ("gemv", "pdl", "pdl_chain", "moe_gemv", "align_par", "nosplit_full")
 VARIANTS = ("fast", "wave5", "baseline", "all")
 GRAPH_ONLY = ("pdl", "pdl_chain")  # act only on launches inside for_graphs() (or with pdl_eager)
 

@@ -47,7 +47,8 @@ def test_kernel_levers_switched_on_every_rank_greedy_unchanged(model_dir, monkey
         monkeypatch.setattr(llm.tp_group, "send",
                             lambda message: (message[0] == "kernels" and sent.append(message)) or send(message))
         llm.use_kernels("fast,pdl_wide,merge")
-        assert variants.current() == "align_par,direct_moe,gemv,merge,moe_gemv,pdl,pdl_chain,pdl_wide,qkv_fused"
+        assert variants.current() == ("align_par,direct_moe,gemv,merge,moe_gemv,nosplit_full,pdl,pdl_chain,pdl_wide,"
+                                      "qkv_fused")
         assert sent == [("kernels", "fast,pdl_wide,merge")]  # the workers' message, answered "switched"
         assert _generate(llm) == expected
         with pytest.raises(ValueError, match="unknown kernel lever"):
@@ -57,7 +58,7 @@ def test_kernel_levers_switched_on_every_rank_greedy_unchanged(model_dir, monkey
         llm.use_kernels("fast")
         assert variants.current() == "fast" and _generate(llm) == expected
         one.use_kernels("fast,merge")  # one process: the levers and its graphs (none here)
-        assert variants.current() == "align_par,direct_moe,gemv,merge,moe_gemv,pdl,pdl_chain,qkv_fused"
+        assert variants.current() == "align_par,direct_moe,gemv,merge,moe_gemv,nosplit_full,pdl,pdl_chain,qkv_fused"
         assert group.SWITCHES["kernels"] is group.switch_kernels
     finally:
         variants.select(before)
