@@ -136,3 +136,6 @@ for spec in ${CHECKS-nccl:static symm_mem:static nccl:fixed}; do
   kill_check "$1" "$2"
 done
 echo "[$(( $(date +%s) - START ))s] done $(date -u +%FT%TZ)" | tee -a "$OUT/driver.log"
+# every folder under $OUT as one archive (the device tool returns at most 8 files: wave 11's EP call lost step_ep/'s
+# four CSVs to that limit); driver.log and the *.log files stay loose
+for d in "$OUT"/*/; do [ -d "$d" ] && tar czf "${d%/}.tgz" -C "$OUT" "$(basename "$d")" && rm -rf "$d"; done
