@@ -45,14 +45,19 @@ _RESIDUAL_WRITERS = re.compile(r"\.(o_proj|down_proj|out_proj)\.weight$")
 _ROUTER = re.compile(r"\.layers\.(\d+)\.mlp\.gate\.weight$")
 
 
-def hub_config(config_name_or_path: str | Path) -> dict:
-    """The config.json a synthetic checkpoint carries: the text model's config."""
+def hub_config(config_name_or_path: str | Path, num_layers: int | None = None) -> dict:
+    """The config.json a synthetic checkpoint carries: the text model's config; with ``num_layers``, its first
+    ``num_layers`` layers (a hybrid's ``layer_types`` cut to match: transformers checks that they agree)."""
     config = json.loads(resolve_config_path(config_name_or_path).read_text())
     if "text_config" in config:
         text = dict(config["text_config"])
         text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", False))
         text["architectures"] = [TEXT_ARCH.get(text.get("model_type"), "AutoModelForCausalLM")]
         config = text
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:num_layers]
     return config
 
 

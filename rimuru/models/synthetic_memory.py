@@ -30,11 +30,7 @@ def synthetic_checkpoint_in_memory(config_name_or_path: str | Path, *, seed: int
     """``generate_on_device``: draw the random numbers on ``device`` (a GPU: seconds instead of the minutes a
     paper-scale layer stack costs on a few CPU cores), with that device's generator: other values than the
     CPU-drawn checkpoint files, same recipes and distributions (see ``synthetic_tensors``)."""
-    config = hub_config(config_name_or_path)
-    if num_layers is not None:
-        config["num_hidden_layers"] = num_layers
-        if "layer_types" in config:
-            config["layer_types"] = config["layer_types"][:num_layers]
+    config = hub_config(config_name_or_path, num_layers)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))

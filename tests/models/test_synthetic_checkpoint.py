@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from rimuru.models.checkpoint import SKEW_DIM, synthetic_tensors, write_synthetic_checkpoint
+from rimuru.models.checkpoint import SKEW_DIM, hub_config, synthetic_tensors, write_synthetic_checkpoint
 from rimuru.models.loader import load_checkpoint
 
 TINY = ["tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-qwen3.5-moe"]
@@ -94,3 +94,15 @@ def test_checkpoint_cli_writes_a_loadable_checkpoint(tmp_path, capsys):
     assert meta["routing_skew"] == 0.7 and meta["dtype"] == "float32"
     assert load_checkpoint(out).spec.shared_expert_intermediate_size == 64
     assert main(["checkpoint", "no-such-model", str(tmp_path / "x")]) == 2
+
+
+def test_hub_config_cuts_a_hybrids_layer_types_with_its_layers():
+    """A scaled Qwen3.5 (the e2e scripts' --layers) keeps the first N layer types, so that transformers' check that
+    num_hidden_layers equals len(layer_types) holds and the scaled model keeps the real model's layer pattern."""
+    full = hub_config("qwen3.5-35b-a3b")
+    cut = hub_config("qwen3.5-35b-a3b", 4)
+    assert cut["num_hidden_layers"] == 4 and cut["layer_types"] == full["layer_types"][:4]
+    assert cut["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert hub_config("qwen3-30b-a3b", 4)["num_hidden_layers"] == 4
+    assert "layer_types" not in hub_config("qwen3-30b-a3b", 4)
+    assert hub_config("qwen3.5-35b-a3b")["num_hidden_layers"] == len(full["layer_types"]) == 40

@@ -12,7 +12,7 @@
 #      wave-8/9 call) and a discarded pass of the same workload on every engine; per-rank H2D probe before every
 #      timed pass; the killed-rank check on the last engine.
 # Usage on the device: RIMURU_COMMIT=<sha> KILLS=3 PROBE=1 E2E_S=0 DIAG_S=0 BUDGET_S=180 bash workflow/scripts/device_tpserve.sh
-# (the serving A/B: KILLS=0 PROBE=0 DIAG_S=0 E2E_S=300 BUDGET_S=340)
+# (the serving A/B: KILLS=0 PROBE=0 DIAG_S=0 E2E_S=300 BUDGET_S=340; the hybrid: MODEL=qwen3.5-35b-a3b HOTSET= ...)
 # (DRY=1: the CPU dry run, tiny sizes, gloo). Results come back as one archive per part (the run tool returns at most
 # 8 files): kills.tgz, probe.tgz, diag.tgz, tp.tgz, plus driver.log.
 set -u
@@ -23,6 +23,10 @@ DIAG_S=${DIAG_S:-50}
 E2E_S=${E2E_S:-230}
 REPEATS=${REPEATS:-2}
 WORKLOADS=${WORKLOADS:-burst}
+# the serving A/B's model (MODEL, LAYERS of it, NREQ requests, outputs <= MAX_OUTPUT; HOTSET: the routing profile,
+# '' for none — the default is the Qwen3-30B-A3B one; HYBRID_MODEL: e2e_tp_gpu.py's TP=N greedy check of a hybrid
+# after the A/B, e.g. MODEL=qwen3.5-35b-a3b HOTSET= HYBRID_MODEL=qwen3.5-35b-a3b for the paper's dual-GPU model)
+MODEL=${MODEL:-qwen3-30b-a3b}
 BUDGET_S=${BUDGET_S:-600}
 . "$(dirname "$0")/device_tp_env.sh"  # START, left, the multi-GPU environment, wheels, $OUT
 echo "start $(date -u +%FT%TZ) commit ${RIMURU_COMMIT:-unknown} KILLS=$KILLS PROBE=$PROBE DIAG_S=$DIAG_S E2E_S=$E2E_S" \
@@ -80,7 +84,8 @@ if [ "$E2E_S" -gt 0 ] && [ "$(left)" -ge $(( E2E_S + 25 )) ]; then
   if [ "${DRY:-0}" = 1 ]; then
     E2E_ARGS="--device cpu --serving-all-reduce gloo --hotset= --layers 2 --num-requests 8 --max-output 8 --ckpt-dir /tmp/tpserve_dry_ckpt"
   else
-    E2E_ARGS="--model qwen3-30b-a3b --layers 4 --num-requests 200 --max-output 128"
+    E2E_ARGS="--model $MODEL --layers ${LAYERS:-4} --num-requests ${NREQ:-200} --max-output ${MAX_OUTPUT:-128}"
+    E2E_ARGS="$E2E_ARGS ${HOTSET+--hotset=$HOTSET} ${HYBRID_MODEL:+--hybrid-model $HYBRID_MODEL}"
   fi
   echo "[$(( $(date +%s) - START ))s] serving A/B (timeout $(( E2E_S + 25 )) s)" | tee -a "$OUT/driver.log"
   timeout $(( E2E_S + 25 )) $PY workflow/scripts/e2e_tp_gpu.py $E2E_ARGS --skew 0.7 --tp 2 --budget 24GiB \

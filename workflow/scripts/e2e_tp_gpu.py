@@ -562,8 +562,7 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
     """Elastic vs fixed at TP=N under the per-GPU budget, alternating; a discarded warm-up pass of the same workload
     on each engine before its timed pass."""
     tp, dtype = args.tp, common["dtype"]
-    config = hub_config(args.model)
-    config["num_hidden_layers"] = args.layers
+    config = hub_config(args.model, args.layers)
     cfg_dir = Path(args.ckpt_dir + "_config")
     cfg_dir.mkdir(parents=True, exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps(config))

@@ -21,11 +21,7 @@ def spec_with_layers(name_or_path: str, num_layers: int | None) -> ModelSpec:
     """The bundled config with its first ``num_layers`` layers (real per-layer shapes)."""
     from rimuru.models.checkpoint import hub_config
 
-    config = hub_config(name_or_path)
-    if num_layers is not None:
-        config["num_hidden_layers"] = num_layers
-        if "layer_types" in config:
-            config["layer_types"] = config["layer_types"][:num_layers]
+    config = hub_config(name_or_path, num_layers)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         return ModelSpec.from_pretrained(tmp)
