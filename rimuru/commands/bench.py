@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--ab compares in-process engine variants: use it with --backend inproc")
     if args.backend == "inproc" and not args.model:
         raise UserError("--backend inproc needs --model DIR (a checkpoint directory)")
+    if args.backend == "inproc" and not Path(args.model).is_dir():  # before the workload is sampled
+        raise UserError(f"--model {args.model!r} is not a checkpoint directory")
+    if args.tensor_parallel_size < 1:
+        raise UserError(f"--tensor-parallel-size must be positive, got {args.tensor_parallel_size}")
     requests, workload = load_requests(args.workload, seed=args.seed, num_requests=args.num_requests,
                                        request_rate=args.request_rate, burstiness=args.burstiness,
                                        progress=not args.no_progress)
@@ -212,4 +216,4 @@ def _make_engine(args: argparse.Namespace, **override):
     try:
         return LLM(args.model, **options)
     except (TypeError, ValueError) as exc:
-        raise UserError(f"engine options {override or ''}: {exc}") from exc
+        raise UserError(f"engine options{f' {override}' if override else ''}: {exc}") from exc

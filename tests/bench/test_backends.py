@@ -92,6 +92,16 @@ def test_bench_command_rejects_bad_input_in_one_line(capsys):
     assert len(err) == 2 and "goodput" in err[0] and "--model" in err[1]
 
 
+def test_bench_inproc_rejects_a_missing_checkpoint_and_a_bad_tp_degree_before_sampling_the_workload(tmp_path, capsys):
+    """Both are user mistakes caught before the (slow) ShareGPT sampling: one line, exit 2, no progress bar."""
+    assert main(["bench", "--backend", "inproc", "--model", str(tmp_path / "nope")]) == 2
+    assert main(["bench", "--backend", "inproc", "--model", str(tmp_path), "--tensor-parallel-size", "0"]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 2 and "not a checkpoint directory" in lines[0] and "must be positive, got 0" in lines[1]
+    assert "sampling" not in err
+
+
 def test_openai_backend_counts_text_tokens_when_the_server_reports_no_usage():
     import json as _json
 
