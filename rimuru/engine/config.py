@@ -11,6 +11,10 @@ import torch
 from rimuru.units import parse_bytes
 
 EXECUTORS = ("torch", "modeled")
+# dtype by name (vLLM's spellings); "auto" / None: the device's default (EngineConfig.torch_dtype)
+DTYPE_NAMES = {"auto": None, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+               "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
+               "float": torch.float32}
 EXPERT_PARALLEL_POLICIES = ("static",)  # the policies enable_expert_parallel can serve correctly
 
 
@@ -69,6 +73,8 @@ class ModeledOption(FieldRule):
 
 FIELD_RULES = (
     FieldRule("executor", _one_of(*EXECUTORS), f"one of {', '.join(EXECUTORS)}"),
+    FieldRule("dtype", _one_of(None, torch.bfloat16, torch.float16, torch.float32),
+              f"torch.bfloat16, torch.float16, torch.float32 or one of {', '.join(DTYPE_NAMES)}"),
     FieldRule("gc_young_threshold", _int_at_least(1), "an integer >= 1"),
     FieldRule("loading_buffers", _one_of("layer", "sized"), "'layer' or 'sized'"),
     FieldRule("prefetch", _one_of("predict", "none"), "'predict' or 'none'"),
@@ -98,7 +104,8 @@ class EngineConfig:
     gpu_memory_budget: int | str = "2GiB"  # everything the engine puts on the device
     policy: str = "elastic"
     device: str | None = None  # default: cuda if available else cpu
-    dtype: torch.dtype | None = None  # default: bf16 on cuda; on cpu bf16 where native (AVX512-BF16/AMX), else fp32
+    dtype: torch.dtype | str | None = None  # a torch.dtype or its name (DTYPE_NAMES; "auto" = None); default: bf16 on
+    # cuda; on cpu bf16 where native (AVX512-BF16/AMX), else fp32
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: model limit, capped by what KV can hold
@@ -192,6 +199,8 @@ class EngineConfig:
         from rimuru.models.tokenizer import TOKENIZER_CHOICES
 
         policy_class(self.policy)  # the policy registry's own error
+        if isinstance(self.dtype, str) and self.dtype in DTYPE_NAMES:  # a name: its torch.dtype, once
+            object.__setattr__(self, "dtype", DTYPE_NAMES[self.dtype])
         if self.tokenizer not in TOKENIZER_CHOICES:
             raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZER_CHOICES)}, got {self.tokenizer!r}")
         for rule in FIELD_RULES:

@@ -1,13 +1,14 @@
 """EngineConfig's checks: every field rule and every modeled-only option refuses a bad value with the field's name."""
 
 import pytest
+import torch
 
 from rimuru.engine.config import FIELD_RULES, MODELED_OPTIONS, EngineConfig
 
 BAD = {
     "executor": "jax", "gc_young_threshold": 0, "loading_buffers": "huge", "prefetch": "always",
     "tensor_parallel_size": 0, "vocab_parallel_head": 1, "enable_expert_parallel": "yes", "tp_timeout_s": -1,
-    "offload_graph_max_batch": -2, "kv_reserve": 1.0,
+    "offload_graph_max_batch": -2, "kv_reserve": 1.0, "dtype": "int4",
 }
 MODELED_BAD = {
     "modeled_step_ms": 0, "modeled_chunk_law": (1.0, 2.0), "modeled_decode_kernels": -1,
@@ -47,3 +48,14 @@ def test_a_bad_modeled_option_is_a_clear_error(name):
 def test_the_defaults_pass():
     EngineConfig(device="cpu")
     EngineConfig(executor="modeled")
+
+
+def test_dtype_by_name_or_torch_dtype_and_a_clear_error_otherwise():
+    """LLM(..., dtype="float32") as in vLLM: a name becomes its torch.dtype once, at construction ("auto" is the
+    device default); anything else is a one-line ValueError naming the field, not a failure in the loader."""
+    assert EngineConfig(dtype="float32").dtype is torch.float32
+    assert EngineConfig(dtype="bf16").dtype is torch.bfloat16 and EngineConfig(dtype="half").dtype is torch.float16
+    assert EngineConfig(dtype="auto").dtype is None and EngineConfig(dtype=torch.float32).dtype is torch.float32
+    for bad in ("int8", torch.int8, 32):
+        with pytest.raises(ValueError, match="^dtype must be .* got "):
+            EngineConfig(dtype=bad)
