@@ -56,6 +56,7 @@ class _ClassState:
     # mask of the non-empty levels, so best-fit placement costs O(parents it takes from), not O(split parents).
     buckets: list[set[int]] | None = None
     levels: int = 0
+    split_parents: int = 0  # parent slots split into this class (kept by _carve and the merge in _free)
 
     def slots_to_ids(self, slots: np.ndarray) -> np.ndarray:
         if self.run == 1:
@@ -214,6 +215,7 @@ class MultiLevelAllocator:
         children = (parents[:, None] * c.per_parent + np.arange(c.per_parent)).ravel()
         c.state[children] = FREE
         c.free.push(children[::-1])
+        c.split_parents += len(parents)
 
     def _is_l3(self, c: _ClassState) -> bool:
         return c.parent is not None and self._classes[c.parent].parent is not None
@@ -274,9 +276,11 @@ class MultiLevelAllocator:
     def reclaimable(self, cls: str) -> int:
         """Parents (L2 pages) of L3 class ``cls`` that :meth:`compact` would empty now (``reclaimable_parents``)."""
         c = self._l3(cls)
-        parent = self._classes[c.parent]
-        split = parent.state == SPLIT_BASE + c.index  # over the parents, not the (many more) L3 slots
-        return reclaimable_parents(int(np.count_nonzero(split)), int(parent.live[split].sum()), c.per_parent)
+        # O(1): every slot of a split parent is allocated or on the free stack (an L3 slot is never split), so
+        # the split parents hold split_parents * per_parent - len(free) live units (two numpy scans over every
+        # parent before: the elastic engine's host time per step at 1-2 running, wave 11)
+        live = c.split_parents * c.per_parent - len(c.free)
+        return reclaimable_parents(c.split_parents, live, c.per_parent)
 
     def compact(self, cls: str, max_moves: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Move the units of the emptiest partly used parents of L3 class ``cls`` into free slots of the fullest
@@ -352,6 +356,7 @@ class MultiLevelAllocator:
             children = (empty[:, None] * c.per_parent + np.arange(c.per_parent)).ravel()
             c.free.remove(children)
             c.state[children] = UNCARVED
+            c.split_parents -= len(empty)
             self._free(parent, empty)
 
     # ------------------------------------------------------------------ integrity
@@ -373,6 +378,7 @@ class MultiLevelAllocator:
                     continue
                 kids = child.state.reshape(-1, child.per_parent)
                 mine = st == SPLIT_BASE + child.index
+                assert child.split_parents == np.count_nonzero(mine), f"{child.name}: split-parent count wrong"
                 assert (kids[~mine] == UNCARVED).all(), f"{child.name}: carved under a parent not split to it"
                 assert (kids[mine] != UNCARVED).all(), f"{child.name}: uncarved slot under a split parent"
                 alive = np.count_nonzero(kids == ALLOC, axis=1) + np.count_nonzero(kids >= SPLIT_BASE, axis=1)
