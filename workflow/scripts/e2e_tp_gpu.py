@@ -47,6 +47,7 @@ from rimuru.engine.llm import LLM
 from rimuru.engine.memory_policy import scaled_budget
 from rimuru.engine.sampling_params import SamplingParams
 from rimuru.engine.timeline import stall_mask
+from rimuru.experts.hotset import Hotset
 from rimuru.kernels import variants as kernel_variants
 from rimuru.models.checkpoint import hub_config, write_synthetic_checkpoint
 from rimuru.models.loader import load_checkpoint
@@ -174,6 +175,11 @@ def main() -> None:
     ap.add_argument("--trace", required=True)
     ap.add_argument("--hotset", default="results/reference/e2e_tp2/hotset.json",
                     help="routing profile of the serving model (the first 2-GPU run's, same checkpoint recipe)")
+    ap.add_argument("--calibration-prompts", type=int, default=0,
+                    help="serving part: profile the serving checkpoint's routing first (a TP=1 static engine with "
+                         "record_routing, the trace's first N prompts truncated to 256 tokens, as e2e_gpu.py does) and "
+                         "serve with that hotset (out/hotset.json) instead of --hotset; 0: --hotset as given")
+    ap.add_argument("--profile-budget", default="80GiB", help="the --calibration-prompts engine's budget (GPU 0)")
     ap.add_argument("--num-requests", type=int, default=100)
     ap.add_argument("--rate", type=float, default=8.0)
     ap.add_argument("--max-output", type=int, default=0, help="cap each request's output length (0: the trace's)")
@@ -521,8 +527,6 @@ def expert_parallel_options(args, out: Path) -> dict:
     one-layer hotset under ``out``. Nothing without the flag."""
     if not args.expert_parallel:
         return {}
-    from rimuru.experts.hotset import Hotset
-
     path = out / "ep_hotset.json"
     hot = Hotset.load(args.hotset) if args.hotset else None
     if hot is not None:
@@ -558,6 +562,24 @@ def load_gbps(frame: pd.DataFrame) -> float | None:
     return float((eager["expert_bytes_loaded"] / (eager["step_ms"] * 1e-3) / 1e9).median())
 
 
+def calibrate_hotset(model_dir, trace, n: int, budget: str, common, out: Path) -> Path:
+    """The serving checkpoint's hotset from its own routing: the trace's first ``n`` prompts (truncated to 256
+    tokens, staggered outputs) through a TP=1 static engine with ``record_routing``, as e2e_gpu.py profiles; saved to
+    ``out/hotset.json``. The engine is closed before the serving engines are built."""
+    prof = LLM(model_dir, gpu_memory_budget=budget, policy="static", record_routing=True, **common)
+    n = min(n, len(trace))
+    hotset = prof.profile_hotset([list(r.prompt_token_ids[:256]) for r in trace[:n]],
+                                 [SamplingParams(max_tokens=1 + (i * 97) % 128, ignore_eos=True) for i in range(n)])
+    path = out / "hotset.json"
+    hotset.save(path)
+    log(f"hotset from {n} calibration prompts: top-32 experts take {100 * hotset.top_share(32):.1f}% of routings")
+    del prof
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return path
+
+
 def e2e_part(args, full, trace, common, out, cuda) -> None:
     """Elastic vs fixed at TP=N under the per-GPU budget, alternating; a discarded warm-up pass of the same workload
     on each engine before its timed pass."""
@@ -571,6 +593,10 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
     cap = f", outputs <= {args.max_output}" if args.max_output else ""
     label = f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew}{cap})"
     log(f"checkpoint written: {label}")
+    if args.calibration_prompts > 0:
+        args.hotset = str(calibrate_hotset(model_dir, trace, args.calibration_prompts, args.profile_budget, common,
+                                           out))
+    top32 = Hotset.load(args.hotset).top_share(32) if args.hotset else None
     rows, timelines = [], []
     policies = args.policies.split(",")
     budgets = {p: rank_budget(full, model_dir, parse_bytes(args.budget), args.layers, tp, p, dtype) for p in policies}
@@ -650,7 +676,8 @@ def e2e_part(args, full, trace, common, out, cuda) -> None:
                         "preemptions": stats.preemptions - base.preemptions,
                         "expert_gb_loaded": (stats.expert_bytes_loaded - base.expert_bytes_loaded) / 1e9,
                         "initial_cache_experts": llm.memory_report["initial_cache_experts"],
-                        "total_experts": llm.memory_report["total_experts"], "top32_share": None,
+                        "total_experts": llm.memory_report["total_experts"], "top32_share": top32,
+                        "hotset": args.hotset or "none (uniform)",
                         "duration_s": duration, "stalls": stalls, "compiles": compiles,
                         "graphed_steps": int(frame["cuda_graph"].sum()), "engine_build": gi,
                         "warmup_pass": "same workload, discarded", "tensor_parallel_size": tp, "repeat": rep,
