@@ -944,3 +944,29 @@ def test_modeled_routing_prior_replaces_the_calibrations_shrinkage():
     for bad in ((-1.0, curve), (5.0, ()), (5.0, (0.5, 0.2)), (5.0,)):
         with pytest.raises(ValueError, match="modeled_routing_prior"):
             EngineConfig(executor="modeled", modeled_routing_prior=bad)
+
+
+def test_decode_gamma_fit_of_a_build_takes_each_runs_own_profile():
+    """A build's tempering (wave 11: ``--decode-gamma-fit BUILD=RUN+...``) fitted jointly on runs served with different
+    hotsets of one build: with each run's own profile the one equation recovers the tempering both runs' loads were
+    drawn with; with one profile for both (the per-PROFILE key) it does not."""
+    from rimuru.engine.modeled.calibration import FitRun, expected_misses, fit_decode_gamma
+
+    rng = np.random.default_rng(7)
+    runs_own, runs_one = [], []
+    profiles = [rng.dirichlet(np.full(32, 0.4), size=3) * 4, rng.dirichlet(np.full(32, 0.4), size=3) * 4]
+    for k, pi in enumerate(profiles):
+        rank = np.argsort(-pi, axis=1)
+        order = np.array([(layer, rank[layer, i]) for i in range(32) for layer in range(3)])
+        running = np.array([1, 2, 3, 1, 2, 4, 1, 8])
+        timeline = pd.DataFrame({"prefill_tokens": 0, "decode_tokens": running, "running": running,
+                                 "cached_experts": 40, "cuda_graph": 1, "adjust": 0, "experts_loaded": 0.0})
+        truth = RoutingModel(pi, 4, decode_gamma=1.3)
+        timeline["experts_loaded"] = expected_misses(FitRun("truth", timeline, None, "fixed", truth, order))
+        timeline["experts_touched"] = [truth.expected_touched(0.0, decode=d).sum() for d in running]
+        runs_own.append(FitRun(f"run{k}", timeline, None, "fixed", RoutingModel(pi, 4), order))
+        runs_one.append(FitRun(f"run{k}", timeline, None, "fixed", RoutingModel(profiles[0], 4), order))
+    joint = fit_decode_gamma(runs_own, 0.0)
+    assert joint["decode_gamma"] == pytest.approx(1.3, rel=1e-3)
+    assert joint["runs"] == ["run0", "run1"]
+    assert fit_decode_gamma(runs_one, 0.0)["decode_gamma"] != pytest.approx(1.3, rel=1e-2)

@@ -90,7 +90,9 @@ def main() -> None:
                          "tp_layer_ms (their rows in fidelity.csv are `fit`)")
     ap.add_argument("--decode-gamma-fit", nargs="*", default=[],
                     help="PROFILE=RUN+RUN...: a hotset (relative to --reference) and the fit runs served with it whose "
-                         "decode steps give its decode tempering (RoutingModel decode_gamma; fitted.decode_gamma); RUN "
+                         "decode steps give its decode tempering (RoutingModel decode_gamma; fitted.decode_gamma); or "
+                         "BUILD=RUN+RUN...: a --routing-prior-build name, one tempering fitted jointly on that build's "
+                         "runs, each with its own folder's hotset.json; RUN "
                          "DIR/TRACE:POLICY (DIR/timelines_TRACE.csv.gz, e2e.csv) or DIR:POLICY (a TP folder's "
                          "timeline.csv and e2e_runs.csv)")
     ap.add_argument("--chunk-law-fit", nargs="*", default=[],
@@ -196,22 +198,39 @@ def main() -> None:
         if len(top_k) != 1:
             raise SystemExit(f"--routing-prior-build {name}: the folders' models route to {sorted(top_k)} experts")
         prior_builds[name] = fit_routing_prior(profiles, top_k.pop()) | {"folders": folders.split("+")}
+    def build_shrink(build: str) -> dict:
+        """The routing model's shrinkage of a profile of ``build`` (a routing_prior_build name; '': the base one)."""
+        return chunk if not build else chunk | {
+            "prior_tokens": prior_builds[build]["routing_prior_tokens"],
+            "reference_curve": tuple(prior_builds[build]["routing_reference_curve"])}
+
     decode_gamma = {}
     for item in args.decode_gamma_fit:
         profile, _, keys = item.partition("=")
         if not keys:
-            raise SystemExit(f"--decode-gamma-fit takes PROFILE=RUN+RUN..., got {item!r}")
-        hotset = Hotset.load(ref / profile)
-        data.append(data_entry(ref / profile))
-        # a profile of a model build with its own shrinkage (routing_prior_build) is shrunk as its build's runs replay
-        build = next((name for name, fit in prior_builds.items()
-                      if str(Path(profile).parent) in fit["folders"]), "")
-        shrink = chunk if not build else chunk | {
-            "prior_tokens": prior_builds[build]["routing_prior_tokens"],
-            "reference_curve": tuple(prior_builds[build]["routing_reference_curve"])}
+            raise SystemExit(f"--decode-gamma-fit takes PROFILE=RUN+RUN... or BUILD=RUN+RUN..., got {item!r}")
+        # PROFILE: a hotset (relative to --reference) every run was served with. BUILD: a routing_prior_build name
+        # (wave 11): one tempering for the model build, fitted jointly on its fit runs, each run with the hotset its
+        # own folder holds (the one it was served with) shrunk by the build's prior
+        by_build = profile in prior_builds and not (ref / profile).is_file()
+        if by_build:
+            build, hotset = profile, None
+        else:
+            hotset = Hotset.load(ref / profile)
+            data.append(data_entry(ref / profile))
+            # a profile of a model build with its own shrinkage (routing_prior_build) is shrunk as its build's runs
+            build = next((name for name, fit in prior_builds.items()
+                          if str(Path(profile).parent) in fit["folders"]), "")
+        shrink = build_shrink(build)
         gamma_runs = []
         for key in keys.split("+"):
             path, policy = key.rsplit(":", 1)
+            run_hotset = hotset
+            if by_build:
+                if not (ref / path / "hotset.json").is_file():
+                    raise SystemExit(f"--decode-gamma-fit {profile}: {key} has no hotset.json in {ref / path}")
+                run_hotset = Hotset.load(ref / path / "hotset.json")
+                data.append(data_entry(ref / path / "hotset.json"))
             if (ref / path / "timelines.csv.gz").exists():  # a one-GPU e2e folder: timelines.csv.gz and e2e.csv
                 t_path, runs_path = ref / path / "timelines.csv.gz", ref / path / "e2e.csv"
             elif (ref / path).is_dir():  # a TP folder: timeline.csv(.gz) and e2e_runs.csv
@@ -228,8 +247,10 @@ def main() -> None:
             by = [c for c in ("workload", "repeat") if c in t_frame]  # one run per workload and repeat
             for run_id, t in t_frame.groupby(by):
                 gamma_runs.append(FitRun(f"{key}#{'/'.join(map(str, run_id))}", t.reset_index(drop=True), spec, policy,
-                                         RoutingModel.from_hotset(hotset, spec.top_k, **shrink), hotset.global_order()))
-        decode_gamma[profile] = fit_decode_gamma(gamma_runs, base.prefetch_waste) | {"routing_prior_build": build}
+                                         RoutingModel.from_hotset(run_hotset, spec.top_k, **shrink),
+                                         run_hotset.global_order()))
+        decode_gamma[profile] = fit_decode_gamma(gamma_runs, base.prefetch_waste) | {
+            "routing_prior_build": build, "by": "build" if by_build else "profile"}
     chunk_laws = {}
     for item in args.chunk_law_fit:
         name, _, keys = item.partition("=")
