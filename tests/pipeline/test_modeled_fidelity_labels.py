@@ -90,3 +90,22 @@ def test_seed_spread_summarises_each_runs_draws(fidelity):
     b = out[out["run"] == "b/fixed/poisson"].iloc[0]
     assert b["draws"] == 2 and b["draws_median"] == pytest.approx(-0.0255)
     assert fidelity.seed_spread(pd.DataFrame()).empty
+
+
+def test_a_tp_runs_arrivals_are_the_serving_scripts_draws():
+    """modeled_tp_check.tp_arrivals (wave 11: TP Poisson runs replayed): all at 0 for a burst, else the seeded
+    rimuru.workloads.arrivals draws e2e_tp_gpu.py's serve (rimuru.bench.inproc.serve_trace) made."""
+    import numpy as np
+
+    from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
+
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import modeled_tp_check
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    assert np.array_equal(modeled_tp_check.tp_arrivals(5, float("inf"), 0), np.zeros(5))
+    drawn = modeled_tp_check.tp_arrivals(200, 8.0, 0)
+    assert np.array_equal(drawn, np.asarray(arrival_times(ArrivalSpec(kind="poisson", rate=8.0), 200, 0), float))
+    assert np.all(np.diff(drawn) >= 0) and 15 < drawn[-1] < 35  # 200 requests at 8/s: ~25 s
+    assert not np.array_equal(drawn, modeled_tp_check.tp_arrivals(200, 8.0, 1))

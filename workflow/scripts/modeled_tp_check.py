@@ -20,7 +20,7 @@ import pandas as pd
 
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.hardware import load_gpu
-from rimuru.engine.modeled.reference import ENGINE_FEATURES, parse_run_model, spec_with_layers
+from rimuru.engine.modeled.reference import ENGINE_FEATURES, command_arg, parse_run_model, spec_with_layers
 from rimuru.engine.modeled.replay import TraceRequest, replay, run_batch
 from rimuru.provenance import provenance
 from rimuru.workloads.trace import read_token_trace
@@ -62,29 +62,48 @@ def replay_tp(spec, policy: str, group: pd.DataFrame, tp: int, features: dict, w
         raise SystemExit(f"{policy}: modeled pool holds {initial} initial experts, measured "
                          f"{int(group['initial_cache_experts'].iloc[0])}")
     if "warmup_pass" in group and str(group["warmup_pass"].iloc[0]).startswith("same workload"):
-        run_batch(llm, [(r.prompt_len, r.output_len) for r in requests], "warmup-")  # the discarded pass
+        if any(r.arrival_time > 0 for r in requests):  # a Poisson run's discarded pass: the same arrivals
+            replay(llm, requests)
+        else:
+            run_batch(llm, [(r.prompt_len, r.output_len) for r in requests], "warmup-")  # the discarded pass
     return replay(llm, requests), llm  # the timeline holds the timed pass only
+
+
+def tp_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
+    """A TP run's arrival times as e2e_tp_gpu.py's ``serve`` draws them (rimuru.bench.inproc.serve_trace:
+    rimuru.workloads.arrivals, seeded with the script's ``--seed``): all at 0 for an infinite ``rate``, else Poisson."""
+    from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
+
+    spec = ArrivalSpec(kind="poisson", rate=rate) if np.isfinite(rate) else ArrivalSpec()
+    return np.asarray(arrival_times(spec, n, seed), dtype=float)
 
 
 def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hardware: str, split: str,
             metrics=METRICS, engine=None, timelines: Path | None = None, decode_gamma: float = 1.0,
             kernels=None, h2d: bool = False) -> list[dict]:
-    """One row per (run, metric) of the all-at-once TP runs of ``runs_path`` replayed in modeled mode. ``engine``:
-    the measured commit -> its engine features (``rimuru.engine.modeled.reference.engine_features``; None: the
-    first TP runs' engine, ``EARLY_TP_ENGINE``). ``timelines``: a folder for the modeled per-step timelines
-    (``tp<N>_<runs folder>_<policy>_burst.csv``). ``decode_gamma``: the hotset's decode tempering (fitted.decode_gamma;
-    1: the profile as measured). ``kernels``: a decode-kernel wave -> (the engine's modeled_decode_kernels, which terms
-    those are) (None: the base terms for every run). ``h2d``: also replay each measured repeat with its own probed
-    host-to-device rate (``run_h2d_gbps``) where the runs have one, as rows ``RUN h2d:probe`` (modeled: the median of
-    those replays): the model given that measured input, beside the replay at the profile's rate."""
+    """One row per (run, metric) of the TP runs of ``runs_path`` replayed in modeled mode (all at once, or Poisson
+    arrivals as e2e_tp_gpu.py drew them: ``tp_arrivals``; a Poisson run's discarded pass replays the same arrivals).
+    ``engine``: the measured commit -> its engine features (``rimuru.engine.modeled.reference.engine_features``;
+    None: the first TP runs' engine, ``EARLY_TP_ENGINE``). ``timelines``: a folder for the modeled per-step timelines
+    (``tp<N>_<runs folder>_<policy>_<workload>.csv``). ``decode_gamma``: the hotset's decode tempering
+    (fitted.decode_gamma; 1: the profile as measured). ``kernels``: a decode-kernel wave -> (the engine's
+    modeled_decode_kernels, which terms those are) (None: the base terms for every run). ``h2d``: also replay each
+    measured repeat with its own probed host-to-device rate (``run_h2d_gbps``) where the runs have one, as rows
+    ``RUN h2d:probe`` (modeled: the median of those replays): the model given that measured input, beside the replay
+    at the profile's rate."""
     runs = pd.read_csv(runs_path, dtype={"commit": str})
-    runs = runs[runs["request_rate"] == float("inf")]
+    if "workload" not in runs:
+        runs = runs.assign(workload=np.where(np.isinf(runs["request_rate"].astype(float)), "burst", "poisson"))
     rows = []
-    for (label, policy), g in runs.groupby(["model", "policy"]):
+    for (label, policy, workload), g in runs.groupby(["model", "policy", "workload"], sort=False):
         name, layers = parse_run_model(label)
         cap = re.search(r"outputs <= (\d+)", label)
         trace = read_token_trace(trace_path, int(g["num_requests"].iloc[0]), int(cap.group(1)) if cap else 0)
-        requests = [TraceRequest(len(r.prompt_token_ids), r.output_len, 0.0) for r in trace]
+        if g["request_rate"].nunique() != 1:
+            raise SystemExit(f"{runs_path}: {policy} {workload} runs at several rates")
+        seed = int(command_arg(str(g["command"].iloc[0]), "--seed", 0)) if "command" in g else 0
+        times = tp_arrivals(len(trace), float(g["request_rate"].iloc[0]), seed)
+        requests = [TraceRequest(len(r.prompt_token_ids), r.output_len, float(t)) for r, t in zip(trace, times)]
         tp = int(g["tensor_parallel_size"].iloc[0])
         commit = str(g["commit"].iloc[0])
         features = engine(commit) if engine is not None else EARLY_TP_ENGINE
@@ -99,7 +118,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
         run = f"tp{tp}_{Path(runs_path).parent.name}"
         if timelines is not None:
             Path(timelines).mkdir(parents=True, exist_ok=True)
-            llm.timeline.frame().to_csv(Path(timelines) / f"{run}_{policy}_burst.csv", index=False)
+            llm.timeline.frame().to_csv(Path(timelines) / f"{run}_{policy}_{workload}.csv", index=False)
         variants = [("", "profile", {m: float(result[m]) for m in metrics})]
         rates = [run_h2d_gbps(r) for _, r in g.iterrows()]
         if h2d and all(r is not None for r in rates):
@@ -109,7 +128,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
             for m in metrics:
                 measured = g[m].astype(float)
                 med = float(measured.median())
-                rows.append({"run": f"{run}/{policy}/burst{suffix}", "split": split, "metric": m,
+                rows.append({"run": f"{run}/{policy}/{workload}{suffix}", "split": split, "metric": m,
                              "measured": med, "measured_min": float(measured.min()),
                              "measured_max": float(measured.max()), "repeats": len(measured),
                              "modeled": modeled[m], "rel_error": (modeled[m] - med) / med, "tp": tp,
@@ -117,7 +136,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
                              "h2d_input": source, "h2d_gbps": (float(np.median(rates)) if source == "probe" else
                                                                float(load_gpu(hardware).pcie_h2d_bytes_per_s) / 1e9),
                              **features})
-            print(f"TP={tp} {Path(runs_path).parent.name}/{policy}{suffix} ({split}): " + ", ".join(
+            print(f"TP={tp} {Path(runs_path).parent.name}/{policy}/{workload}{suffix} ({split}): " + ", ".join(
                 f"{r['metric']} {r['measured']:.4g} -> {r['modeled']:.4g} ({r['rel_error']:+.1%})"
                 for r in rows[-len(metrics):]), flush=True)
     return rows
