@@ -20,7 +20,11 @@ def calibration_inputs(w):
             + [f"{REF}/{d}/{f}" for d in MODELED.get("routing_prior_fit", []) for f in ("hotset.json", "e2e.csv")]
             + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"]
                + glob.glob(f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv*") if "tp_fit" in MODELED else [])
-            + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})]
+            + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})
+               if profile not in MODELED.get("routing_prior_build", {})]  # BUILD keys: each run's folder's hotset
+            + [h for profile, keys in MODELED.get("decode_gamma_fit", {}).items()
+               if profile in MODELED.get("routing_prior_build", {}) for key in keys
+               for h in glob.glob(f"{REF}/{key.rpartition(':')[0]}/hotset.json")]
             + [t for keys in MODELED.get("decode_gamma_fit", {}).values() for key in keys
                for t in glob.glob(f"{REF}/{key.rpartition(':')[0]}/timelines.csv.gz")]
             + [f"{REF}/{key.rpartition(':')[0]}/{f}" for keys in MODELED.get("chunk_law_fit", {}).values()
@@ -143,13 +147,16 @@ rule modeled_fidelity:
         "--figure {output.figure} > {log} 2>&1"
 
 
+TP_STEPS = MODELED.get("tp_steps_runs", MODELED["tp_fit"]["timelines"])
+
+
 rule modeled_tp_steps:
     input:
         calibration="results/modeled/calibration.json",
-        timeline=f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv",
-        runs=f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv",
+        timeline=f"{REF}/{TP_STEPS}/timeline.csv",
+        runs=f"{REF}/{TP_STEPS}/e2e_runs.csv",
     output: "results/modeled/tp_steps.csv"
-    params: runs=f"{REF}/{MODELED['tp_fit']['timelines']}"
+    params: runs=f"{REF}/{TP_STEPS}"
     log: "results/logs/modeled/tp_steps.log"
     shell:
         CPU + "results/logs/modeled/cpu/tp_steps.json -- "
