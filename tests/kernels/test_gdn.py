@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from rimuru.kernels.gdn import causal_conv1d, gated_delta_rule, gdn_decode
 from rimuru.kernels.gdn_reference import causal_conv1d_reference, gated_delta_rule_reference
+from rimuru.models.checkpoint import hub_config
 
 H, HV, K, V, D, W = 2, 4, 16, 8, 24, 4
 
@@ -17,20 +18,24 @@ def hf():
     return m
 
 
-def packed(lens, seed=0, device="cpu", dtype=torch.float32):
+def packed(lens, seed=0, device="cpu", dtype=torch.float32, heads=(H, HV, K, V)):
+    h, hv, kd, vd = heads
     g = torch.Generator().manual_seed(seed)
     t = sum(lens)
-    q, k = torch.randn(t, H, K, generator=g), torch.randn(t, H, K, generator=g)
-    v = torch.randn(t, HV, V, generator=g)
-    decay = -F.softplus(torch.randn(t, HV, generator=g))
-    beta = torch.rand(t, HV, generator=g)
+    q, k = torch.randn(t, h, kd, generator=g), torch.randn(t, h, kd, generator=g)
+    if kd > 32:  # unit-norm keys at real head widths (the model l2-normalises q and k): the state stays bounded
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    v = torch.randn(t, hv, vd, generator=g)
+    decay = -F.softplus(torch.randn(t, hv, generator=g))
+    beta = torch.rand(t, hv, generator=g)
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     return [x.to(device) for x in (q.to(dtype), k.to(dtype), v.to(dtype), decay, beta, cu)]
 
 
-def states(n_pages, seed=1, device="cpu"):
+def states(n_pages, seed=1, device="cpu", heads=(H, HV, K, V)):
+    _, hv, kd, vd = heads
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n_pages, HV, K, V, generator=g).to(device) * 0.3
+    return torch.randn(n_pages, hv, kd, vd, generator=g).to(device) * 0.3
 
 
 @pytest.mark.parametrize("lens", [[5], [1, 70, 3, 1], [130, 2]])
@@ -122,18 +127,34 @@ def test_unknown_impl_is_a_clear_error():
         gated_delta_rule(q, k, v, decay, beta, states(1), torch.tensor([0]), cu, torch.tensor([0]), True, impl="x")
 
 
+def rank_heads(model: str, tp: int) -> tuple[int, int, int, int]:
+    """A tensor-parallel rank's GDN shapes (key heads, value heads, key dim, value dim): the heads split by ``tp``."""
+    c = hub_config(model)
+    return (c["linear_num_key_heads"] // tp, c["linear_num_value_heads"] // tp, c["linear_key_head_dim"],
+            c["linear_value_head_dim"])
+
+
+# the test shapes, then the real models' per-rank shapes: Qwen3.5-35B-A3B at TP=1 and TP=2 (the paper's dual-GPU
+# model), Qwen3.5-122B-A10B at TP=8
+GPU_HEADS = [(H, HV, K, V), rank_heads("qwen3.5-35b-a3b", 1), rank_heads("qwen3.5-35b-a3b", 2),
+             rank_heads("qwen3.5-122b-a10b", 8)]
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: "h{}-hv{}-k{}-v{}".format(*h))
 @pytest.mark.parametrize("lens", [[1, 1, 1, 1], [200, 1, 37, 64]])
-def test_gpu_gdn_matches_reference(lens):
+def test_gpu_gdn_matches_reference(lens, heads):
     if max(lens) > 1:  # prefill goes through fla-core's chunked kernel (a project dependency; absent if not carried)
         pytest.importorskip("fla.ops.gated_delta_rule")
     dev = "cuda"
-    q, k, v, decay, beta, cu = packed(lens, device=dev, dtype=torch.bfloat16)
-    ssm = states(8, device=dev)
+    q, k, v, decay, beta, cu = packed(lens, device=dev, dtype=torch.bfloat16, heads=heads)
+    ssm = states(8, device=dev, heads=heads)
     ids = torch.tensor([3, 0, 7, 5], dtype=torch.int32, device=dev)[: len(lens)]
     fresh = torch.tensor([0, 1, 0, 0], dtype=torch.int32, device=dev)[: len(lens)]
     ref_ssm, got_ssm = ssm.clone(), ssm.clone()
     ref = gated_delta_rule_reference(q.float(), k.float(), v.float(), decay, beta, ref_ssm, ids, cu, fresh)
     got = gated_delta_rule(q, k, v, decay, beta, got_ssm, ids, cu, fresh, is_pure_decode=max(lens) == 1)
-    torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got_ssm, ref_ssm, rtol=2e-2, atol=2e-2)
+    # bf16 inputs: 2 % of the output's scale (unit-norm keys at the real widths give outputs well below 1, where a
+    # fixed atol of 2e-2 would pass anything)
+    for a, b in ((got, ref), (got_ssm, ref_ssm)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * min(1.0, b.abs().max().item()))
