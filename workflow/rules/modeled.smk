@@ -20,6 +20,9 @@ def calibration_inputs(w):
             + [f"{REF}/{d}/{f}" for d in MODELED.get("routing_prior_fit", []) for f in ("hotset.json", "e2e.csv")]
             + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"]
                + glob.glob(f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv*") if "tp_fit" in MODELED else [])
+            + ([f"{REF}/{MODELED['tp_fit']['async_timelines']}/e2e_runs.csv"]
+               + glob.glob(f"{REF}/{MODELED['tp_fit']['async_timelines']}/timeline.csv*")
+               if "async_timelines" in MODELED.get("tp_fit", {}) else [])
             + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})
                if profile not in MODELED.get("routing_prior_build", {})]  # BUILD keys: each run's folder's hotset
             + [h for profile, keys in MODELED.get("decode_gamma_fit", {}).items()
@@ -68,6 +71,8 @@ rule modeled_calibrate:
         async_floor=" ".join(MODELED.get("async_floor", [])),
         fit_loop="--fit-loop" if MODELED.get("fit_loop") else "",
         tp=(f"--tp-step {MODELED['tp_fit']['step_tp']} --tp-timelines {MODELED['tp_fit']['timelines']}"
+            + (f" --tp-async-timelines {MODELED['tp_fit']['async_timelines']} --tp-async-kernels "
+               f"{MODELED['tp_fit']['async_kernels']}" if "async_timelines" in MODELED.get("tp_fit", {}) else "")
             if "tp_fit" in MODELED else ""),
         gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
         laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),

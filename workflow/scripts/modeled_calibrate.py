@@ -27,6 +27,7 @@ from rimuru.engine.modeled.calibration import (
     fit_moe_kernel,
     fit_routing_prior,
     fit_tp,
+    fit_tp_async,
     floor_check,
     load_floor,
     prefetch_waste,
@@ -88,6 +89,11 @@ def main() -> None:
     ap.add_argument("--tp-timelines", default="",
                     help="folder (relative to --reference) with e2e_runs.csv and timeline.csv of TP serving runs: "
                          "tp_layer_ms (their rows in fidelity.csv are `fit`)")
+    ap.add_argument("--tp-async-timelines", default="",
+                    help="folder (relative to --reference): e2e_runs.csv and timeline.csv of TP serving runs of an "
+                         "async-scheduling engine: tp_step_async_ms, tp_layer_async_ms (calibration.fit_tp_async)")
+    ap.add_argument("--tp-async-kernels", type=int, default=None,
+                    help="the decode-kernel wave that engine launched (its graph replays' terms)")
     ap.add_argument("--decode-gamma-fit", nargs="*", default=[],
                     help="PROFILE=RUN+RUN...: a hotset (relative to --reference) and the fit runs served with it whose "
                          "decode steps give its decode tempering (RoutingModel decode_gamma; fitted.decode_gamma); or "
@@ -364,6 +370,22 @@ def main() -> None:
         kernels_fit["base_wave"] = args.decode_kernels_base
         kernels_fit["base_wave_refit_not_applied"] = base_terms
         params = params.replace(decode_kernels=kernel_terms, decode_kernels_base=args.decode_kernels_base)
+    tp_async = {}
+    if args.tp_async_timelines:  # after the decode-kernel terms: that engine's graph replays take its wave's
+        folder = ref / args.tp_async_timelines
+        t_path = next((p for p in (folder / "timeline.csv", folder / "timeline.csv.gz") if p.exists()), None)
+        if t_path is None:
+            raise SystemExit(f"--tp-async-timelines {args.tp_async_timelines}: no timeline.csv(.gz) in {folder}")
+        a_runs, a_frame = pd.read_csv(folder / "e2e_runs.csv"), pd.read_csv(t_path)
+        data += [data_entry(folder / "e2e_runs.csv", a_runs), data_entry(t_path)]
+        a_timelines = []
+        for (policy, _), t in a_frame.groupby(["policy", "repeat"] if "repeat" in a_frame else ["policy", "policy"]):
+            row = a_runs[a_runs["policy"] == policy].iloc[0]
+            name, layers = parse_run_model(row["model"])
+            cost = CostModel(spec_with_layers(name, layers), gpu, params, tp=int(row["tensor_parallel_size"]))
+            a_timelines.append((t.reset_index(drop=True), cost, policy))
+        params, tp_async = fit_tp_async(a_timelines, params, args.tp_async_kernels)
+        tp_async["input"] = args.tp_async_timelines
     checks = {}
     for path in args.async_floor:
         frame = pd.read_csv(ref / path)
@@ -373,6 +395,7 @@ def main() -> None:
             cost = CostModel(spec_with_layers(f["model"].iloc[0], int(layers)), gpu, params)
             checks[f"{path} {int(layers)}L"] = floor_check(f.reset_index(drop=True), cost, params, async_overlap=True)
     params = params.replace(fitted={"tp_fit": tp, "tp_fit_inputs": [args.tp_step, args.tp_timelines],
+                                    "tp_async_fit": tp_async,
                                     "loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,

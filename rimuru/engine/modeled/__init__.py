@@ -50,16 +50,18 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     if routing.shape != (llm.spec.num_moe_layers, llm.spec.num_experts):
         raise ValueError(f"hotset has {routing.shape} (layers, experts), the model "
                          f"{(llm.spec.num_moe_layers, llm.spec.num_experts)}")
+    # decode graphs where the torch engine on a GPU replays them (LLM._decode_graphs: no hybrid model yet)
+    graphs = decode_graphs_allowed(config, policy.name) and not llm.spec.is_hybrid
     cost = None
     if config.modeled_step_ms is None:
         host = load_host(config.host) if mode == "cpu" else None
         gpu = load_gpu(config.hardware)
         if config.modeled_h2d_gbps is not None:  # a run's measured host-to-device rate instead of the profile's
             gpu = dataclasses.replace(gpu, pcie_h2d_bytes_per_s=float(config.modeled_h2d_gbps) * 1e9)
+        # an engine with async scheduling takes its TP host terms (CostParams.tp_terms)
         cost = CostModel(llm.spec, gpu, params, tp=config.tensor_parallel_size, host=host,
-                         dtype_bytes=llm.pool.layout[EXPERT].dtype.itemsize)
-    # decode graphs where the torch engine on a GPU replays them (LLM._decode_graphs: no hybrid model yet)
-    graphs = decode_graphs_allowed(config, policy.name) and not llm.spec.is_hybrid
+                         dtype_bytes=llm.pool.layout[EXPERT].dtype.itemsize,
+                         async_scheduling=bool(config.async_scheduling) and graphs)
     max_batch = graph_max_batch(config.max_num_seqs, policy.all_experts_resident, config.offload_graph_max_batch)
     # async scheduling as rimuru.engine.llm.may_pipeline allows it (every policy since a98ef5f, TP ranks too): the
     # option on, decode graphs, no KV compaction before the step; its "no eviction pending" (a shrink in the step in

@@ -366,7 +366,8 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     moe = np.maximum(x["touched"] * cost.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff),
                      x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
     ar = 2 * cost.allreduce_ms(x["tokens"])  # tensor parallelism: two all-reduces per layer (0 at tp 1)
-    tp_step, tp_layer = (p.tp_step_ms, p.tp_layer_ms) if cost.tp > 1 else (0.0, 0.0)
+    # an async-scheduling engine's TP terms for steps of such an engine (x["async_engine"]: CostParams.tp_terms)
+    tp_step, tp_layer = p.tp_terms(bool(x.get("async_engine", False))) if cost.tp > 1 else (0.0, 0.0)
     device = attn + dense + p.gpu_layer_us * 1e-3 + ar
     load = lambda n: n * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.pcie_eff) * 1e3  # noqa: E731
     layers = cost.num_moe_layers
@@ -462,7 +463,7 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
     piped = graphed & (frame["waiting"] == 0).to_numpy() & async_overlap
     consecutive = (frame["step"].diff() == 1).to_numpy()
     overlapped = piped & np.concatenate([[False], piped[:-1]]) & consecutive
-    return {"tokens": tokens, "decode": decode, "pairs": pairs, "overlapped": overlapped,
+    return {"tokens": tokens, "decode": decode, "pairs": pairs, "overlapped": overlapped, "async_engine": async_overlap,
             "kv_bytes": (context + tokens) * cost.kv_bytes_per_token_layer,
             "touched": frame["experts_touched"].to_numpy(float) / layers, "loads": np.where(graphed, 0.0, loaded),
             "in_place": np.where(graphed, loaded, 0.0), "expansions": expansions, "running": chunks,
@@ -699,3 +700,38 @@ def fit_tp(step_tp: pd.DataFrame, timelines: list[tuple[pd.DataFrame, CostModel,
                 "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
                 "modeled_ms_sum": float(pred[idx].sum())}
     return q, report
+
+
+def fit_tp_async(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostParams,
+                 kernels_wave: int | None = None) -> tuple[CostParams, dict]:
+    """The TP host terms of an engine with async scheduling (``tp_step_async_ms``, ``tp_layer_async_ms``), every
+    other term as fitted: least squares (both >= 0) of the measured minus the modeled step over every step of that
+    engine's TP serving ``timelines`` ((timeline, cost model at its TP degree, policy)), its graphed steps with
+    nothing waiting after another such step overlapped (``timeline_features``' ``async_overlap``: the one-GPU async
+    mechanism, max(host, device), with the per-step term in the host time), its graph replays with the terms of the
+    decode kernels it launched (``kernels_wave``: ``CostParams.with_decode_kernels``). The synchronous engine's
+    terms (``fit_tp``) are left as they are."""
+    q = p.with_decode_kernels(kernels_wave)
+    feats = [(timeline_features(frame, cost, policy, async_overlap=True), cost) for frame, cost, policy in timelines]
+
+    def residual(theta):
+        r = q.replace(tp_step_async_ms=float(theta[0]), tp_layer_async_ms=float(theta[1]))
+        return np.concatenate([predict_steps(x, c, r, sync=x["sync"]) - x["measured"] for x, c in feats])
+
+    sol = least_squares(residual, x0=[max(p.tp_step_ms, 1e-3), max(p.tp_layer_ms, 1e-3)], bounds=([0, 0], [50, 50]))
+    step, layer = (float(v) for v in sol.x)
+    fitted = p.replace(tp_step_async_ms=step, tp_layer_async_ms=layer)
+    r = q.replace(tp_step_async_ms=step, tp_layer_async_ms=layer)
+    report = {"tp_step_async_ms": step, "tp_layer_async_ms": layer, "kernels_wave": kernels_wave,
+              "timeline_steps": int(sum(len(x["measured"]) for x, _ in feats)), "groups": {}}
+    for (x, cost), (_, _, policy) in zip(feats, timelines):
+        pred = predict_steps(x, cost, r, sync=x["sync"])
+        kind = np.where(x["graphed"], np.where(x["overlapped"], "decode graph overlapped", "decode graph"),
+                        np.where(x["decode"] == x["tokens"], "decode eager",
+                                 np.where(x["decode"] > 0, "mixed", "prefill")))
+        for k in sorted(set(kind)):
+            idx = kind == k
+            report["groups"][f"tp{cost.tp} {policy} {k}"] = {
+                "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
+                "modeled_ms_sum": float(pred[idx].sum())}
+    return fitted, report

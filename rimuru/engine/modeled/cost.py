@@ -62,6 +62,10 @@ class CostParams:
     # peers launch later (a collective waits for the latest rank); on the host path, before the device work
     tp_layer_ms: float = 0.0  # tensor parallelism, per MoE layer with a routing sync (eager paged steps): every rank
     # syncs on its routing and the layer's all-reduce waits for the slowest
+    tp_step_async_ms: float | None = None  # tp_step_ms of an engine with async scheduling (its rank 0 schedules and
+    # launches a graphed step while the step before runs; the term sits in the host time that max(host, device)
+    # overlaps, CostModel.graphed_step); None: tp_step_ms (calibration.fit_tp_async)
+    tp_layer_async_ms: float | None = None  # tp_layer_ms of an engine with async scheduling; None: tp_layer_ms
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     routing_prior_tokens: float = 0.0  # a hotset layer worth n tokens is shrunk toward uniform, weight prior/(n+prior)
@@ -115,6 +119,13 @@ class CostParams:
             raise ValueError(f"decode_kernels[{wave}] has terms {sorted(unknown)} that are not graph-replay terms "
                              f"({', '.join(DECODE_KERNEL_TERMS)})")
         return self.replace(**{k: float(v) for k, v in terms.items()})
+
+    def tp_terms(self, async_scheduling: bool) -> tuple[float, float]:
+        """(per-step, per-MoE-layer) host terms of a tensor-parallel step: those fitted on an engine with async
+        scheduling where ``async_scheduling`` and they were fitted, else the synchronous engine's."""
+        if async_scheduling and self.tp_step_async_ms is not None:
+            return float(self.tp_step_async_ms), float(self.tp_layer_async_ms or 0.0)
+        return self.tp_step_ms, self.tp_layer_ms
 
     def replace(self, **changes) -> CostParams:
         return CostParams(**(asdict(self) | changes))
@@ -200,7 +211,9 @@ class CostModel:
     """Shapes resolved once for one model, tensor-parallel degree and hardware."""
 
     def __init__(self, spec: ModelSpec, gpu: GpuProfile, params: CostParams, *, tp: int = 1,
-                 host: HostProfile | None = None, dtype_bytes: int = 2, num_layers: int | None = None) -> None:
+                 host: HostProfile | None = None, dtype_bytes: int = 2, num_layers: int | None = None,
+                 async_scheduling: bool = False) -> None:
+        """``async_scheduling``: the engine's async scheduling is on (its TP host terms: ``CostParams.tp_terms``)."""
         self.spec, self.gpu, self.params, self.tp, self.host = spec, gpu, params, tp, host
         e = dtype_bytes
         d = spec.hidden_size
@@ -229,8 +242,8 @@ class CostModel:
         self.moe_layer_ids = set(spec.moe_layers)
         self.layer_kinds = spec.layer_types
         self._linear_mask = np.array([k == LINEAR_ATTENTION for k in spec.layer_types])
-        self.tp_step_ms = params.tp_step_ms if tp > 1 else 0.0  # host terms of a tensor-parallel step
-        self.tp_layer_ms = params.tp_layer_ms if tp > 1 else 0.0
+        # host terms of a tensor-parallel step (those of an engine with async scheduling where it has it)
+        self.tp_step_ms, self.tp_layer_ms = params.tp_terms(async_scheduling) if tp > 1 else (0.0, 0.0)
 
     # ------------------------------------------------------------------ terms (ms)
     def _roof(self, nbytes: float, flops: float, flops_eff: float) -> float:
