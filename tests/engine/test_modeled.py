@@ -970,3 +970,63 @@ def test_decode_gamma_fit_of_a_build_takes_each_runs_own_profile():
     assert joint["decode_gamma"] == pytest.approx(1.3, rel=1e-3)
     assert joint["runs"] == ["run0", "run1"]
     assert fit_decode_gamma(runs_one, 0.0)["decode_gamma"] != pytest.approx(1.3, rel=1e-2)
+
+
+def test_tp_host_terms_of_an_async_engine(spec, tmp_path):
+    """An engine with async scheduling takes tp_step_async_ms / tp_layer_async_ms (CostParams.tp_terms) where they
+    were fitted, and a synchronous one keeps tp_step_ms / tp_layer_ms; an overlapped graph replay hides the async
+    per-step term behind the device as the one-GPU async replay does (max(host, device)); predict_steps agrees; an
+    async LLM at TP = 2 builds its cost model with the async terms."""
+    params = UNIT.replace(tp_step_ms=1.5, tp_layer_ms=0.25, tp_step_async_ms=0.1, tp_layer_async_ms=0.0)
+    assert params.tp_terms(False) == (1.5, 0.25) and params.tp_terms(True) == (0.1, 0.0)
+    assert UNIT.replace(tp_step_ms=1.5, tp_layer_ms=0.25).tp_terms(True) == (1.5, 0.25)  # none fitted: the sync ones
+    layers = spec.num_moe_layers
+    zero = np.zeros(layers)
+    q, starts = np.array([1, 1]), np.array([10, 20])
+
+    def work(**kw):
+        return StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=zero, prefetched=zero, **kw)
+    base = CostModel(spec, GPU, UNIT, tp=2)
+    sync, asyn = CostModel(spec, GPU, params, tp=2), CostModel(spec, GPU, params, tp=2, async_scheduling=True)
+    assert sync.step(work()).total_ms - base.step(work()).total_ms == pytest.approx(1.5 + 0.25 * layers)
+    assert asyn.step(work()).total_ms - base.step(work()).total_ms == pytest.approx(0.1)
+    over = work(graphed=True, in_place=zero, overlapped=True)
+    t = asyn.step(over)
+    device = t.attention_ms + t.dense_ms + t.moe_ms + t.load_stall_ms
+    assert t.host_ms == pytest.approx(base.step(over).host_ms + 0.1)
+    assert t.total_ms == pytest.approx(max(t.host_ms, device))
+    assert sync.step(over).total_ms == pytest.approx(max(base.step(over).host_ms + 1.5, device))
+    x = {"tokens": np.array([2.0]), "decode": np.array([2.0]), "pairs": np.array([32.0]),
+         "kv_bytes": np.array([34.0]) * asyn.kv_bytes_per_token_layer, "touched": np.array([10.0]),
+         "loads": np.zeros(1), "expansions": np.zeros(1), "running": np.array([2.0]), "samples": np.array([2.0]),
+         "async_engine": True}
+    assert predict_steps(x, asyn, params, sync=True)[0] == pytest.approx(asyn.step(work()).total_ms)
+    path = tmp_path / "cal.json"
+    params.save(path)
+    for on, expected in ((True, 0.1), (False, 1.5)):
+        llm = LLM("qwen3-30b-a3b", executor="modeled", hardware="h200", tensor_parallel_size=2, cost_params=str(path),
+                  async_scheduling=on, gpu_memory_budget=40 * 2**30, kv_reserve=0.1)
+        assert llm.executor.cost.tp_step_ms == pytest.approx(expected)
+
+
+def test_tp_async_fit_recovers_its_terms_and_keeps_the_sync_ones():
+    """fit_tp_async: steps drawn from the model itself (eager steps and overlapped graph replays of an engine with
+    async scheduling) give back tp_step_async_ms and tp_layer_async_ms; tp_step_ms and tp_layer_ms are untouched."""
+    from rimuru.engine.modeled.calibration import fit_tp_async, timeline_features
+
+    spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
+    start = CostParams(tp_step_ms=1.2, tp_layer_ms=0.4)
+    truth = start.replace(tp_step_async_ms=0.3, tp_layer_async_ms=0.05)
+    cost = CostModel(spec, load_gpu("h200"), truth, tp=2)
+    n = 40
+    graphed = (np.arange(n) >= 20).astype(int)
+    frame = pd.DataFrame({"step": np.arange(n), "repeat": 0, "tokens": 8, "prefill_tokens": 0, "decode_tokens": 8,
+                          "context_tokens": 800 + 8 * np.arange(n), "adjust": 0, "experts_loaded": 0,
+                          "experts_touched": 20, "cuda_graph": graphed, "waiting": 0, "running": 8, "step_ms": 0.0})
+    x = timeline_features(frame, cost, "fixed", async_overlap=True)
+    assert x["overlapped"].sum() == 19  # every graph replay after the first
+    frame["step_ms"] = predict_steps(x, cost, truth, sync=x["sync"])
+    fitted, report = fit_tp_async([(frame, cost, "fixed")], start)
+    assert fitted.tp_step_async_ms == pytest.approx(0.3, abs=1e-6)
+    assert fitted.tp_layer_async_ms == pytest.approx(0.05, abs=1e-6)
+    assert (fitted.tp_step_ms, fitted.tp_layer_ms) == (1.2, 0.4)
