@@ -49,10 +49,14 @@ def build_trace(spec: WorkloadSpec, *, seed: int | None = None, num_requests: in
             for i, (s, t) in enumerate(zip(samples, times))]
 
 
-def read_token_trace(path: str | Path, num_requests: int | None = None, max_output: int = 0) -> list[TraceRequest]:
-    """The first ``num_requests`` requests of a trace written with ``rimuru workload --token-ids`` (every request
-    carries its prompt's token ids: no tokenizer needed), each output capped at ``max_output`` tokens (0: none)."""
-    trace = read_trace(path)[:num_requests]
+def read_token_trace(path: str | Path, num_requests: int | None = None, max_output: int = 0,
+                     skip: int = 0) -> list[TraceRequest]:
+    """``num_requests`` requests of a trace written with ``rimuru workload --token-ids`` (every request carries its
+    prompt's token ids: no tokenizer needed), from request ``skip + 1`` on (fit data on prompts no validation run
+    serves), each output capped at ``max_output`` tokens (0: none)."""
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
+    trace = read_trace(path)[skip:None if num_requests is None else skip + num_requests]
     if any(r.prompt_token_ids is None for r in trace):
         raise ValueError(f"{path}: a request without prompt_token_ids; write the trace with "
                          "`rimuru workload --token-ids`")

@@ -58,6 +58,11 @@ def test_trace_is_deterministic_and_round_trips(tiny_spec, tmp_path):
     write_trace(tmp_path / "ids.jsonl", ids)
     capped = read_token_trace(tmp_path / "ids.jsonl", 3, max_output=4)
     assert [r.output_len for r in capped] == [min(r.output_len, 4) for r in ids[:3]]
+    # skip: the requests after the first N (fit data on other prompts), as many as asked for or to the end
+    assert read_token_trace(tmp_path / "ids.jsonl", 2, skip=2) == ids[2:4]
+    assert read_token_trace(tmp_path / "ids.jsonl", skip=3) == ids[3:]
+    with pytest.raises(ValueError, match="skip must be >= 0"):
+        read_token_trace(tmp_path / "ids.jsonl", skip=-1)
 
 
 def test_workload_command_writes_the_same_file_for_the_same_seed(tiny_spec, tmp_path, capsys):

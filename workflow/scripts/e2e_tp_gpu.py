@@ -181,6 +181,8 @@ def main() -> None:
                          "serve with that hotset (out/hotset.json) instead of --hotset; 0: --hotset as given")
     ap.add_argument("--profile-budget", default="80GiB", help="the --calibration-prompts engine's budget (GPU 0)")
     ap.add_argument("--num-requests", type=int, default=100)
+    ap.add_argument("--trace-skip", type=int, default=0, help="serve the trace from request N+1 on (fit data on "
+                    "prompts no validation run serves)")
     ap.add_argument("--rate", type=float, default=8.0)
     ap.add_argument("--max-output", type=int, default=0, help="cap each request's output length (0: the trace's)")
     ap.add_argument("--batches", default="64,128")
@@ -242,7 +244,7 @@ def main() -> None:
     gbps = NVLINK_GBPS if link == "NVLink" else PCIE_GBPS
     full = ModelSpec.from_pretrained(args.model)
     try:
-        trace = read_token_trace(args.trace, args.num_requests, args.max_output)
+        trace = read_token_trace(args.trace, args.num_requests, args.max_output, skip=args.trace_skip)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     common = dict(device=args.device, dtype=dtype, seed=args.seed)
