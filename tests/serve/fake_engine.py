@@ -50,10 +50,13 @@ class _Req:
 
 class FakeLLM:
     def __init__(self, *, max_model_len: int = 512, max_num_seqs: int = 256, step_delay_s: float = 0.0,
-                 tokenizer=None, model_name: str = "fake-model") -> None:
+                 tokenizer=None, model_name: str = "fake-model", start_after: int = 0) -> None:
+        """``start_after``: steps generate nothing until that many requests were added (a test of concurrency that
+        must not depend on how fast the clients connect compared with how fast the engine drains them)."""
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.step_delay_s = step_delay_s
+        self.start_after = start_after
         self.tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
         self.model_name = model_name
         self.waiting: list[_Req] = []
@@ -97,6 +100,8 @@ class FakeLLM:
         self._check_thread()
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
+        if len(self.added) < self.start_after:
+            return []
         while self.waiting and len(self.running) < self.max_num_seqs:
             self.running.append(self.waiting.pop(0))
         self.peak = max(self.peak, len(self.running))
