@@ -690,16 +690,24 @@ def fit_tp(step_tp: pd.DataFrame, timelines: list[tuple[pd.DataFrame, CostModel,
     q = q.replace(tp_layer_ms=max(0.0, float(layers @ residual / (layers @ layers))) if layers.any() else 0.0)
     report = {"tp_step_ms": q.tp_step_ms, "tp_step_segments": len(segments),
               "tp_step_range_ms": [float(host.min()), float(host.max())], "tp_layer_ms": q.tp_layer_ms,
-              "timeline_steps": len(residual), "groups": {}}
-    for frame, cost, policy in timelines:
-        x = timeline_features(frame, cost, policy)
-        pred = predict_steps(x, cost, q, sync=x["sync"])
-        for kind in sorted(set(x["kind"])):
-            idx = x["kind"] == kind
-            report["groups"][f"tp{cost.tp} {policy} {kind}"] = {
+              "timeline_steps": len(residual),
+              "groups": _tp_step_groups([(timeline_features(f, c, pol), c, pol) for f, c, pol in timelines], q)}
+    return q, report
+
+
+def _tp_step_groups(feats: list[tuple[dict, CostModel, str]], p: CostParams) -> dict:
+    """Measured and modeled step ms summed per TP degree, policy and step kind (``timeline_features``' ``kind``; an
+    overlapped graph replay is its own kind), for the TP fits' reports."""
+    groups = {}
+    for x, cost, policy in feats:
+        pred = predict_steps(x, cost, p, sync=x["sync"])
+        kind = np.where(x["overlapped"], x["kind"] + " overlapped", x["kind"])
+        for k in sorted(set(kind)):
+            idx = kind == k
+            groups[f"tp{cost.tp} {policy} {k}"] = {
                 "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
                 "modeled_ms_sum": float(pred[idx].sum())}
-    return q, report
+    return groups
 
 
 def fit_tp_async(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostParams,
@@ -723,15 +731,6 @@ def fit_tp_async(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostPa
     fitted = p.replace(tp_step_async_ms=step, tp_layer_async_ms=layer)
     r = q.replace(tp_step_async_ms=step, tp_layer_async_ms=layer)
     report = {"tp_step_async_ms": step, "tp_layer_async_ms": layer, "kernels_wave": kernels_wave,
-              "timeline_steps": int(sum(len(x["measured"]) for x, _ in feats)), "groups": {}}
-    for (x, cost), (_, _, policy) in zip(feats, timelines):
-        pred = predict_steps(x, cost, r, sync=x["sync"])
-        kind = np.where(x["graphed"], np.where(x["overlapped"], "decode graph overlapped", "decode graph"),
-                        np.where(x["decode"] == x["tokens"], "decode eager",
-                                 np.where(x["decode"] > 0, "mixed", "prefill")))
-        for k in sorted(set(kind)):
-            idx = kind == k
-            report["groups"][f"tp{cost.tp} {policy} {k}"] = {
-                "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
-                "modeled_ms_sum": float(pred[idx].sum())}
+              "timeline_steps": int(sum(len(x["measured"]) for x, _ in feats)),
+              "groups": _tp_step_groups([(x, c, pol) for (x, c), (_, _, pol) in zip(feats, timelines)], r)}
     return fitted, report
