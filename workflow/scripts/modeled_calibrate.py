@@ -59,6 +59,26 @@ def data_entry(path: Path, frame: pd.DataFrame | None = None) -> dict:
     return entry
 
 
+def read_tp_timelines(folder: Path, option: str, gpu, params, data: list, by_repeat: bool = False) -> list:
+    """The TP serving runs of ``folder`` (e2e_tp_gpu.py's ``e2e_runs.csv`` and ``timeline.csv(.gz)``) as the TP fits
+    take them: (timeline, cost model at the run's model and TP degree, policy), one per policy or, ``by_repeat``, per
+    policy and repeat (each run's steps consecutive); both files appended to ``data`` (the inputs' provenance)."""
+    t_path = next((p for p in (folder / "timeline.csv", folder / "timeline.csv.gz") if p.exists()), None)
+    if t_path is None:
+        raise SystemExit(f"{option} {folder}: no timeline.csv(.gz) there")
+    runs, frame = pd.read_csv(folder / "e2e_runs.csv"), pd.read_csv(t_path)
+    data += [data_entry(folder / "e2e_runs.csv", runs), data_entry(t_path)]
+    keys = ["policy", "repeat"] if by_repeat and "repeat" in frame else ["policy"]
+    timelines = []
+    for key, t in frame.groupby(keys):
+        policy = key[0] if isinstance(key, tuple) else key
+        row = runs[runs["policy"] == policy].iloc[0]
+        name, layers = parse_run_model(row["model"])
+        cost = CostModel(spec_with_layers(name, layers), gpu, params, tp=int(row["tensor_parallel_size"]))
+        timelines.append((t.reset_index(drop=True), cost, policy))
+    return timelines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--reference", default="results/reference")
@@ -322,19 +342,8 @@ def main() -> None:
     tp = {}
     if args.tp_step and args.tp_timelines:
         step_tp = pd.read_csv(ref / args.tp_step)
-        folder = ref / args.tp_timelines
-        t_path = next((p for p in (folder / "timeline.csv", folder / "timeline.csv.gz") if p.exists()), None)
-        if t_path is None:
-            raise SystemExit(f"--tp-timelines {args.tp_timelines}: no timeline.csv(.gz) in {folder}")
-        tp_runs, tp_frame = pd.read_csv(folder / "e2e_runs.csv"), pd.read_csv(t_path)
-        data += [data_entry(ref / args.tp_step, step_tp), data_entry(folder / "e2e_runs.csv", tp_runs),
-                 data_entry(t_path)]
-        tp_timelines = []
-        for policy, t in tp_frame.groupby("policy"):
-            row = tp_runs[tp_runs["policy"] == policy].iloc[0]
-            name, layers = parse_run_model(row["model"])
-            cost = CostModel(spec_with_layers(name, layers), gpu, params, tp=int(row["tensor_parallel_size"]))
-            tp_timelines.append((t.reset_index(drop=True), cost, policy))
+        data.append(data_entry(ref / args.tp_step, step_tp))
+        tp_timelines = read_tp_timelines(ref / args.tp_timelines, "--tp-timelines", gpu, params, data)
         params, tp = fit_tp(step_tp, tp_timelines, params)
     kernels_fit, kernel_terms = {}, {}
     if args.decode_kernels_fit:
@@ -372,18 +381,8 @@ def main() -> None:
         params = params.replace(decode_kernels=kernel_terms, decode_kernels_base=args.decode_kernels_base)
     tp_async = {}
     if args.tp_async_timelines:  # after the decode-kernel terms: that engine's graph replays take its wave's
-        folder = ref / args.tp_async_timelines
-        t_path = next((p for p in (folder / "timeline.csv", folder / "timeline.csv.gz") if p.exists()), None)
-        if t_path is None:
-            raise SystemExit(f"--tp-async-timelines {args.tp_async_timelines}: no timeline.csv(.gz) in {folder}")
-        a_runs, a_frame = pd.read_csv(folder / "e2e_runs.csv"), pd.read_csv(t_path)
-        data += [data_entry(folder / "e2e_runs.csv", a_runs), data_entry(t_path)]
-        a_timelines = []
-        for (policy, _), t in a_frame.groupby(["policy", "repeat"] if "repeat" in a_frame else ["policy", "policy"]):
-            row = a_runs[a_runs["policy"] == policy].iloc[0]
-            name, layers = parse_run_model(row["model"])
-            cost = CostModel(spec_with_layers(name, layers), gpu, params, tp=int(row["tensor_parallel_size"]))
-            a_timelines.append((t.reset_index(drop=True), cost, policy))
+        a_timelines = read_tp_timelines(ref / args.tp_async_timelines, "--tp-async-timelines", gpu, params, data,
+                                        by_repeat=True)
         params, tp_async = fit_tp_async(a_timelines, params, args.tp_async_kernels)
         tp_async["input"] = args.tp_async_timelines
     checks = {}
