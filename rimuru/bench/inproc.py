@@ -159,3 +159,19 @@ def serve_trace(engine, trace: Sequence[TraceRequest], rate: float | None, seed:
                 for i, (r, t) in enumerate(zip(trace, times))]
     records, duration, _ = run_inproc(engine, requests, progress=False, num_warmups=0)
     return compute_metrics(records, duration), duration
+
+
+def calibration_hotset(engine, trace: Sequence[TraceRequest], n: int, prompt_tokens: int = 256):
+    """The hotset of the GPU runs' calibration: the trace's first ``n`` prompts (token ids, truncated to
+    ``prompt_tokens``) run to completion on ``engine`` (built with ``record_routing=True``), their output lengths
+    staggered over 1..128 so that decode batches from ``n`` down to 1 and the prefill chunk sizes are all routed (and
+    every kernel configuration compiled here, not inside a measured run)."""
+    from rimuru.engine.sampling_params import SamplingParams
+
+    n = min(n, len(trace))
+    if n < 1:
+        raise ValueError("calibration needs at least one prompt")
+    if any(r.prompt_token_ids is None for r in trace[:n]):
+        raise ValueError("calibration prompts need token ids (a trace written with `rimuru workload --token-ids`)")
+    return engine.profile_hotset([list(r.prompt_token_ids[:prompt_tokens]) for r in trace[:n]],
+                                 [SamplingParams(max_tokens=1 + (i * 97) % 128, ignore_eos=True) for i in range(n)])

@@ -4,7 +4,7 @@ import json
 
 from rimuru.cli import main
 from rimuru.workloads.trace import TraceRequest, write_trace
-from tests.serve.real_engine import ENGINE_OPTIONS, tiny_checkpoint
+from tests.serve.real_engine import ENGINE_OPTIONS, tiny_checkpoint, tiny_llm
 
 
 def small_trace(n=6):
@@ -27,3 +27,21 @@ def test_bench_command_inproc_generates_every_token_and_reports_engine_stats(tmp
     assert engine["generated_tokens"] == sum(r.output_len for r in reqs) and engine["kv_pages"] == 0
     assert engine["forward_steps"] > 0 and engine["peak_concurrency"] >= 2 and engine["timeline"]
     assert "Peak concurrent requests" in capsys.readouterr().out
+
+
+def test_calibration_hotset_routes_every_truncated_prompt_to_its_staggered_length():
+    """The GPU runs' calibration (e2e_gpu.py, e2e_tp_gpu.py) through one function: prompts cut to 256 tokens, output
+    lengths 1 + 97 i mod 128, every routed token counted in the hotset."""
+    import pytest
+
+    from rimuru.bench.inproc import calibration_hotset
+    trace = [TraceRequest(f"r{i}", 0.0, "", 300, 8, tuple((i * 7 + j) % 50 + 1 for j in range(300 - 100 * i)))
+             for i in range(3)]  # prompts of 300, 200 and 100 tokens
+    llm = tiny_llm(policy="static", record_routing=True, max_model_len=512)
+    hotset = calibration_hotset(llm, trace, 5)  # more than the trace: all 3
+    prompts = [256, 200, 100]
+    outputs = [1, 98, 67]  # 1 + 97 i mod 128
+    # every prompt token and every generated token but the last is routed once
+    assert hotset.num_tokens == sum(prompts) + sum(o - 1 for o in outputs)
+    with pytest.raises(ValueError, match="token ids"):
+        calibration_hotset(llm, [TraceRequest("t", 0.0, "hello", 1, 4)], 1)

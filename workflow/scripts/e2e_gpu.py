@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rimuru.bench.ab import abba_order, summarize
 from rimuru.bench.gcstats import GcRecorder
+from rimuru.bench.inproc import calibration_hotset
 from rimuru.bench.inproc import serve_trace as serve
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.reference import e2e_scaled_budget
@@ -144,11 +145,7 @@ def main() -> None:
     # hotset: route calibration prompts (the first 64 of the trace, truncated) with every expert resident
     prof = LLM(ckpt, gpu_memory_budget=args.profile_budget, policy="static", record_routing=True, seed=args.seed,
                device=args.device, dtype=dtype)
-    # staggered output lengths sweep decode batches from n down to 1 and prefill chunk sizes, so every kernel
-    # configuration is compiled here, not inside a measured run
-    n_cal = min(len(trace), args.calibration_prompts)
-    hotset = prof.profile_hotset([list(r.prompt_token_ids[:256]) for r in trace[:n_cal]],
-                                 [SamplingParams(max_tokens=1 + (i * 97) % 128, ignore_eos=True) for i in range(n_cal)])
+    hotset = calibration_hotset(prof, trace, args.calibration_prompts)
     hotset_path = out / "hotset.json"
     hotset.save(hotset_path)
     top32 = hotset.top_share(32)

@@ -39,6 +39,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from rimuru.bench.inproc import calibration_hotset
 from rimuru.bench.inproc import serve_trace as serve
 from rimuru.distributed import Shard
 from rimuru.distributed.faults import kill_rank_under_load
@@ -570,8 +571,7 @@ def calibrate_hotset(model_dir, trace, n: int, budget: str, common, out: Path) -
     ``out/hotset.json``. The engine is closed before the serving engines are built."""
     prof = LLM(model_dir, gpu_memory_budget=budget, policy="static", record_routing=True, **common)
     n = min(n, len(trace))
-    hotset = prof.profile_hotset([list(r.prompt_token_ids[:256]) for r in trace[:n]],
-                                 [SamplingParams(max_tokens=1 + (i * 97) % 128, ignore_eos=True) for i in range(n)])
+    hotset = calibration_hotset(prof, trace, n)
     path = out / "hotset.json"
     hotset.save(path)
     log(f"hotset from {n} calibration prompts: top-32 experts take {100 * hotset.top_share(32):.1f}% of routings")
