@@ -13,12 +13,14 @@ STEPS_RUN = {"count": 0}  # rule applications across every stateful example in t
 
 def live_byte_ranges(layout, live: dict[str, set[int]]) -> np.ndarray:
     """[start, end) byte ranges of every live unit, computed from the oracle's own records."""
-    ranges = []
+    parts = []
     for name, ids in live.items():
         c = layout[name]
-        for p in ids:
-            ranges.append((p * c.page_bytes, p * c.page_bytes + c.unit_bytes))
-    return np.array(sorted(ranges), dtype=np.int64).reshape(-1, 2)
+        page, unit = c.page_bytes, c.unit_bytes  # once per class: each property call builds a tensor
+        starts = np.fromiter(ids, dtype=np.int64, count=len(ids)) * page
+        parts.append(np.stack([starts, starts + unit], axis=1))
+    ranges = np.concatenate(parts) if parts else np.empty((0, 2), dtype=np.int64)
+    return ranges[np.lexsort((ranges[:, 1], ranges[:, 0]))]
 
 
 class AllocatorMachine(RuleBasedStateMachine):
