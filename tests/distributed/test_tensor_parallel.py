@@ -453,38 +453,74 @@ def test_last_resort_exits_loudly_only_when_rank_0_is_stuck_in_a_step_or_in_clos
     and its close is blocked inside the step, and when a close blocks after the step raised (outside any step). An
     engine left alone (not in a step, not closing) is left alone; one that leaves the step and finishes close() before
     LAST_RESORT_S is left alone at once."""
+    import json
     import subprocess
     import sys
 
+    # one interpreter imports the module once and forks a fresh child per case (each child's fds 1 and 2 go to its
+    # own files): the cases as separate processes, without seven imports of torch
     code = """
-import sys, time, types, rimuru.distributed.group as g
-busy, closing, closed, leaves = (w in sys.argv[1].split(",") for w in ("busy", "closing", "closed", "leaves"))
-# stuck cases wait the whole LAST_RESORT_S; a leaving engine thread leaves long before it (no race with the clock)
-g.LAST_RESORT_S = 60.0 if leaves else 0.6
-grp = object.__new__(g.TensorParallelGroup)
-grp.error, grp._closed, grp.procs, grp.step = None, False, [], 7
-grp.busy, grp._closing, grp._close_done = busy, closing, closed
-if closing or closed:  # fail(): the error set and the group's close started (closing) or finished (closed)
-    grp.error, grp._closed = RuntimeError("rank 1 exited"), True
-if leaves:  # it raises out of the step and its close finishes while the last resort waits (during its first wait)
-    def _sleep(s):
-        grp.busy, grp._closing, grp._close_done = False, False, True
-        time.sleep(s)
-    g.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=_sleep)
-grp._last_resort(1, -9)
-print("left alone")
+import json, os, sys, tempfile, time, types
+import rimuru.distributed.group as g
+
+
+def case(arg):
+    busy, closing, closed, leaves = (w in arg.split(",") for w in ("busy", "closing", "closed", "leaves"))
+    # stuck cases wait the whole LAST_RESORT_S; a leaving engine thread leaves long before it (no race with the clock)
+    g.LAST_RESORT_S = 60.0 if leaves else 0.6
+    grp = object.__new__(g.TensorParallelGroup)
+    grp.error, grp._closed, grp.procs, grp.step = None, False, [], 7
+    grp.busy, grp._closing, grp._close_done = busy, closing, closed
+    if closing or closed:  # fail(): the error set and the group's close started (closing) or finished (closed)
+        grp.error, grp._closed = RuntimeError("rank 1 exited"), True
+    if leaves:  # it raises out of the step and its close finishes while the last resort waits (during its first wait)
+        def _sleep(s):
+            grp.busy, grp._closing, grp._close_done = False, False, True
+            time.sleep(s)
+        g.time = types.SimpleNamespace(monotonic=time.monotonic, sleep=_sleep)
+    grp._last_resort(1, -9)
+    print("left alone")
+
+
+results = {}
+for arg in sys.argv[1:]:
+    out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            case(arg)
+        except BaseException:
+            import traceback
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    out.seek(0)
+    err.seek(0)
+    results[arg] = (os.waitstatus_to_exitcode(status), out.read().decode(), err.read().decode())
+print(json.dumps(results))
 """
-
-    def run(case: str):
-        return subprocess.run([sys.executable, "-c", code, case], capture_output=True, text=True, timeout=120)
-
-    for case, where in (("busy", "step 7"), ("busy,closing", "step 7"), ("closing", "close")):
-        stuck = run(case)
-        assert stuck.returncode == 1 and "left alone" not in stuck.stdout, case
-        assert "rank 1 exited with code -9" in stuck.stderr and where in stuck.stderr, case
-    for case in ("idle", "closed", "busy,leaves", "busy,closing,leaves"):
-        idle = run(case)
-        assert idle.returncode == 0 and "left alone" in idle.stdout, case
+    stuck_cases = (("busy", "step 7"), ("busy,closing", "step 7"), ("closing", "close"))
+    idle_cases = ("idle", "closed", "busy,leaves", "busy,closing,leaves")
+    proc = subprocess.run([sys.executable, "-c", code, *(c for c, _ in stuck_cases), *idle_cases],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.splitlines()[-1])
+    for case, where in stuck_cases:
+        returncode, stdout, stderr = results[case]
+        assert returncode == 1 and "left alone" not in stdout, case
+        assert "rank 1 exited with code -9" in stderr and where in stderr, case
+    for case in idle_cases:
+        returncode, stdout, stderr = results[case]
+        assert returncode == 0 and "left alone" in stdout, case
 
 
 def test_failed_engines_nccl_abort_never_blocks_the_reporting_thread(monkeypatch):
