@@ -20,3 +20,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not `in keywords`: a folder named gpu matches too
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def smoke_pipeline_in_background(request, tmp_path_factory):
+    """The smoke pipeline (tests/pipeline/test_pipeline.py) is the suite's longest setup and a subprocess: when its
+    tests are selected, start it with the session's first test and let the other tests run meanwhile; its tests
+    wait for it (tests/pipeline/scratch.py). Ended at the session's end if still running."""
+    from tests.pipeline.scratch import SMOKE_TESTS, SNAKEMAKE, start_smoke_run, stop_smoke_run
+
+    if SNAKEMAKE.exists() and any(item.nodeid.startswith(SMOKE_TESTS) for item in request.session.items):
+        start_smoke_run(tmp_path_factory)
+    yield
+    stop_smoke_run()

@@ -1,8 +1,12 @@
-"""A scratch copy of the workflow for the pipeline tests (snakemake writes results/ and .snakemake/ there)."""
+"""A scratch copy of the workflow for the pipeline tests (snakemake writes results/ and .snakemake/ there), and the
+smoke pipeline's run, started in the background when the session begins (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +14,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
+SMOKE_TESTS = "tests/pipeline/test_pipeline.py"  # the module that reads the smoke run
+SMOKE = ["--cores", "2", "--configfile", "config/smoke.yaml"]
+REFERENCE_E2E = """model,policy,budget_gib,workload,request_rate,num_requests,request_throughput,output_throughput,\
+mean_ttft_ms,p99_ttft_ms,mean_tpot_ms,peak_concurrency,forward_steps,device,commit,date
+qwen3-30b-a3b (4/48 layers),elastic,32,burst,inf,200,3.5,700.0,120.0,400.0,30.0,90,1000,NVIDIA H200,abc123,2026-11-29
+"""
 
 
 def workflow_copy(tmp_path_factory, name: str) -> Path:
@@ -22,3 +32,53 @@ def workflow_copy(tmp_path_factory, name: str) -> Path:
         src = ROOT / entry
         (shutil.copytree if src.is_dir() else shutil.copy)(src, work / entry)
     return work
+
+
+class SmokeRun:
+    """``snakemake --cores 2 --configfile config/smoke.yaml`` in a scratch copy with one GPU reference file
+    (results/reference/e2e/e2e.csv), running in the background from the start of the session: a subprocess
+    that the rest of the suite need not wait for. :meth:`wait` joins it; its stdout and stderr go to files
+    beside the copy."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self.work = work = workflow_copy(tmp_path_factory, "pipeline")
+        ref = work / "results/reference/e2e"
+        ref.mkdir(parents=True)
+        (ref / "e2e.csv").write_text(REFERENCE_E2E)
+        logs = tmp_path_factory.mktemp("pipeline-logs")
+        self.stdout, self.stderr = logs / "snakemake.out", logs / "snakemake.err"
+        with self.stdout.open("w") as out, self.stderr.open("w") as err:
+            # its own session: stop() ends snakemake and every job it started
+            self.proc = subprocess.Popen([str(SNAKEMAKE), *SMOKE], cwd=work, stdout=out, stderr=err,
+                                         start_new_session=True)
+
+    def wait(self) -> subprocess.CompletedProcess:
+        """The finished run (no wall-clock timeout: on a loaded machine it may take any time)."""
+        returncode = self.proc.wait()
+        return subprocess.CompletedProcess(self.proc.args, returncode, self.stdout.read_text(),
+                                           self.stderr.read_text())
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+_smoke: SmokeRun | None = None
+
+
+def start_smoke_run(tmp_path_factory) -> SmokeRun:
+    """The session's smoke run, started on the first call."""
+    global _smoke
+    if _smoke is None:
+        _smoke = SmokeRun(tmp_path_factory)
+    return _smoke
+
+
+def stop_smoke_run() -> None:
+    if _smoke is not None:
+        _smoke.stop()

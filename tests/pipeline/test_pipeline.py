@@ -1,9 +1,9 @@
 """The reproduction pipeline end to end on the smoke profile (config/smoke.yaml), in a temporary copy.
 
-Runs `snakemake --cores 2 --configfile config/smoke.yaml` with the venv's snakemake and checks that
-every table and figure exists and parses, that GPU-only results say "not measured yet" when the
-reference files are absent and are picked up (with their provenance) when one is present, and that
-a second run has nothing to do.
+Runs `snakemake --cores 2 --configfile config/smoke.yaml` with the venv's snakemake (started in the background
+when the session begins, tests/conftest.py, so that the other tests run meanwhile) and checks that every table
+and figure exists and parses, that GPU-only results say "not measured yet" when the reference files are absent
+and are picked up (with their provenance) when one is present, and that a second run has nothing to do.
 """
 
 from __future__ import annotations
@@ -14,38 +14,27 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tests.pipeline.scratch import SNAKEMAKE, workflow_copy
+from tests.pipeline.scratch import SMOKE, SNAKEMAKE, start_smoke_run
 
 TABLES = ["results/e2e/e2e", "results/case/case", "results/eol/eol", "results/kernel/overhead",
           "results/kernel/placement", "results/timeline/step_floor", "results/real/real"]
 FIGURES = ["figures/e2e.png", "figures/case.png", "figures/eol.png", "figures/kernel.png",
            "figures/timeline_memory.png", "figures/timeline_step.png", "figures/real.png"]
-REFERENCE_E2E = """model,policy,budget_gib,workload,request_rate,num_requests,request_throughput,output_throughput,\
-mean_ttft_ms,p99_ttft_ms,mean_tpot_ms,peak_concurrency,forward_steps,device,commit,date
-qwen3-30b-a3b (4/48 layers),elastic,32,burst,inf,200,3.5,700.0,120.0,400.0,30.0,90,1000,NVIDIA H200,abc123,2026-11-29
-"""
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    work = workflow_copy(tmp_path_factory, "pipeline")
-    ref = work / "results/reference/e2e"
-    ref.mkdir(parents=True)
-    (ref / "e2e.csv").write_text(REFERENCE_E2E)
-    return work
 
 
 def snakemake(work: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [str(SNAKEMAKE), "--cores", "2", "--configfile", "config/smoke.yaml", *extra]
+    cmd = [str(SNAKEMAKE), *SMOKE, *extra]
     # no wall-clock timeout: on a loaded machine the smoke run may take any time; a failure is an exit code
     return subprocess.run(cmd, cwd=work, capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")
-def ran(workdir) -> Path:
-    proc = snakemake(workdir)
+def ran(tmp_path_factory) -> Path:
+    """The smoke run: started when the session began (tests/conftest.py) while the other tests ran, else now."""
+    smoke = start_smoke_run(tmp_path_factory)
+    proc = smoke.wait()
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return workdir
+    return smoke.work
 
 
 def test_every_table_exists_as_csv_and_markdown(ran):
