@@ -3,6 +3,7 @@ smoke pipeline's run, started in the background when the session begins (tests/c
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -76,6 +77,7 @@ def start_smoke_run(tmp_path_factory) -> SmokeRun:
     global _smoke
     if _smoke is None:
         _smoke = SmokeRun(tmp_path_factory)
+        atexit.register(_smoke.stop)  # also when the session ends without its teardown
     return _smoke
 
 
