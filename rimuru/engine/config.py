@@ -96,6 +96,7 @@ MODELED_OPTIONS = (
     ModeledOption("modeled_routing_prior", _routing_prior, "(prior tokens >= 0, a reference curve summing to 1)"),
     ModeledOption("modeled_h2d_gbps", _positive_number, "a positive host-to-device rate in GB/s"),
     ModeledOption("modeled_decode_gamma", _positive_number, "a positive exponent of the decode routing", unset=1.0),
+    ModeledOption("modeled_prefill_gamma", _positive_number, "a positive exponent of the prefill routing", unset=1.0),
 )
 
 
@@ -133,6 +134,9 @@ class EngineConfig:
     modeled_decode_gamma: float = 1.0  # modeled: decode tokens route by the profile tempered to this power (per layer,
     # rescaled to top-k; rimuru.engine.modeled.routing.temper): the calibration's correction for the profile a run
     # was served with (fitted on that profile's fit runs' decode steps); 1: the profile as measured
+    modeled_prefill_gamma: float = 1.0  # modeled: prefill chunks' effective tokens route by the profile tempered to
+    # this power (routing.temper; RoutingModel.prefill_gamma): the prefill tempering the calibration fitted with the
+    # chunk law of the model build a run served (fitted.chunk_law[NAME].prefill_gamma, wave 12); 1: the profile
     modeled_chunk_law: tuple[float, float] | None = None  # modeled: a prefill chunk law (scale, exponent) instead of
     # the calibration's routing_chunk_*: one the calibration fitted for the model build a run served (fitted.chunk_law)
     modeled_decode_kernels: int | None = None  # modeled: the wave of the decode kernels the modeled engine launches

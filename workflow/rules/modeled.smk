@@ -76,6 +76,7 @@ rule modeled_calibrate:
             if "tp_fit" in MODELED else ""),
         gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
         laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
+        prefill=" ".join(MODELED.get("prefill_gamma_fit", [])),
         priors=" ".join(f"{name}={'+'.join(dirs)}" for name, dirs in MODELED.get("routing_prior_build", {}).items()),
         lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
         kernels=(f"--decode-kernels-fit {' '.join(MODELED['decode_kernels_fit']['floors'])} --decode-kernels-waves "
@@ -88,7 +89,8 @@ rule modeled_calibrate:
         "--routing-fit-runs {params.routing} --routing-prior-fit {params.prior} --fit-timelines {params.timelines} "
         "--async-floor {params.async_floor} "
         "{params.fit_loop} {params.tp} --decode-gamma-fit {params.gamma} "
-        "--chunk-law-fit {params.laws} --routing-prior-build {params.priors} --lengths {params.lengths} "
+        "--chunk-law-fit {params.laws} --prefill-gamma-fit {params.prefill} --routing-prior-build {params.priors} "
+        "--lengths {params.lengths} "
         "{params.kernels} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 

@@ -13,10 +13,12 @@ import argparse
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from rimuru.engine.modeled.calibration import (
     FitRun,
+    PrefillStep,
     fit_attention,
     fit_chunk_law,
     fit_chunk_routing,
@@ -25,6 +27,7 @@ from rimuru.engine.modeled.calibration import (
     fit_decode_kernels,
     fit_loop,
     fit_moe_kernel,
+    fit_prefill_routing,
     fit_routing_prior,
     fit_tp,
     fit_tp_async,
@@ -125,6 +128,11 @@ def main() -> None:
                     help="NAME=DIR:POLICY+DIR:POLICY...: a named prefill chunk law (fitted.chunk_law[NAME]) fitted on "
                          "the prefill steps of these e2e folders' timelines (DIR/timelines*.csv.gz under --reference, "
                          "every repeat of POLICY, served with DIR/hotset.json), their chunks recovered from --lengths")
+    ap.add_argument("--prefill-gamma-fit", nargs="*", default=[],
+                    help="NAME...: chunk laws of --chunk-law-fit fitted jointly with a prefill tempering "
+                         "(fit_prefill_routing: touched pairs and recorded loads of the same steps; "
+                         "fitted.chunk_law[NAME] prefill_gamma), the profiles shrunk by the routing_prior_build of the "
+                         "same NAME where there is one")
     ap.add_argument("--routing-prior-build", nargs="*", default=[],
                     help="NAME=DIR+DIR...: a named profile shrinkage (fitted.routing_prior_build[NAME]: prior tokens "
                          "and reference curve, fit_routing_prior) fitted on the hotsets of these fit-run folders of "
@@ -283,7 +291,8 @@ def main() -> None:
         if not keys or not args.lengths:
             raise SystemExit(f"--chunk-law-fit takes NAME=DIR:POLICY+... and needs --lengths, got {item!r}")
         prompt_lens = pd.read_csv(args.lengths)["prompt_len"].to_numpy()
-        rows = []
+        rows, prefill_steps = [], []
+        joint = name in args.prefill_gamma_fit  # the law and the prefill tempering, on touched pairs and loads
         for key in keys.split("+"):
             folder, _, policy = key.rpartition(":")
             runs_path, hotset_path = ref / folder / "e2e.csv", ref / folder / "hotset.json"
@@ -295,8 +304,16 @@ def main() -> None:
             # the run's trace: the lengths file from the request its trace started at (device_engine.sh E2E_TRACE_SKIP)
             lens = prompt_lens[trace_skip(runs["command"].iloc[0]):]
             prompts = int(lens[: int(runs["num_requests"].iloc[0])].sum())
-            routing = RoutingModel.from_hotset(Hotset.load(hotset_path), spec.top_k, prior_tokens=chunk["prior_tokens"],
-                                               reference_curve=chunk["reference_curve"])
+            hotset = Hotset.load(hotset_path)
+            # the joint fit shrinks the profile as the build's runs replay (its routing_prior_build, if any)
+            shrink = build_shrink(name if joint and name in prior_builds else "")
+            routing = RoutingModel.from_hotset(hotset, spec.top_k, prior_tokens=shrink["prior_tokens"],
+                                               reference_curve=shrink["reference_curve"])
+            layers, experts = hotset.probability.shape
+            rank = np.empty(layers * experts, dtype=np.int64)
+            order = hotset.global_order()
+            rank[order[:, 0] * experts + order[:, 1]] = np.arange(layers * experts)
+            rank = rank.reshape(layers, experts)  # a pair's place in the cache's fill order
             data.extend([data_entry(runs_path), data_entry(hotset_path)] + [data_entry(p) for p in paths])
             for path in paths:
                 frame = pd.read_csv(path)
@@ -309,9 +326,21 @@ def main() -> None:
                     chunks = prefill_chunks(t["prefill_tokens"], lens)
                     rows += [(routing, int(d), c, float(m)) for d, c, m in
                              zip(t["decode_tokens"], chunks, t["experts_touched"]) if sum(c) > 1]
+                    # loads: expansions off; an eager step's misses times 1 + the predictor's waste, as replayed
+                    prefill_steps += [
+                        PrefillStep(routing, int(d), tuple(c), float(m), float(loaded - max(adjust, 0)),
+                                    rank >= int(cached), 1.0 if graph == 1 else 1.0 + base.prefetch_waste)
+                        for d, c, m, loaded, adjust, cached, graph in
+                        zip(t["decode_tokens"], chunks, t["experts_touched"], t["experts_loaded"], t["adjust"],
+                            t["cached_experts"], t["cuda_graph"]) if sum(c) > 1]
         if not rows:
             raise SystemExit(f"--chunk-law-fit {name}: no prefill steps")
-        chunk_laws[name] = fit_chunk_law(rows) | {"runs": keys.split("+")}
+        if joint:
+            chunk_laws[name] = fit_prefill_routing(prefill_steps) | {
+                "runs": keys.split("+"), "routing_prior_build": name if name in prior_builds else "",
+                "waste": base.prefetch_waste}
+        else:
+            chunk_laws[name] = fit_chunk_law(rows) | {"runs": keys.split("+")}
     floor = load_floor([ref / path for path in args.decode_floor])
     for path, rows in floor.groupby("source", sort=False):
         data.append(data_entry(Path(path), rows) | {"layers": sorted(map(int, rows["layers"].unique()))})
@@ -424,6 +453,15 @@ def main() -> None:
         print(f"decode gamma of {profile}: {g['decode_gamma']:.3f} ({g['decode_steps']} decode steps, recorded loads "
               f"{g['recorded_loads']:.0f}, expected {g['expected_loads_at_gamma_1']:.0f} at gamma 1)")
     for name, law in chunk_laws.items():
+        if "prefill_gamma" in law:
+            print(f"chunk law {name} with prefill tempering: scale {law['routing_chunk_scale']:.3f} exponent "
+                  f"{law['routing_chunk_exponent']:.3f} prefill_gamma {law['prefill_gamma']:.3f} "
+                  f"({law['steps']} steps; touched median error {law['touched_median_abs_rel_error']:.1%}, loads "
+                  f"{law['loads_median_abs_rel_error']:.1%} "
+                  f"(gamma 1: {law['gamma_1_loads_median_abs_rel_error']:.1%}); "
+                  f"loads {law['recorded_loads']:.0f} recorded, {law['expected_loads']:.0f} expected, "
+                  f"{law['expected_loads_at_gamma_1']:.0f} at gamma 1)")
+            continue
         print(f"chunk law {name}: scale {law['routing_chunk_scale']:.3f} exponent {law['routing_chunk_exponent']:.3f} "
               f"({law['steps']} steps, median error {law['median_abs_rel_error']:.1%}, worst "
               f"{law['max_abs_rel_error']:.1%}; independent tokens {law['independent_median_abs_rel_error']:.1%})")

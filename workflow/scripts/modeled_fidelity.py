@@ -185,8 +185,9 @@ def main() -> None:
                          "replay with")
     ap.add_argument("--chunk-law", nargs="*", default=[],
                     help="FOLDER=NAME: FOLDER's runs replay with the prefill chunk law NAME the calibration fitted "
-                         "for their model build (fitted.chunk_law; its fit runs' rows are `fit`); other folders with "
-                         "the calibration's routing_chunk_*")
+                         "for their model build (fitted.chunk_law; its fit runs' rows are `fit`) and its prefill "
+                         "tempering where it has one (prefill_gamma); other folders with the calibration's "
+                         "routing_chunk_* and no prefill tempering")
     ap.add_argument("--routing-prior", nargs="*", default=[],
                     help="FOLDER=NAME: FOLDER's runs replay with the profile shrinkage NAME the calibration fitted for "
                          "their model build (fitted.routing_prior_build); other folders with the calibration's "
@@ -255,7 +256,8 @@ def main() -> None:
                              f"of {args.cost_params} (fitted: {', '.join(fitted_laws) or 'none'}), got {item!r}")
         law = fitted_laws[name]
         law_folder[str(Path(folder) / "hotset.json")] = (name, (float(law["routing_chunk_scale"]),
-                                                                float(law["routing_chunk_exponent"])))
+                                                                float(law["routing_chunk_exponent"])),
+                                                         float(law.get("prefill_gamma", 1.0)))
     fitted_priors = calibration.fitted.get("routing_prior_build", {})
     prior_folder = {}
     for item in args.routing_prior:
@@ -304,6 +306,7 @@ def main() -> None:
             modeled_routing_profile=row["routing_profile"] or None,
             modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1],
             modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1],
+            modeled_prefill_gamma=law_folder.get(str(Path(row["hotset"])), ("", None, 1.0))[2],
             modeled_routing_prior=prior_folder.get(str(Path(row["hotset"])), ("", None))[1])
         llm = LLM(small, seed=seed, **engine_options)
         initial = llm.memory_report["initial_cache_experts"]
@@ -355,6 +358,7 @@ def main() -> None:
                          "decode_gamma": llm.config.modeled_decode_gamma,
                          "decode_gamma_profile": gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[0],
                          "chunk_law": law_folder.get(str(Path(row["hotset"])), ("", None))[0],
+                         "prefill_gamma": llm.config.modeled_prefill_gamma,
                          "routing_prior": prior_folder.get(str(Path(row["hotset"])), ("", None))[0]})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)

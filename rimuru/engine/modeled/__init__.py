@@ -46,7 +46,8 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     prior, curve = config.modeled_routing_prior or (params.routing_prior_tokens, params.routing_reference_curve)
     routing = RoutingModel.from_hotset(profile, llm.spec.top_k, seed=config.seed, chunk_scale=scale,
                                        chunk_exponent=exponent, prior_tokens=prior, reference_curve=curve,
-                                       decode_gamma=config.modeled_decode_gamma)
+                                       decode_gamma=config.modeled_decode_gamma,
+                                       prefill_gamma=config.modeled_prefill_gamma)
     if routing.shape != (llm.spec.num_moe_layers, llm.spec.num_experts):
         raise ValueError(f"hotset has {routing.shape} (layers, experts), the model "
                          f"{(llm.spec.num_moe_layers, llm.spec.num_experts)}")

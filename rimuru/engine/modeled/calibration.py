@@ -253,6 +253,70 @@ def fit_chunk_law(rows: list[tuple[RoutingModel, int, list[int], float]],
             "independent_median_abs_rel_error": float(np.median(base))}
 
 
+@dataclass(frozen=True)
+class PrefillStep:
+    """One recorded step with prefill chunks, as ``fit_prefill_routing`` takes it: the routing model of the profile the
+    run was served with, the step's decode tokens and prefill chunks, its recorded (layer, expert) pairs touched and
+    expert loads (expansions off), the pairs not cached when it ran ([L, E] bool: the hotset's order past the step's
+    cached prefix) and its load factor (an eager step's misses times 1 + the predictor's waste, as the replay books)."""
+
+    routing: RoutingModel
+    decode: int
+    chunks: tuple[int, ...]
+    touched: float
+    loads: float
+    uncached: np.ndarray
+    factor: float = 1.0
+
+
+def prefill_expectation(step: PrefillStep, routing: RoutingModel) -> tuple[float, float]:
+    """(expected pairs touched, expected loads) of ``step`` under ``routing`` (its chunk law and prefill tempering)."""
+    p = routing.touch_probability(routing.effective_tokens(step.chunks), step.decode)
+    return float(p.sum()), step.factor * float(p[step.uncached].sum())
+
+
+def fit_prefill_routing(steps: list[PrefillStep], x0: tuple[float, float, float] = (1.0, 0.5, 1.0),
+                        gamma_bounds: tuple[float, float] = (0.2, 5.0)) -> dict:
+    """A model build's prefill routing, jointly: the chunk law (``scale``, ``exponent``: a chunk of ``q`` tokens routes
+    like ``min(q, scale * q ** exponent)`` independent tokens) and the prefill tempering (``prefill_gamma``: those
+    tokens route by ``pi ** gamma``, ``RoutingModel.prefill_gamma``), by relative least squares of the expected pairs
+    touched against the recorded and of the expected loads against the recorded, every step twice with one weight.
+    The law sets how many pairs a chunk touches, the tempering where they fall against the cache (the prefill miss
+    term, wave 12). Also the per-step errors (median, worst) of both, and the loads' at gamma 1 with the same law."""
+    def models(theta):
+        scale, exponent, gamma = theta
+        cache: dict[int, RoutingModel] = {}
+        for s in steps:
+            if id(s.routing) not in cache:
+                cache[id(s.routing)] = s.routing.with_chunk_law(scale, exponent).with_prefill_gamma(gamma)
+        return cache
+
+    def expectations(theta) -> np.ndarray:
+        cache = models(theta)
+        return np.array([prefill_expectation(s, cache[id(s.routing)]) for s in steps])
+
+    measured = np.array([(s.touched, s.loads) for s in steps], dtype=float)
+
+    def residuals(theta):
+        return (expectations(theta) / measured - 1).ravel()
+
+    fit = least_squares(residuals, x0=list(x0), bounds=([0.1, 0.01, gamma_bounds[0]], [10.0, 1.0, gamma_bounds[1]]),
+                        diff_step=0.01)
+    at_fit = expectations(fit.x)
+    at_one = expectations([fit.x[0], fit.x[1], 1.0])
+    err, err_one = at_fit / measured - 1, at_one / measured - 1
+    return {"routing_chunk_scale": float(fit.x[0]), "routing_chunk_exponent": float(fit.x[1]),
+            "prefill_gamma": float(fit.x[2]), "steps": len(steps),
+            "touched_median_abs_rel_error": float(np.median(np.abs(err[:, 0]))),
+            "touched_max_abs_rel_error": float(np.abs(err[:, 0]).max()),
+            "loads_median_abs_rel_error": float(np.median(np.abs(err[:, 1]))),
+            "loads_max_abs_rel_error": float(np.abs(err[:, 1]).max()),
+            "gamma_1_loads_median_abs_rel_error": float(np.median(np.abs(err_one[:, 1]))),
+            "recorded_touched": float(measured[:, 0].sum()), "expected_touched": float(at_fit[:, 0].sum()),
+            "recorded_loads": float(measured[:, 1].sum()), "expected_loads": float(at_fit[:, 1].sum()),
+            "expected_loads_at_gamma_1": float(at_one[:, 1].sum())}
+
+
 def reference_curve(profiles: list[np.ndarray]) -> np.ndarray:
     """The mean sorted (descending) per-layer popularity curve of ``profiles`` [L, E] (same E), summing to 1."""
     curves = np.concatenate([-np.sort(-p / p.sum(axis=1, keepdims=True), axis=1) for p in profiles])

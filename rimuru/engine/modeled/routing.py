@@ -28,6 +28,14 @@ rescaled to top-k picks (``temper``; gamma > 1 concentrates them on the profile'
 them); gamma 1 (the default) is the profile itself. Fitted per profile on the decode steps of the fit runs served
 with that profile (``rimuru.engine.modeled.calibration.fit_decode_gamma``), and applied to the runs served with the
 same profile only (the fidelity config says which).
+
+Prefill tokens (``prefill_gamma``, since wave 12): a prompt's chunk routes its effective tokens by the profile tempered
+the same way (``pi ** prefill_gamma``, rescaled to top-k), so that the touched pairs' placement against the cache (the
+hotset's order) follows the recorded prefill loads, while the chunk law keeps their count. A single 48-layer prompt
+loads about half of the pairs it touches where effective tokens drawn from the profile fall on its popular, cached
+experts (docs/modeled.md, wave 12): its own experts are spread flatter than the profile's popularity. Fitted per model
+build jointly with the build's chunk law on its fit runs' prefill steps (touched and loads:
+``rimuru.engine.modeled.calibration.fit_prefill_routing``); 1 (the default): the profile itself.
 """
 
 from __future__ import annotations
@@ -117,7 +125,8 @@ def temper(probability: np.ndarray, gamma: float, top_k: int) -> np.ndarray:
 class RoutingModel:
     def __init__(self, probability: np.ndarray, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
                  chunk_exponent: float = 1.0, num_tokens: float = 0, prior_tokens: float = 0.0,
-                 reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0) -> None:
+                 reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0,
+                 prefill_gamma: float = 1.0) -> None:
         if chunk_scale <= 0 or not 0 < chunk_exponent <= 1:
             raise ValueError(f"chunk_scale must be > 0 and chunk_exponent in (0, 1], got {chunk_scale}, "
                              f"{chunk_exponent}")
@@ -132,17 +141,21 @@ class RoutingModel:
         self.decode_gamma = float(decode_gamma)
         self.pi_decode = temper(self.pi, self.decode_gamma, top_k)  # decode tokens' routing (module docstring)
         self._log_miss_decode = np.log1p(-np.minimum(self.pi_decode, 1 - 1e-12))
+        self.prefill_gamma = float(prefill_gamma)
+        self.pi_prefill = temper(self.pi, self.prefill_gamma, top_k)  # prefill chunks' routing (module docstring)
+        self._log_miss_prefill = np.log1p(-np.minimum(self.pi_prefill, 1 - 1e-12))
         self.rng = np.random.default_rng(seed)
         self._touch: dict[tuple[float, float], np.ndarray] = {}  # (tokens, decode) -> touch probabilities
 
     @classmethod
     def from_hotset(cls, hotset: Hotset, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
                     chunk_exponent: float = 1.0, prior_tokens: float = 0.0,
-                    reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0) -> RoutingModel:
+                    reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0,
+                    prefill_gamma: float = 1.0) -> RoutingModel:
         """The hotset's profile, shrunk toward uniform by ``prior_tokens`` against its ``num_tokens`` (per layer:
         fewer where ``reference_curve`` says its unseen experts are too many for that many tokens)."""
         return cls(hotset.probability, top_k, seed, chunk_scale, chunk_exponent, hotset.num_tokens, prior_tokens,
-                   reference_curve, decode_gamma)
+                   reference_curve, decode_gamma, prefill_gamma)
 
     def with_decode_gamma(self, gamma: float) -> RoutingModel:
         """The same profile with decode tokens tempered by ``gamma`` (a copy; it shares this model's generator)."""
@@ -151,6 +164,23 @@ class RoutingModel:
         out.pi_decode = temper(self.pi, out.decode_gamma, self.top_k)
         out._log_miss_decode = np.log1p(-np.minimum(out.pi_decode, 1 - 1e-12))
         out._touch = {}
+        return out
+
+    def with_prefill_gamma(self, gamma: float) -> RoutingModel:
+        """The same profile with prefill chunks tempered by ``gamma`` (a copy; it shares this model's generator)."""
+        out = copy.copy(self)
+        out.prefill_gamma = float(gamma)
+        out.pi_prefill = temper(self.pi, out.prefill_gamma, self.top_k)
+        out._log_miss_prefill = np.log1p(-np.minimum(out.pi_prefill, 1 - 1e-12))
+        out._touch = {}
+        return out
+
+    def with_chunk_law(self, scale: float, exponent: float) -> RoutingModel:
+        """The same profile with another prefill chunk law (a copy; it shares this model's generator)."""
+        if scale <= 0 or not 0 < exponent <= 1:
+            raise ValueError(f"chunk_scale must be > 0 and chunk_exponent in (0, 1], got {scale}, {exponent}")
+        out = copy.copy(self)
+        out.chunk_scale, out.chunk_exponent = float(scale), float(exponent)
         return out
 
     def effective_tokens(self, q_lens) -> float:
@@ -173,15 +203,16 @@ class RoutingModel:
 
     def touch_probability(self, tokens: float, decode: float = 0.0) -> np.ndarray:
         """[L, E] P(expert touched by ``tokens`` independent tokens (fractional: effective tokens) routed by the
-        profile and ``decode`` decode tokens routed by its decode tempering; with gamma 1 the two are one count)."""
-        if self.decode_gamma == 1.0:
+        profile's prefill tempering and ``decode`` decode tokens routed by its decode tempering; with the two gammas
+        equal the two are one count; both 1: the profile itself)."""
+        if self.decode_gamma == self.prefill_gamma:
             tokens, decode = float(tokens) + float(decode), 0.0
         key = (round(float(tokens), 2), round(float(decode), 2))
         p = self._touch.get(key)
         if p is None:
             if len(self._touch) > 4096:
                 self._touch.clear()
-            log_miss = self._log_miss * key[0]
+            log_miss = self._log_miss_prefill * key[0]
             if key[1]:
                 log_miss = log_miss + self._log_miss_decode * key[1]
             p = self._touch[key] = -np.expm1(log_miss)
