@@ -1030,3 +1030,57 @@ def test_tp_async_fit_recovers_its_terms_and_keeps_the_sync_ones():
     assert fitted.tp_step_async_ms == pytest.approx(0.3, abs=1e-6)
     assert fitted.tp_layer_async_ms == pytest.approx(0.05, abs=1e-6)
     assert (fitted.tp_step_ms, fitted.tp_layer_ms) == (1.2, 0.4)
+
+
+def test_prefill_tempering_routes_prefill_chunks_by_the_tempered_profile_by_hand():
+    """RoutingModel prefill_gamma (wave 12): a prefill chunk's effective tokens route by pi ** gamma rescaled to top-k,
+    decode tokens by their own (here untempered) profile; hand-computed on one layer."""
+    pi = np.array([[0.9, 0.6, 0.3, 0.2]])
+    m = RoutingModel(pi, 2, prefill_gamma=0.5)
+    root = np.sqrt([0.9, 0.6, 0.3, 0.2])  # 0.9487, 0.7746, 0.5477, 0.4472: sum 2.7182
+    q = root / root.sum() * 2  # 0.6980, 0.5699, 0.4030, 0.3290
+    assert q[0] == pytest.approx(0.6980, abs=1e-4) and q[3] == pytest.approx(0.3290, abs=1e-4)
+    assert m.touch_probability(1.0)[0] == pytest.approx(q)
+    assert m.touch_probability(2.0)[0, 3] == pytest.approx(1 - (1 - 0.3290) ** 2, abs=1e-4)
+    assert m.touch_probability(0.0, 1.0)[0] == pytest.approx(pi[0])  # a decode token: the profile
+    assert m.touch_probability(1.0, 1.0)[0, 0] == pytest.approx(1 - (1 - 0.6980) * (1 - 0.9), abs=1e-4)
+    # flatter: one prefill token touches the unpopular expert more often than the profile says, the popular less
+    assert m.touch_probability(1.0)[0, 3] > 0.2 and m.touch_probability(1.0)[0, 0] < 0.9
+    # the same gamma for prefill and decode: one count, as with gamma 1
+    both = RoutingModel(pi, 2, decode_gamma=0.5, prefill_gamma=0.5)
+    assert np.array_equal(both.touch_probability(2.0, 1.0), both.touch_probability(3.0))
+    assert np.array_equal(RoutingModel(pi, 2).with_prefill_gamma(0.5).pi_prefill, m.pi_prefill)
+    with pytest.raises(ValueError, match="modeled_prefill_gamma"):
+        LLM("qwen3-30b-a3b", executor="torch", modeled_prefill_gamma=0.5)
+    llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", modeled_prefill_gamma=0.5)
+    assert llm.executor.routing.prefill_gamma == 0.5 and llm.executor.routing.decode_gamma == 1.0
+
+
+def test_prefill_routing_fit_recovers_the_law_and_tempering_the_steps_were_drawn_with():
+    """fit_prefill_routing on prefill steps whose recorded touched pairs and loads are a known chunk law's and
+    prefill tempering's expectations (loads: misses past the step's cached prefix, times the eager factor): it
+    recovers the three parameters; with the profile untempered (gamma 1) the same law expects fewer loads, because
+    the profile's draws fall on its popular, cached experts."""
+    from rimuru.engine.modeled.calibration import PrefillStep, fit_prefill_routing, prefill_expectation
+
+    rng = np.random.default_rng(3)
+    pi = rng.dirichlet(np.full(32, 0.3), size=4) * 4
+    order = np.argsort(-pi, axis=1)  # each layer's most popular experts cached first
+    rank = np.empty_like(order)
+    for layer in range(4):
+        rank[layer, order[layer]] = np.arange(32)
+    base = RoutingModel(pi, 4)
+    truth = base.with_chunk_law(2.0, 0.4).with_prefill_gamma(0.5)
+    steps = []
+    for chunks, decode, cached, factor in [((5,), 0, 12, 1.1), ((20,), 1, 12, 1.1), ((60,), 2, 16, 1.1),
+                                           ((200,), 0, 12, 1.1), ((700,), 3, 20, 1.1), ((40, 300), 8, 12, 1.1),
+                                           ((12,), 0, 8, 1.0), ((90, 90, 90), 30, 16, 1.1)]:
+        probe = PrefillStep(base, decode, chunks, 0.0, 0.0, rank >= cached, factor)
+        touched, loads = prefill_expectation(probe, truth)
+        steps.append(PrefillStep(base, decode, chunks, touched, loads, rank >= cached, factor))
+    fit = fit_prefill_routing(steps)
+    assert fit["prefill_gamma"] == pytest.approx(0.5, rel=2e-2)
+    assert fit["routing_chunk_scale"] == pytest.approx(2.0, rel=5e-2)
+    assert fit["routing_chunk_exponent"] == pytest.approx(0.4, rel=5e-2)
+    assert fit["loads_max_abs_rel_error"] < 0.01 and fit["touched_max_abs_rel_error"] < 0.01
+    assert fit["expected_loads_at_gamma_1"] < fit["recorded_loads"]
