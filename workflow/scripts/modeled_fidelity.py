@@ -243,6 +243,11 @@ def main() -> None:
         if Path(folder) not in [Path(r) for r in args.reference]:
             raise SystemExit(f"--decode-gamma takes FOLDER=PROFILE with FOLDER one of --reference, got {item!r}")
         gamma_folder[str(Path(folder) / "hotset.json")] = (profile, gamma_of(profile))
+    for profile, _ in set(gamma_folder.values()):  # the runs an applied decode tempering was fitted on (one-GPU
+        for name in fitted_gamma[profile]["runs"]:  # e2e folders: DIR:POLICY#WORKLOAD/REPEAT) are fit runs (wave 12)
+            folder, _, policy = name.partition("#")[0].rpartition(":")
+            if (Path("results/reference") / folder / "e2e.csv").exists():
+                fit.add(f"{folder_run(Path('results/reference') / folder)}/{policy}")
     fitted_laws = CostParams.load(args.cost_params).fitted.get("chunk_law", {})
     for law in fitted_laws.values():  # the runs a named chunk law was fitted on (calibration --chunk-law-fit)
         for key in law["runs"]:
