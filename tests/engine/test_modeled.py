@@ -1084,3 +1084,22 @@ def test_prefill_routing_fit_recovers_the_law_and_tempering_the_steps_were_drawn
     assert fit["routing_chunk_exponent"] == pytest.approx(0.4, rel=5e-2)
     assert fit["loads_max_abs_rel_error"] < 0.01 and fit["touched_max_abs_rel_error"] < 0.01
     assert fit["expected_loads_at_gamma_1"] < fit["recorded_loads"]
+
+
+def test_async_admission_an_arrival_during_a_pipelined_step_joins_after_the_next_by_hand():
+    """replay's async admission (wave 12): with 10 ms steps and async scheduling, a request arriving at 105 ms, during
+    the pipelined decode step of 100-110 ms, is admitted after the step the engine had already launched (110-120 ms):
+    its prefill step ends at 130 ms, TTFT 25 ms (15 ms without the lag: admitted into the 110-120 ms step); the first
+    request's TTFT is its 10 ms prefill step either way. Without async scheduling no step is pipelined: no lag."""
+    from rimuru.engine.modeled.replay import TraceRequest, replay
+
+    trace = [TraceRequest(16, 40, 0.0), TraceRequest(16, 2, 0.105)]
+
+    def mean_ttft(async_scheduling: bool, lag: bool) -> float:
+        llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", modeled_step_ms=10.0,
+                  async_scheduling=async_scheduling, policy="fixed")
+        return replay(llm, trace, async_admission=lag)["mean_ttft_ms"]
+
+    assert mean_ttft(True, True) == pytest.approx((10 + 25) / 2)
+    assert mean_ttft(True, False) == pytest.approx((10 + 15) / 2)
+    assert mean_ttft(False, True) == pytest.approx((10 + 15) / 2)

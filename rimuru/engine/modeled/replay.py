@@ -67,11 +67,17 @@ def run_batch(llm, batch: Sequence[tuple[int, int]], tag: str) -> None:
 
 
 def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tuple[int, int]]] = (),
-           progress_every: int = 0) -> dict:
+           progress_every: int = 0, async_admission: bool = True) -> dict:
     """Serve ``trace`` on ``llm`` (``executor="modeled"``); returns metrics + counters.
 
     ``before``: batches run to completion first (what a measured run did before its clock started, e.g.
-    warm-up requests: they leave the elastic cache at another size); counters exclude them."""
+    warm-up requests: they leave the elastic cache at another size); counters exclude them.
+
+    ``async_admission`` (wave 12): after a step the engine launched without waiting for the one before (async
+    scheduling, ``ModeledExecutor.last_pipelined``), the engine had already scheduled and launched the next graphed
+    decode step when that step started (``LLM._run_step``: a pipelinable call launches step n+1, then reads step n), so
+    a request arriving during step n is admitted after step n+1, not into it: only arrivals due by step n's start join
+    step n+1. False: every arrival due by a step's end joins the next step (the replay before wave 12)."""
     clock = llm.clock
     if not clock.virtual:
         raise ValueError("replay drives the virtual clock of a modeled engine (executor='modeled')")
@@ -84,11 +90,13 @@ def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tupl
     records: dict[str, RequestRecord] = {}
     nxt = 0
     steps = 0
+    scheduled_at = None  # async admission: the time the engine scheduled the step to come (None: now)
     while nxt < len(order) or llm.has_unfinished_requests():
         now = clock.now()
+        admit_by = now if scheduled_at is None or not llm.has_unfinished_requests() else scheduled_at
         # absolute times, as rimuru.bench.inproc compares them: (start + a) - start can round below a, and an
         # idle engine that jumped to start + a would then wait for that arrival forever
-        while nxt < len(order) and start + trace[order[nxt]].arrival_time <= now:
+        while nxt < len(order) and start + trace[order[nxt]].arrival_time <= admit_by:
             i = order[nxt]
             r = trace[i]
             rid = f"r{i}"
@@ -101,7 +109,11 @@ def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tupl
             clock.advance_to(start + trace[order[nxt]].arrival_time)
             continue
         graphs_before = llm.executor.graph_steps if isinstance(llm.executor, ModeledExecutor) else 0
+        step_start = clock.now()
         outputs = llm.step()
+        # a pipelined step: the engine launched the next one at this step's start, with the queue it had then
+        scheduled_at = (step_start if async_admission and isinstance(llm.executor, ModeledExecutor)
+                        and llm.executor.last_pipelined and llm.has_unfinished_requests() else None)
         graphed = isinstance(llm.executor, ModeledExecutor) and llm.executor.graph_steps > graphs_before
         for out in outputs:
             if out.finished:
