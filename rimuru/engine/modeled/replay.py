@@ -67,7 +67,7 @@ def run_batch(llm, batch: Sequence[tuple[int, int]], tag: str) -> None:
 
 
 def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tuple[int, int]]] = (),
-           progress_every: int = 0, async_admission: bool = True) -> dict:
+           progress_every: int = 0, async_admission: bool = False) -> dict:
     """Serve ``trace`` on ``llm`` (``executor="modeled"``); returns metrics + counters.
 
     ``before``: batches run to completion first (what a measured run did before its clock started, e.g.
@@ -77,7 +77,9 @@ def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tupl
     scheduling, ``ModeledExecutor.last_pipelined``), the engine had already scheduled and launched the next graphed
     decode step when that step started (``LLM._run_step``: a pipelinable call launches step n+1, then reads step n), so
     a request arriving during step n is admitted after step n+1, not into it: only arrivals due by step n's start join
-    step n+1. False: every arrival due by a step's end joins the next step (the replay before wave 12)."""
+    step n+1. False (the default): every arrival due by a step's end joins the next step. Tried in wave 12 on every
+    fidelity replay and not kept: it moved the 48-layer Poisson TTFT 5-9 points toward the measured but their forward
+    steps 1.5 points away, and a 4-layer Poisson TTFT past 8% (docs/modeled.md, wave 12)."""
     clock = llm.clock
     if not clock.virtual:
         raise ValueError("replay drives the virtual clock of a modeled engine (executor='modeled')")
