@@ -122,6 +122,11 @@ def temper(probability: np.ndarray, gamma: float, top_k: int) -> np.ndarray:
     return np.clip(q, 0.0, 1.0)
 
 
+def _log_miss(pi: np.ndarray) -> np.ndarray:
+    """log(1 - pi), finite where pi is 1."""
+    return np.log1p(-np.minimum(pi, 1 - 1e-12))
+
+
 class RoutingModel:
     def __init__(self, probability: np.ndarray, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
                  chunk_exponent: float = 1.0, num_tokens: float = 0, prior_tokens: float = 0.0,
@@ -137,13 +142,11 @@ class RoutingModel:
         self.profile_tokens = np.broadcast_to(np.asarray(n, dtype=np.float64), (np.shape(probability)[0],))
         self.pi = np.clip(shrink_to_uniform(probability, top_k, n, prior_tokens), 0.0, 1.0)
         self.top_k = top_k
-        self._log_miss = np.log1p(-np.minimum(self.pi, 1 - 1e-12))  # log(1 - pi)
+        self._log_miss = _log_miss(self.pi)
         self.decode_gamma = float(decode_gamma)
-        self.pi_decode = temper(self.pi, self.decode_gamma, top_k)  # decode tokens' routing (module docstring)
-        self._log_miss_decode = np.log1p(-np.minimum(self.pi_decode, 1 - 1e-12))
+        self.pi_decode, self._log_miss_decode = self._tempered(self.decode_gamma)  # decode tokens' routing (module doc)
         self.prefill_gamma = float(prefill_gamma)
-        self.pi_prefill = temper(self.pi, self.prefill_gamma, top_k)  # prefill chunks' routing (module docstring)
-        self._log_miss_prefill = np.log1p(-np.minimum(self.pi_prefill, 1 - 1e-12))
+        self.pi_prefill, self._log_miss_prefill = self._tempered(self.prefill_gamma)  # prefill chunks' (module doc)
         self.rng = np.random.default_rng(seed)
         self._touch: dict[tuple[float, float], np.ndarray] = {}  # (tokens, decode) -> touch probabilities
 
@@ -157,12 +160,16 @@ class RoutingModel:
         return cls(hotset.probability, top_k, seed, chunk_scale, chunk_exponent, hotset.num_tokens, prior_tokens,
                    reference_curve, decode_gamma, prefill_gamma)
 
+    def _tempered(self, gamma: float) -> tuple[np.ndarray, np.ndarray]:
+        """The profile tempered by ``gamma`` (:func:`temper`) and its log(1 - pi)."""
+        pi = temper(self.pi, gamma, self.top_k)
+        return pi, _log_miss(pi)
+
     def with_decode_gamma(self, gamma: float) -> RoutingModel:
         """The same profile with decode tokens tempered by ``gamma`` (a copy; it shares this model's generator)."""
         out = copy.copy(self)
         out.decode_gamma = float(gamma)
-        out.pi_decode = temper(self.pi, out.decode_gamma, self.top_k)
-        out._log_miss_decode = np.log1p(-np.minimum(out.pi_decode, 1 - 1e-12))
+        out.pi_decode, out._log_miss_decode = self._tempered(out.decode_gamma)
         out._touch = {}
         return out
 
@@ -170,8 +177,7 @@ class RoutingModel:
         """The same profile with prefill chunks tempered by ``gamma`` (a copy; it shares this model's generator)."""
         out = copy.copy(self)
         out.prefill_gamma = float(gamma)
-        out.pi_prefill = temper(self.pi, out.prefill_gamma, self.top_k)
-        out._log_miss_prefill = np.log1p(-np.minimum(out.pi_prefill, 1 - 1e-12))
+        out.pi_prefill, out._log_miss_prefill = self._tempered(out.prefill_gamma)
         out._touch = {}
         return out
 
