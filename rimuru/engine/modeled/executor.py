@@ -87,9 +87,13 @@ class ModeledExecutor:
         self.experts_touched = 0  # (layer, expert) pairs computed, as the torch providers count them
         self.experts_on_cpu = 0
         self.last: StepTime | None = None
-        self.last_pipelined = False  # the last step was launched without waiting for the one before (``pipelined``)
         self.totals: dict[str, float] = {}
         self._loads_seen = loader.experts_loaded
+
+    @property
+    def last_pipelined(self) -> bool:
+        """Whether the last step was launched without waiting for the one before (``pipelined``)."""
+        return self._pipelined
 
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         chunks = out.chunks
@@ -108,7 +112,7 @@ class ModeledExecutor:
         compacted, self._moved_seen = moved != self._moved_seen, moved
         now_pipelined = pipelined(self.async_scheduling, graphed, self.waiting(), compacted)
         overlapped = now_pipelined and self._pipelined
-        self._pipelined = self.last_pipelined = now_pipelined
+        self._pipelined = now_pipelined
         self.overlapped_steps += overlapped
         carried = 0  # experts copied at the end of the previous step, on the copy stream as this step starts
         if self.mode == "resident":
