@@ -35,6 +35,10 @@ class Hotset:
         keys = np.lexsort((layer_idx.ravel(), rank.ravel(), -self.probability.ravel()))
         return np.stack([layer_idx.ravel()[keys], expert_idx.ravel()[keys]], axis=1)
 
+    def global_rank(self) -> np.ndarray:
+        """[layers, experts]: each pair's place in :meth:`global_order` (0: cached first)."""
+        return order_rank(self.global_order(), *self.probability.shape)
+
     def top_share(self, k: int) -> float:
         """Mean over layers of the routing share taken by each layer's k most used experts."""
         p = np.sort(self.probability, axis=1)[:, ::-1]
@@ -54,3 +58,11 @@ class Hotset:
         for i, layer in enumerate(layers):
             prob[i, layer["order"]] = layer["probability"]
         return cls(prob, data.get("num_tokens", 0), data.get("model", ""))
+
+
+def order_rank(order: np.ndarray, layers: int, experts: int) -> np.ndarray:
+    """[layers, experts]: each (layer, expert) pair's place in ``order`` ([layers*experts, 2], a cache's fill order
+    such as :meth:`Hotset.global_order`): a cache holding its first ``n`` pairs holds exactly those with rank < n."""
+    rank = np.empty(layers * experts, dtype=np.int64)
+    rank[order[:, 0] * experts + order[:, 1]] = np.arange(layers * experts)
+    return rank.reshape(layers, experts)

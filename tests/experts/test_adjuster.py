@@ -43,6 +43,10 @@ def test_hotset_global_order_is_by_probability_and_round_trips(tmp_path):
     order = hot.global_order()
     assert order[:3].tolist() == [[1, 0], [0, 1], [1, 2]]
     assert len({tuple(x) for x in order.tolist()}) == 8
+    rank = hot.global_rank()  # each pair's place in that order: the first three ranked 0, 1, 2
+    assert rank[1, 0] == 0 and rank[0, 1] == 1 and rank[1, 2] == 2
+    assert sorted(rank.ravel().tolist()) == list(range(8))
+    assert all(rank[layer, expert] == i for i, (layer, expert) in enumerate(order.tolist()))
     hot.save(tmp_path / "h.json")
     assert np.allclose(Hotset.load(tmp_path / "h.json").probability, prob)
     assert abs(hot.top_share(1) - (0.5 / 1.0 + 0.6 / 1.0) / 2) < 1e-9

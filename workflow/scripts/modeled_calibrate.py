@@ -13,7 +13,6 @@ import argparse
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from rimuru.engine.modeled.calibration import (
@@ -309,11 +308,7 @@ def main() -> None:
             shrink = build_shrink(name if joint and name in prior_builds else "")
             routing = RoutingModel.from_hotset(hotset, spec.top_k, prior_tokens=shrink["prior_tokens"],
                                                reference_curve=shrink["reference_curve"])
-            layers, experts = hotset.probability.shape
-            rank = np.empty(layers * experts, dtype=np.int64)
-            order = hotset.global_order()
-            rank[order[:, 0] * experts + order[:, 1]] = np.arange(layers * experts)
-            rank = rank.reshape(layers, experts)  # a pair's place in the cache's fill order
+            rank = hotset.global_rank() if joint else None  # a pair's place in the cache's fill order
             data.extend([data_entry(runs_path), data_entry(hotset_path)] + [data_entry(p) for p in paths])
             for path in paths:
                 frame = pd.read_csv(path)
@@ -326,13 +321,14 @@ def main() -> None:
                     chunks = prefill_chunks(t["prefill_tokens"], lens)
                     rows += [(routing, int(d), c, float(m)) for d, c, m in
                              zip(t["decode_tokens"], chunks, t["experts_touched"]) if sum(c) > 1]
-                    # loads: expansions off; an eager step's misses times 1 + the predictor's waste, as replayed
-                    prefill_steps += [
-                        PrefillStep(routing, int(d), tuple(c), float(m), float(loaded - max(adjust, 0)),
-                                    rank >= int(cached), 1.0 if graph == 1 else 1.0 + base.prefetch_waste)
-                        for d, c, m, loaded, adjust, cached, graph in
-                        zip(t["decode_tokens"], chunks, t["experts_touched"], t["experts_loaded"], t["adjust"],
-                            t["cached_experts"], t["cuda_graph"]) if sum(c) > 1]
+                    if joint:
+                        # loads: expansions off; an eager step's misses times 1 + the predictor's waste, as replayed
+                        prefill_steps += [
+                            PrefillStep(routing, int(d), tuple(c), float(m), float(loaded - max(adjust, 0)),
+                                        rank >= int(cached), 1.0 if graph == 1 else 1.0 + base.prefetch_waste)
+                            for d, c, m, loaded, adjust, cached, graph in
+                            zip(t["decode_tokens"], chunks, t["experts_touched"], t["experts_loaded"], t["adjust"],
+                                t["cached_experts"], t["cuda_graph"]) if sum(c) > 1]
         if not rows:
             raise SystemExit(f"--chunk-law-fit {name}: no prefill steps")
         if joint:

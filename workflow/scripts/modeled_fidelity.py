@@ -535,16 +535,12 @@ def decode_positions(references: list[str], timelines: Path, cost_params: str,
             if policy != "fixed" or workload != "poisson" or not modeled.exists():
                 continue
             hotset = Hotset.load(hotset_path)
-            layers, experts = hotset.probability.shape
             routing = RoutingModel.from_hotset(hotset, int(round(hotset.probability.sum(axis=1).mean())),
                                                chunk_scale=params.routing_chunk_scale,
                                                chunk_exponent=params.routing_chunk_exponent,
                                                prior_tokens=params.routing_prior_tokens,
                                                reference_curve=params.routing_reference_curve)
-            order = hotset.global_order()
-            rank = np.empty(layers * experts, dtype=np.int64)
-            rank[order[:, 0] * experts + order[:, 1]] = np.arange(layers * experts)
-            rank = rank.reshape(layers, experts)
+            rank = hotset.global_rank()
             one_token = routing.touch_probability(0.0, 1.0)
             sources = [("measured", r, g) for r, g in m.groupby("repeat")] + [("modeled", -1, pd.read_csv(modeled))]
             for source, repeat, g in sources:

@@ -48,6 +48,7 @@ from scipy.optimize import least_squares
 from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import GpuProfile
 from rimuru.engine.modeled.routing import RoutingModel, effective_profile_tokens, shrink_to_uniform
+from rimuru.experts.hotset import order_rank
 from rimuru.models.spec import ModelSpec
 
 
@@ -99,10 +100,7 @@ class FitRun:
 
 def expected_misses(run: FitRun) -> np.ndarray:
     """Per step: the routing model's expected misses given the step's tokens and cached-prefix size."""
-    layers, experts = run.routing.shape
-    rank = np.empty(layers * experts, dtype=np.int64)
-    rank[run.cache_order[:, 0] * experts + run.cache_order[:, 1]] = np.arange(layers * experts)
-    rank = rank.reshape(layers, experts)
+    rank = order_rank(run.cache_order, *run.routing.shape)
     out = np.empty(len(run.timeline))
     t = run.timeline
     prefill, decode = step_tokens(t, run.routing)

@@ -142,7 +142,6 @@ class RoutingModel:
         self.profile_tokens = np.broadcast_to(np.asarray(n, dtype=np.float64), (np.shape(probability)[0],))
         self.pi = np.clip(shrink_to_uniform(probability, top_k, n, prior_tokens), 0.0, 1.0)
         self.top_k = top_k
-        self._log_miss = _log_miss(self.pi)
         self.decode_gamma = float(decode_gamma)
         self.pi_decode, self._log_miss_decode = self._tempered(self.decode_gamma)  # decode tokens' routing (module doc)
         self.prefill_gamma = float(prefill_gamma)
