@@ -27,7 +27,7 @@ WORKLOADS=${WORKLOADS:-burst}
 # '' for none — the default is the Qwen3-30B-A3B one; HYBRID_MODEL: e2e_tp_gpu.py's TP=N greedy check of a hybrid
 # after the A/B; CAL: profile the serving checkpoint's hotset from the trace's first CAL prompts instead, e.g.
 # MODEL=qwen3.5-35b-a3b CAL=64 HYBRID_MODEL=qwen3.5-35b-a3b for the paper's dual-GPU model; TRACE_SKIP=N: the trace
-# from request N+1 on)
+# from request N+1 on; RATE: the Poisson workload's requests per second, default 8)
 MODEL=${MODEL:-qwen3-30b-a3b}
 BUDGET_S=${BUDGET_S:-600}
 . "$(dirname "$0")/device_tp_env.sh"  # START, left, the multi-GPU environment, wheels, $OUT
@@ -88,7 +88,7 @@ if [ "$E2E_S" -gt 0 ] && [ "$(left)" -ge $(( E2E_S + 25 )) ]; then
   else
     E2E_ARGS="--model $MODEL --layers ${LAYERS:-4} --num-requests ${NREQ:-200} --max-output ${MAX_OUTPUT:-128}"
     E2E_ARGS="$E2E_ARGS ${HOTSET+--hotset=$HOTSET} ${HYBRID_MODEL:+--hybrid-model $HYBRID_MODEL}"
-    E2E_ARGS="$E2E_ARGS ${CAL:+--calibration-prompts $CAL} ${TRACE_SKIP:+--trace-skip $TRACE_SKIP}"
+    E2E_ARGS="$E2E_ARGS ${CAL:+--calibration-prompts $CAL} ${TRACE_SKIP:+--trace-skip $TRACE_SKIP} ${RATE:+--rate $RATE}"
   fi
   echo "[$(( $(date +%s) - START ))s] serving A/B (timeout $(( E2E_S + 25 )) s)" | tee -a "$OUT/driver.log"
   timeout $(( E2E_S + 25 )) $PY workflow/scripts/e2e_tp_gpu.py $E2E_ARGS --skew 0.7 --tp 2 --budget 24GiB \
