@@ -20,7 +20,8 @@ import pandas as pd
 
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.hardware import load_gpu
-from rimuru.engine.modeled.reference import ENGINE_FEATURES, command_arg, parse_run_model, spec_with_layers
+from rimuru.engine.modeled.reference import (ENGINE_FEATURES, command_arg, parse_run_model, spec_with_layers,
+                                             trace_skip)
 from rimuru.engine.modeled.replay import TraceRequest, replay, run_batch
 from rimuru.provenance import provenance
 from rimuru.workloads.trace import read_token_trace
@@ -98,10 +99,15 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
     for (label, policy, workload), g in runs.groupby(["model", "policy", "workload"], sort=False):
         name, layers = parse_run_model(label)
         cap = re.search(r"outputs <= (\d+)", label)
-        trace = read_token_trace(trace_path, int(g["num_requests"].iloc[0]), int(cap.group(1)) if cap else 0)
+        command = str(g["command"].iloc[0]) if "command" in g else ""
+        trace = read_token_trace(trace_path, int(g["num_requests"].iloc[0]), int(cap.group(1)) if cap else 0,
+                                 skip=trace_skip(command))
         if g["request_rate"].nunique() != 1:
             raise SystemExit(f"{runs_path}: {policy} {workload} runs at several rates")
-        seed = int(command_arg(str(g["command"].iloc[0]), "--seed", 0)) if "command" in g else 0
+        seed = int(command_arg(command, "--seed", 0))
+        # a run that profiled its own hotset (--calibration-prompts) wrote it beside its runs file
+        run_hotset = str(Path(runs_path).parent / "hotset.json") if int(
+            command_arg(command, "--calibration-prompts", 0)) > 0 else hotset
         times = tp_arrivals(len(trace), float(g["request_rate"].iloc[0]), seed)
         requests = [TraceRequest(len(r.prompt_token_ids), r.output_len, float(t)) for r, t in zip(trace, times)]
         tp = int(g["tensor_parallel_size"].iloc[0])
@@ -112,7 +118,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
         wave, terms = kernels(features["decode_kernels"]) if kernels is not None else (None, "base")
 
         setup = dict(spec=spec_with_layers(name, layers), policy=policy, group=g, tp=tp, features=features, wave=wave,
-                     hotset=hotset, hardware=hardware, cost_params=cost_params, decode_gamma=decode_gamma,
+                     hotset=run_hotset, hardware=hardware, cost_params=cost_params, decode_gamma=decode_gamma,
                      requests=requests)
         result, llm = replay_tp(**setup, h2d_gbps=None)
         run = f"tp{tp}_{Path(runs_path).parent.name}"

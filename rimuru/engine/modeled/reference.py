@@ -58,10 +58,13 @@ def command_arg(command: str, name: str, default=None):
 
 def trace_skip(command: str) -> int:
     """How many requests of its trace a run skipped: ``device_engine.sh``'s ``E2E_TRACE_SKIP=N`` serves the trace from
-    request N+1 on through a file named ``..._skipN.jsonl`` (``--trace`` of the recorded command), so its prompts are
-    the lengths file's rows N onward; 0 for a run of the trace's first requests."""
+    request N+1 on through a file named ``..._skipN.jsonl`` (``--trace`` of the recorded command), ``e2e_tp_gpu.py``
+    takes ``--trace-skip N``; either way its prompts are the trace's requests N+1 onward; 0 for a run of the trace's
+    first requests."""
     import re
 
+    if command_arg(command, "--trace-skip") is not None:
+        return int(command_arg(command, "--trace-skip"))
     found = re.search(r"_skip(\d+)\.jsonl(?:\.gz)?$", str(command_arg(command, "--trace", "")))
     return int(found.group(1)) if found else 0
 
