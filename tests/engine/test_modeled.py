@@ -1032,6 +1032,61 @@ def test_tp_async_fit_recovers_its_terms_and_keeps_the_sync_ones():
     assert (fitted.tp_step_ms, fitted.tp_layer_ms) == (1.2, 0.4)
 
 
+def test_tp_graph_term_sits_in_the_host_time_of_an_async_tp_replay_only(spec):
+    """tp_graph_async_ms (wave 13): added to the host time of a decode-graph replay of an async engine at TP > 1
+    (overlapped: max(host, device)), not to its eager steps, not at TP = 1, not for the synchronous engine;
+    predict_steps agrees with CostModel.step."""
+    params = UNIT.replace(tp_graph_async_ms=0.4)
+    assert params.tp_graph_ms(True) == 0.4 and params.tp_graph_ms(False) == 0.0
+    layers = spec.num_moe_layers
+    zero = np.zeros(layers)
+    q, starts = np.array([1, 1]), np.array([10, 20])
+
+    def work(**kw):
+        return StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=zero, prefetched=zero, **kw)
+    base = CostModel(spec, GPU, UNIT, tp=2, async_scheduling=True)
+    tp = CostModel(spec, GPU, params, tp=2, async_scheduling=True)
+    replay = work(graphed=True, in_place=zero)
+    assert tp.step(replay).host_ms == pytest.approx(base.step(replay).host_ms + 0.4)
+    assert tp.step(replay).total_ms == pytest.approx(base.step(replay).total_ms + 0.4)  # host, then device
+    over = work(graphed=True, in_place=zero, overlapped=True)
+    t = tp.step(over)
+    assert t.total_ms == pytest.approx(max(t.host_ms, t.attention_ms + t.dense_ms + t.moe_ms + t.load_stall_ms))
+    assert tp.step(work()).total_ms == pytest.approx(base.step(work()).total_ms)  # an eager step: no term
+    one = CostModel(spec, GPU, params, tp=1, async_scheduling=True)
+    one_base = CostModel(spec, GPU, UNIT, async_scheduling=True)
+    assert one.step(replay).total_ms == pytest.approx(one_base.step(replay).total_ms)
+    sync = CostModel(spec, GPU, params, tp=2)
+    assert sync.step(replay).total_ms == pytest.approx(CostModel(spec, GPU, UNIT, tp=2).step(replay).total_ms)
+    x = {"tokens": np.array([2.0]), "decode": np.array([2.0]), "pairs": np.array([32.0]),
+         "kv_bytes": np.array([34.0]) * tp.kv_bytes_per_token_layer, "touched": np.array([10.0]),
+         "loads": np.zeros(1), "expansions": np.zeros(1), "running": np.array([2.0]), "samples": np.array([2.0]),
+         "in_place": np.zeros(1), "graphed": np.array([True]), "overlapped": np.array([False]), "async_engine": True}
+    assert predict_steps(x, tp, params, sync=True)[0] == pytest.approx(tp.step(replay).total_ms)
+
+
+def test_tp_graph_fit_recovers_its_term_from_replays_only():
+    """fit_tp_graph: graph replays drawn from the model itself (an async engine at TP = 2, overlapped and not) give
+    back tp_graph_async_ms; eager steps far off the model do not move it; every other term is left as it was."""
+    from rimuru.engine.modeled.calibration import fit_tp_graph, timeline_features
+
+    spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
+    start = CostParams(tp_step_ms=1.2, tp_layer_ms=0.4, tp_step_async_ms=0.1, tp_layer_async_ms=0.0)
+    truth = start.replace(tp_graph_async_ms=0.35)
+    cost = CostModel(spec, load_gpu("h200"), truth, tp=2)
+    n = 40
+    graphed = (np.arange(n) >= 10).astype(int)
+    frame = pd.DataFrame({"step": np.arange(n), "repeat": 0, "tokens": 2, "prefill_tokens": 0, "decode_tokens": 2,
+                          "context_tokens": 200 + 2 * np.arange(n), "adjust": 0, "experts_loaded": 0,
+                          "experts_touched": 12, "cuda_graph": graphed, "waiting": 0, "running": 2, "step_ms": 0.0})
+    x = timeline_features(frame, cost, "fixed", async_overlap=True)
+    frame["step_ms"] = np.where(graphed == 1, predict_steps(x, cost, truth, sync=x["sync"]), 50.0)
+    fitted, report = fit_tp_graph([(frame, cost, "fixed")], start)
+    assert fitted.tp_graph_async_ms == pytest.approx(0.35, abs=1e-6)
+    assert report["graph_steps"] == 30
+    assert fitted.replace(tp_graph_async_ms=0.0) == start
+
+
 def test_prefill_tempering_routes_prefill_chunks_by_the_tempered_profile_by_hand():
     """RoutingModel prefill_gamma (wave 12): a prefill chunk's effective tokens route by pi ** gamma rescaled to top-k,
     decode tokens by their own (here untempered) profile; hand-computed on one layer."""

@@ -23,6 +23,9 @@ def calibration_inputs(w):
             + ([f"{REF}/{MODELED['tp_fit']['async_timelines']}/e2e_runs.csv"]
                + glob.glob(f"{REF}/{MODELED['tp_fit']['async_timelines']}/timeline.csv*")
                if "async_timelines" in MODELED.get("tp_fit", {}) else [])
+            + ([f"{REF}/{MODELED['tp_fit']['graph_timelines']}/e2e_runs.csv"]
+               + glob.glob(f"{REF}/{MODELED['tp_fit']['graph_timelines']}/timeline.csv*")
+               if "graph_timelines" in MODELED.get("tp_fit", {}) else [])
             + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})
                if profile not in MODELED.get("routing_prior_build", {})]  # BUILD keys: each run's folder's hotset
             + [h for profile, keys in MODELED.get("decode_gamma_fit", {}).items()
@@ -73,6 +76,8 @@ rule modeled_calibrate:
         tp=(f"--tp-step {MODELED['tp_fit']['step_tp']} --tp-timelines {MODELED['tp_fit']['timelines']}"
             + (f" --tp-async-timelines {MODELED['tp_fit']['async_timelines']} --tp-async-kernels "
                f"{MODELED['tp_fit']['async_kernels']}" if "async_timelines" in MODELED.get("tp_fit", {}) else "")
+            + (f" --tp-graph-timelines {MODELED['tp_fit']['graph_timelines']}"
+               if "graph_timelines" in MODELED.get("tp_fit", {}) else "")
             if "tp_fit" in MODELED else ""),
         gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
         laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
@@ -105,7 +110,10 @@ rule modeled_fidelity:
         tp_runs=[item.partition("=")[2] for item in FIDELITY.get("tp_runs", [])],
         timelines=lambda w: ([t for r in FIDELITY["reference"] for t in glob.glob(f"{r}/timelines*.csv.gz")]
                              + [t for item in FIDELITY.get("tp_runs", [])
-                                for t in glob.glob(f"{Path(item.partition('=')[2]).parent}/timeline.csv*")]),
+                                for t in glob.glob(f"{Path(item.partition('=')[2]).parent}/timeline.csv*")]
+                             # a TP run that profiled its own hotset (modeled_tp_check.tp_rows) replays with it
+                             + [h for item in FIDELITY.get("tp_runs", [])
+                                for h in glob.glob(f"{Path(item.partition('=')[2]).parent}/hotset.json")]),
     output:
         csv="results/modeled/fidelity.csv",
         steps="results/modeled/fidelity_steps.csv",  # written beside csv: the step-time model per run, kind, batch

@@ -30,6 +30,7 @@ from rimuru.engine.modeled.calibration import (
     fit_routing_prior,
     fit_tp,
     fit_tp_async,
+    fit_tp_graph,
     floor_check,
     load_floor,
     prefetch_waste,
@@ -116,6 +117,9 @@ def main() -> None:
                          "async-scheduling engine: tp_step_async_ms, tp_layer_async_ms (calibration.fit_tp_async)")
     ap.add_argument("--tp-async-kernels", type=int, default=None,
                     help="the decode-kernel wave that engine launched (its graph replays' terms)")
+    ap.add_argument("--tp-graph-timelines", default="",
+                    help="folder (relative to --reference): e2e_runs.csv and timeline.csv of a TP Poisson run of the "
+                         "same async engine: tp_graph_async_ms from its graph replays (calibration.fit_tp_graph)")
     ap.add_argument("--decode-gamma-fit", nargs="*", default=[],
                     help="PROFILE=RUN+RUN...: a hotset (relative to --reference) and the fit runs served with it whose "
                          "decode steps give its decode tempering (RoutingModel decode_gamma; fitted.decode_gamma); or "
@@ -410,6 +414,12 @@ def main() -> None:
                                         by_repeat=True)
         params, tp_async = fit_tp_async(a_timelines, params, args.tp_async_kernels)
         tp_async["input"] = args.tp_async_timelines
+    tp_graph = {}
+    if args.tp_graph_timelines:  # after the async engine's TP terms, which its replays also carry
+        g_timelines = read_tp_timelines(ref / args.tp_graph_timelines, "--tp-graph-timelines", gpu, params, data,
+                                        by_repeat=True)
+        params, tp_graph = fit_tp_graph(g_timelines, params, args.tp_async_kernels)
+        tp_graph["input"] = args.tp_graph_timelines
     checks = {}
     for path in args.async_floor:
         frame = pd.read_csv(ref / path)
@@ -420,6 +430,7 @@ def main() -> None:
             checks[f"{path} {int(layers)}L"] = floor_check(f.reset_index(drop=True), cost, params, async_overlap=True)
     params = params.replace(fitted={"tp_fit": tp, "tp_fit_inputs": [args.tp_step, args.tp_timelines],
                                     "tp_async_fit": tp_async,
+                                    "tp_graph_fit": tp_graph,
                                     "loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,

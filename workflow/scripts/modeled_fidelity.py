@@ -404,6 +404,7 @@ def main() -> None:
 
 
 TP_BAND_METRICS = ("output_throughput", "mean_ttft_ms")
+POOL_POLICIES_WITHIN = 0.02  # tp_band pools a set-up's policies where their replays differ by at most this
 
 
 def replay_with_warmup(llm: LLM, before: list[tuple[int, int]], trace: list[TraceRequest]) -> dict:
@@ -433,30 +434,40 @@ def seed_spread(draws: pd.DataFrame) -> pd.DataFrame:
 
 def tp_band(runs_paths: list[str], fidelity: pd.DataFrame) -> pd.DataFrame:
     """The TP validation held to a stated band (wave 9): the measured runs of one set-up (model label, per-GPU
-    budget, requests, workload, TP degree) pooled over every validation folder, call and policy — the measured order
-    of the policies reversed from call to call while each rank's pinned H2D probe stayed flat, and the model predicts
-    both policies within ~1% — as median, min and max; beside it each folder's replay (``fidelity``'s rows at the
-    profile's rate) with its error against the pooled median and whether it lies within the measured range."""
+    budget, requests, workload, TP degree, the trace's first request) pooled over every validation folder, call and
+    policy — the measured order of the policies reversed from call to call while each rank's pinned H2D probe stayed
+    flat, and the model predicts both policies within ~1% — as median, min and max; beside it each folder's replay
+    (``fidelity``'s rows at the profile's rate) with its error against the pooled median and whether it lies within
+    the measured range. Where the replays of one set-up's policies differ by more than ``POOL_POLICIES_WITHIN`` on a
+    metric (the hybrid's bursts, wave 13: elastic 1.5x fixed, measured and modeled) the premise fails, and each policy
+    has its own band (``policies`` says which)."""
     runs = []
     for path in runs_paths:
         r = pd.read_csv(path, dtype={"commit": str})
-        runs.append(r[r["request_rate"] == float("inf")].assign(folder=Path(path).parent.name))
+        skip = r["command"].map(lambda c: trace_skip(str(c))) if "command" in r else 0
+        runs.append(r.assign(folder=Path(path).parent.name, trace_skip=skip)[r["request_rate"] == float("inf")])
     if not runs:
         return pd.DataFrame()
     runs = pd.concat(runs, ignore_index=True)
-    keys = ["model", "budget_gib", "num_requests", "workload", "tensor_parallel_size"]
+    keys = ["model", "budget_gib", "num_requests", "workload", "tensor_parallel_size", "trace_skip"]
     out = []
     for setup, g in runs.groupby(keys):
         for m in TP_BAND_METRICS:
-            v = g[m].astype(float)
-            med = float(v.median())
-            for (folder, policy), _ in g.groupby(["folder", "policy"]):
-                row = fidelity[(fidelity["run"] == f"tp{int(setup[4])}_{folder}/{policy}/burst")
-                               & (fidelity["metric"] == m)]
+            replays = {(folder, policy): fidelity[(fidelity["run"] == f"tp{int(setup[4])}_{folder}/{policy}/burst")
+                                                  & (fidelity["metric"] == m)]
+                       for (folder, policy), _ in g.groupby(["folder", "policy"])}
+            by_policy = pd.Series({k: float(r["modeled"].iloc[0]) for k, r in replays.items() if not r.empty})
+            by_policy = by_policy.groupby(level=1).median() if len(by_policy) else by_policy
+            pooled = len(by_policy) < 2 or by_policy.max() / by_policy.min() - 1 <= POOL_POLICIES_WITHIN
+            for (folder, policy), row in replays.items():
                 if row.empty:
                     continue
+                band = g if pooled else g[g["policy"] == policy]
+                v = band[m].astype(float)
+                med = float(v.median())
                 modeled = float(row["modeled"].iloc[0])
-                out.append({**dict(zip(keys, setup)), "metric": m, "runs": len(v), "folders": g["folder"].nunique(),
+                out.append({**dict(zip(keys, setup)), "metric": m, "policies": "pooled" if pooled else policy,
+                            "runs": len(v), "folders": band["folder"].nunique(),
                             "pooled_median": med, "pooled_min": float(v.min()), "pooled_max": float(v.max()),
                             "spread_low": float(v.min()) / med - 1, "spread_high": float(v.max()) / med - 1,
                             "run": f"{folder}/{policy}", "commit": str(row["commit"].iloc[0]), "modeled": modeled,

@@ -20,8 +20,7 @@ import pandas as pd
 
 from rimuru.engine.llm import LLM
 from rimuru.engine.modeled.hardware import load_gpu
-from rimuru.engine.modeled.reference import (ENGINE_FEATURES, command_arg, parse_run_model, spec_with_layers,
-                                             trace_skip)
+from rimuru.engine.modeled.reference import ENGINE_FEATURES, command_arg, parse_run_model, spec_with_layers, trace_skip
 from rimuru.engine.modeled.replay import TraceRequest, replay, run_batch
 from rimuru.provenance import provenance
 from rimuru.workloads.trace import read_token_trace

@@ -430,6 +430,7 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     ar = 2 * cost.allreduce_ms(x["tokens"])  # tensor parallelism: two all-reduces per layer (0 at tp 1)
     # an async-scheduling engine's TP terms for steps of such an engine (x["async_engine"]: CostParams.tp_terms)
     tp_step, tp_layer = p.tp_terms(bool(x.get("async_engine", False))) if cost.tp > 1 else (0.0, 0.0)
+    tp_graph = p.tp_graph_ms(bool(x.get("async_engine", False))) if cost.tp > 1 else 0.0
     device = attn + dense + p.gpu_layer_us * 1e-3 + ar
     load = lambda n: n * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.pcie_eff) * 1e3  # noqa: E731
     layers = cost.num_moe_layers
@@ -455,7 +456,7 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     moe_res = np.maximum((x["touched"] - in_place) * cost.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff),
                          x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
     reads = in_place * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.inplace_eff) * 1e3
-    host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"] + tp_step
+    host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"] + tp_step + tp_graph
     device = layers * (attn + dense + p.graph_layer_ms() + ar + moe_res + reads) + head
     overlapped = x.get("overlapped", False)  # async scheduling: launched while the step before ran
     graphed = np.where(overlapped, np.maximum(host, device), host + device)
@@ -770,6 +771,31 @@ def _tp_step_groups(feats: list[tuple[dict, CostModel, str]], p: CostParams) -> 
                 "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
                 "modeled_ms_sum": float(pred[idx].sum())}
     return groups
+
+
+def fit_tp_graph(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostParams,
+                 kernels_wave: int | None = None) -> tuple[CostParams, dict]:
+    """``tp_graph_async_ms``, every other term as fitted (the async engine's TP terms included): least squares (>= 0)
+    of the measured minus the modeled decode-graph replays of an async engine's TP serving ``timelines`` ((timeline,
+    cost model at its TP degree, policy): a Poisson run, whose steps are mostly replays), overlapped where nothing
+    waits after another replay (``timeline_features``' ``async_overlap``), with the decode kernels it launched
+    (``kernels_wave``). Its eager steps are not in the fit (their terms are ``fit_tp_async``'s); the report's groups
+    show them."""
+    q = p.with_decode_kernels(kernels_wave)
+    feats = [(timeline_features(frame, cost, policy, async_overlap=True), cost) for frame, cost, policy in timelines]
+
+    def residual(theta):
+        r = q.replace(tp_graph_async_ms=float(theta[0]))
+        return np.concatenate([(predict_steps(x, c, r, sync=x["sync"]) - x["measured"])[x["graphed"]]
+                               for x, c in feats])
+
+    sol = least_squares(residual, x0=[0.1], bounds=([0], [50]))
+    graph = float(sol.x[0])
+    report = {"tp_graph_async_ms": graph, "kernels_wave": kernels_wave,
+              "graph_steps": int(sum(x["graphed"].sum() for x, _ in feats)),
+              "groups": _tp_step_groups([(x, c, pol) for (x, c), (_, _, pol) in zip(feats, timelines)],
+                                        q.replace(tp_graph_async_ms=graph))}
+    return p.replace(tp_graph_async_ms=graph), report
 
 
 def fit_tp_async(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostParams,

@@ -66,6 +66,10 @@ class CostParams:
     # launches a graphed step while the step before runs; the term sits in the host time that max(host, device)
     # overlaps, CostModel.graphed_step); None: tp_step_ms (calibration.fit_tp_async)
     tp_layer_async_ms: float | None = None  # tp_layer_ms of an engine with async scheduling; None: tp_layer_ms
+    tp_graph_async_ms: float = 0.0  # tensor parallelism, per decode-graph replay of an engine with async scheduling,
+    # on top of the per-step term: rank 0 sends each replay to its peers (the TP Poisson runs' send-to-launch is
+    # 0.72-0.87 ms a replay, a one-GPU replay's host 0.52); host time, which max(host, device) overlaps
+    # (calibration.fit_tp_graph, fitted on a TP Poisson run's graph replays)
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     routing_prior_tokens: float = 0.0  # a hotset layer worth n tokens is shrunk toward uniform, weight prior/(n+prior)
@@ -126,6 +130,11 @@ class CostParams:
         if async_scheduling and self.tp_step_async_ms is not None:
             return float(self.tp_step_async_ms), float(self.tp_layer_async_ms or 0.0)
         return self.tp_step_ms, self.tp_layer_ms
+
+    def tp_graph_ms(self, async_scheduling: bool) -> float:
+        """The per-replay host term of a tensor-parallel decode graph (``tp_graph_async_ms``: engines with async
+        scheduling; 0 for the synchronous engine, which has none fitted)."""
+        return float(self.tp_graph_async_ms) if async_scheduling else 0.0
 
     def replace(self, **changes) -> CostParams:
         return CostParams(**(asdict(self) | changes))
@@ -244,6 +253,7 @@ class CostModel:
         self._linear_mask = np.array([k == LINEAR_ATTENTION for k in spec.layer_types])
         # host terms of a tensor-parallel step (those of an engine with async scheduling where it has it)
         self.tp_step_ms, self.tp_layer_ms = params.tp_terms(async_scheduling) if tp > 1 else (0.0, 0.0)
+        self.tp_graph_ms = params.tp_graph_ms(async_scheduling) if tp > 1 else 0.0
 
     # ------------------------------------------------------------------ terms (ms)
     def _roof(self, nbytes: float, flops: float, flops_eff: float) -> float:
@@ -316,7 +326,8 @@ class CostModel:
         n_layers = len(self.layer_kinds)
         attention = attn_full * self.full_layers + attn_lin * self.linear_layers
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
-        host = p.host_graph_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens) + self.tp_step_ms
+        host = (p.host_graph_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens) + self.tp_step_ms
+                + self.tp_graph_ms)
         # copies the eager step before queued at its end (its next-step prefetch) hold the PCIe link the in-place
         # reads need: their time, less the host work before the replay, adds to the device's (the measured
         # Poisson runs at d9f9d41: 9-10 ms over the two graphed steps after a large prefill)
