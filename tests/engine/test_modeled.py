@@ -779,8 +779,8 @@ def test_hotset_prompts_are_the_runs_first_served_prompts():
 
 
 def test_trace_skip_reads_the_requests_a_runs_trace_skipped():
-    """device_engine.sh E2E_TRACE_SKIP=N names the sliced trace ..._skipN.jsonl: the run's prompts are the lengths
-    file's rows N onward; a run of the trace's first requests skipped none."""
+    """device_engine.sh E2E_TRACE_SKIP=N names the sliced trace ..._skipN.jsonl, e2e_tp_gpu.py records --trace-skip N:
+    the run's prompts are the lengths file's rows N onward; a run of the trace's first requests skipped none."""
     from rimuru.engine.modeled.reference import trace_skip
 
     sliced = "workflow/scripts/e2e_gpu.py --layers 48 --trace /tmp/trace_sharegpt_400_skip200.jsonl --num-requests 100"
@@ -788,6 +788,9 @@ def test_trace_skip_reads_the_requests_a_runs_trace_skipped():
     assert trace_skip("e2e_gpu.py --trace .device/trace_sharegpt_400.jsonl --num-requests 100") == 0
     assert trace_skip("e2e_tp_gpu.py --trace results/reference/e2e_tp2/trace_skip7.jsonl.gz") == 7
     assert trace_skip("e2e_gpu.py --num-requests 100") == 0  # no --trace recorded
+    # e2e_tp_gpu.py's own option (wave 13): it wins over the file name
+    tp = "e2e_tp_gpu.py --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz --trace-skip 100 --tp 2"
+    assert trace_skip(tp) == 100
 
 
 def test_modeled_routing_profile_replaces_the_routing_not_the_cache_order(tmp_path):

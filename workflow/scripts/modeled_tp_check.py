@@ -2,11 +2,12 @@
 
 ``tp_rows`` is what modeled_fidelity.py adds to fidelity.csv for the TP runs (the calibration fits the TP host
 terms, ``tp_step_ms`` and ``tp_layer_ms``, on other TP measurements: calibration.fit_tp); run alone this script
-writes the same rows for one runs file. Runs of ``--runs`` (e2e_tp_gpu.py's e2e_runs.csv: the first
-``num_requests`` requests of ``--trace`` with outputs capped as the label says, all at once, after a discarded
-pass of the same workload where the runs file's ``warmup_pass`` says so) with the measured per-rank budget
-(``scaled_budget_gib``; checked: the same initial cache) and hotset. Writes run, split, metric, measured
-(median, min, max of the repeats), modeled, rel_error.
+writes the same rows for one runs file. Runs of ``--runs`` (e2e_tp_gpu.py's e2e_runs.csv: ``num_requests`` requests
+of ``--trace`` from the one after its recorded ``--trace-skip``, outputs capped as the label says, all at once or at
+the recorded Poisson rate, after a discarded pass of the same workload where the runs file's ``warmup_pass`` says so)
+with the measured per-rank budget (``scaled_budget_gib``; checked: the same initial cache) and hotset (``--hotset``,
+or the runs file's own ``hotset.json`` where the run profiled one: ``--calibration-prompts``). Writes run, split,
+metric, measured (median, min, max of the repeats), modeled, rel_error.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
     arrivals as e2e_tp_gpu.py drew them: ``tp_arrivals``; a Poisson run's discarded pass replays the same arrivals).
     ``engine``: the measured commit -> its engine features (``rimuru.engine.modeled.reference.engine_features``;
     None: the first TP runs' engine, ``EARLY_TP_ENGINE``). ``timelines``: a folder for the modeled per-step timelines
-    (``tp<N>_<runs folder>_<policy>_<workload>.csv``). ``decode_gamma``: the hotset's decode tempering
-    (fitted.decode_gamma; 1: the profile as measured). ``kernels``: a decode-kernel wave -> (the engine's
-    modeled_decode_kernels, which terms those are) (None: the base terms for every run). ``h2d``: also replay each
+    (``tp<N>_<runs folder>_<policy>_<workload>.csv``). ``decode_gamma``: ``hotset``'s decode tempering
+    (fitted.decode_gamma; 1: the profile as measured; a run with its own hotset replays it as measured). ``kernels``:
+    a decode-kernel wave -> (the engine's modeled_decode_kernels, which terms those are) (None: the base terms for
+    every run). ``h2d``: also replay each
     measured repeat with its own probed host-to-device rate (``run_h2d_gbps``) where the runs have one, as rows
     ``RUN h2d:probe`` (modeled: the median of those replays): the model given that measured input, beside the replay
     at the profile's rate."""
@@ -105,8 +107,9 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
             raise SystemExit(f"{runs_path}: {policy} {workload} runs at several rates")
         seed = int(command_arg(command, "--seed", 0))
         # a run that profiled its own hotset (--calibration-prompts) wrote it beside its runs file
-        run_hotset = str(Path(runs_path).parent / "hotset.json") if int(
-            command_arg(command, "--calibration-prompts", 0)) > 0 else hotset
+        own = int(command_arg(command, "--calibration-prompts", 0)) > 0
+        run_hotset = str(Path(runs_path).parent / "hotset.json") if own else hotset
+        gamma = 1.0 if own else decode_gamma  # the tempering is the served hotset's
         times = tp_arrivals(len(trace), float(g["request_rate"].iloc[0]), seed)
         requests = [TraceRequest(len(r.prompt_token_ids), r.output_len, float(t)) for r, t in zip(trace, times)]
         tp = int(g["tensor_parallel_size"].iloc[0])
@@ -117,7 +120,8 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
         wave, terms = kernels(features["decode_kernels"]) if kernels is not None else (None, "base")
 
         setup = dict(spec=spec_with_layers(name, layers), policy=policy, group=g, tp=tp, features=features, wave=wave,
-                     hotset=run_hotset, hardware=hardware, cost_params=cost_params, decode_gamma=decode_gamma,
+                     hotset=run_hotset, hardware=hardware, cost_params=cost_params,
+                     decode_gamma=gamma,
                      requests=requests)
         result, llm = replay_tp(**setup, h2d_gbps=None)
         run = f"tp{tp}_{Path(runs_path).parent.name}"
@@ -137,7 +141,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
                              "measured": med, "measured_min": float(measured.min()),
                              "measured_max": float(measured.max()), "repeats": len(measured),
                              "modeled": modeled[m], "rel_error": (modeled[m] - med) / med, "tp": tp,
-                             "commit": commit, "decode_gamma": decode_gamma, "kernel_terms": terms,
+                             "commit": commit, "decode_gamma": gamma, "kernel_terms": terms,
                              "h2d_input": source, "h2d_gbps": (float(np.median(rates)) if source == "probe" else
                                                                float(load_gpu(hardware).pcie_h2d_bytes_per_s) / 1e9),
                              **features})
