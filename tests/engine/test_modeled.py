@@ -1084,9 +1084,11 @@ def test_tp_graph_fit_recovers_its_term_from_replays_only():
                           "experts_touched": 12, "cuda_graph": graphed, "waiting": 0, "running": 2, "step_ms": 0.0})
     x = timeline_features(frame, cost, "fixed", async_overlap=True)
     frame["step_ms"] = np.where(graphed == 1, predict_steps(x, cost, truth, sync=x["sync"]), 50.0)
-    fitted, report = fit_tp_graph([(frame, cost, "fixed")], start)
+    fitted, report = fit_tp_graph([(frame, cost, "fixed"), (frame, cost, "fixed")], start)  # two repeats
     assert fitted.tp_graph_async_ms == pytest.approx(0.35, abs=1e-6)
-    assert report["graph_steps"] == 30
+    assert report["graph_steps"] == 60
+    replays = [k for k in report["groups"] if "decode graph" in k]
+    assert {k.split(" decode")[0] for k in replays} == {"tp2 fixed r0", "tp2 fixed r1"}  # each repeat its own group
     assert fitted.replace(tp_graph_async_ms=0.0) == start
 
 

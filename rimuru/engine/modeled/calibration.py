@@ -759,15 +759,19 @@ def fit_tp(step_tp: pd.DataFrame, timelines: list[tuple[pd.DataFrame, CostModel,
 
 
 def _tp_step_groups(feats: list[tuple[dict, CostModel, str]], p: CostParams) -> dict:
-    """Measured and modeled step ms summed per TP degree, policy and step kind (``timeline_features``' ``kind``; an
-    overlapped graph replay is its own kind), for the TP fits' reports."""
+    """Measured and modeled step ms summed per TP degree, policy (and repeat, where a policy has several timelines) and
+    step kind (``timeline_features``' ``kind``; an overlapped graph replay is its own kind), for the TP fits'
+    reports."""
     groups = {}
-    for x, cost, policy in feats:
+    runs = [f"tp{cost.tp} {policy}" for _, cost, policy in feats]
+    for i, (x, cost, policy) in enumerate(feats):
         pred = predict_steps(x, cost, p, sync=x["sync"])
         kind = np.where(x["overlapped"], x["kind"] + " overlapped", x["kind"])
+        # one timeline per policy and repeat (read_tp_timelines by_repeat): each its own group
+        run = runs[i] if runs.count(runs[i]) == 1 else f"{runs[i]} r{runs[:i].count(runs[i])}"
         for k in sorted(set(kind)):
             idx = kind == k
-            groups[f"tp{cost.tp} {policy} {k}"] = {
+            groups[f"{run} {k}"] = {
                 "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
                 "modeled_ms_sum": float(pred[idx].sum())}
     return groups
