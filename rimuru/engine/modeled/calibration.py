@@ -764,7 +764,7 @@ def _tp_step_groups(feats: list[tuple[dict, CostModel, str]], p: CostParams) -> 
     reports."""
     groups = {}
     runs = [f"tp{cost.tp} {policy}" for _, cost, policy in feats]
-    for i, (x, cost, policy) in enumerate(feats):
+    for i, (x, cost, _) in enumerate(feats):
         pred = predict_steps(x, cost, p, sync=x["sync"])
         kind = np.where(x["overlapped"], x["kind"] + " overlapped", x["kind"])
         # one timeline per policy and repeat (read_tp_timelines by_repeat): each its own group
