@@ -657,16 +657,31 @@ def test_loop_fit_recovers_a_drawn_serving_loop():
     assert p.loop_ms(5, graphed=True) == pytest.approx(0.030) and p.loop_ms(5, graphed=False) == pytest.approx(0.130)
 
 
+def _two_decodes(spec, **kw) -> StepWork:
+    """Two decode requests at positions 10 and 20, 10 experts touched in every MoE layer, nothing missed: the step the
+    TP host-term tests time by hand (``_two_decodes_features``: the same step as predict_steps reads it)."""
+    zero = np.zeros(spec.num_moe_layers)
+    return StepWork(np.array([1, 1]), np.array([10, 20]), samples=2, touched=np.full(spec.num_moe_layers, 10),
+                    demand=zero, prefetched=zero, **kw)
+
+
+def _two_decodes_features(cost: CostModel, **kw) -> dict:
+    """``_two_decodes`` as ``calibration.timeline_features`` gives a step to predict_steps (``kw``: more columns)."""
+    return {"tokens": np.array([2.0]), "decode": np.array([2.0]), "pairs": np.array([32.0]),
+            "kv_bytes": np.array([34.0]) * cost.kv_bytes_per_token_layer, "touched": np.array([10.0]),
+            "loads": np.zeros(1), "expansions": np.zeros(1), "running": np.array([2.0]), "samples": np.array([2.0]),
+            **kw}
+
+
 def test_tensor_parallel_host_terms_by_hand(spec):
     """tp_step_ms adds to every step at TP > 1 (eager and graphed), tp_layer_ms to every MoE layer with a routing
     sync of an eager step; neither at TP = 1. predict_steps agrees with CostModel.step."""
     params = UNIT.replace(tp_step_ms=1.5, tp_layer_ms=0.25)
     layers = spec.num_moe_layers
     zero = np.zeros(layers)
-    q, starts = np.array([1, 1]), np.array([10, 20])
 
     def work(**kw):
-        return StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=zero, prefetched=zero, **kw)
+        return _two_decodes(spec, **kw)
     for tp in (1, 2):
         with_tp, base = CostModel(spec, GPU, params, tp=tp), CostModel(spec, GPU, UNIT, tp=tp)
         extra = (1.5 + 0.25 * layers) if tp > 1 else 0.0
@@ -677,9 +692,7 @@ def test_tensor_parallel_host_terms_by_hand(spec):
         assert with_tp.step(resident).total_ms - base.step(resident).total_ms == pytest.approx(
             1.5 if tp > 1 else 0, abs=1e-9)
     cost = CostModel(spec, GPU, params, tp=2)
-    x = {"tokens": np.array([2.0]), "decode": np.array([2.0]), "pairs": np.array([32.0]),
-         "kv_bytes": np.array([34.0]) * cost.kv_bytes_per_token_layer, "touched": np.array([10.0]),
-         "loads": np.zeros(1), "expansions": np.zeros(1), "running": np.array([2.0]), "samples": np.array([2.0])}
+    x = _two_decodes_features(cost)
     assert predict_steps(x, cost, params, sync=True)[0] == pytest.approx(cost.step(work()).total_ms)
 
 
@@ -985,10 +998,9 @@ def test_tp_host_terms_of_an_async_engine(spec, tmp_path):
     assert UNIT.replace(tp_step_ms=1.5, tp_layer_ms=0.25).tp_terms(True) == (1.5, 0.25)  # none fitted: the sync ones
     layers = spec.num_moe_layers
     zero = np.zeros(layers)
-    q, starts = np.array([1, 1]), np.array([10, 20])
 
     def work(**kw):
-        return StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=zero, prefetched=zero, **kw)
+        return _two_decodes(spec, **kw)
     base = CostModel(spec, GPU, UNIT, tp=2)
     sync, asyn = CostModel(spec, GPU, params, tp=2), CostModel(spec, GPU, params, tp=2, async_scheduling=True)
     assert sync.step(work()).total_ms - base.step(work()).total_ms == pytest.approx(1.5 + 0.25 * layers)
@@ -999,10 +1011,7 @@ def test_tp_host_terms_of_an_async_engine(spec, tmp_path):
     assert t.host_ms == pytest.approx(base.step(over).host_ms + 0.1)
     assert t.total_ms == pytest.approx(max(t.host_ms, device))
     assert sync.step(over).total_ms == pytest.approx(max(base.step(over).host_ms + 1.5, device))
-    x = {"tokens": np.array([2.0]), "decode": np.array([2.0]), "pairs": np.array([32.0]),
-         "kv_bytes": np.array([34.0]) * asyn.kv_bytes_per_token_layer, "touched": np.array([10.0]),
-         "loads": np.zeros(1), "expansions": np.zeros(1), "running": np.array([2.0]), "samples": np.array([2.0]),
-         "async_engine": True}
+    x = _two_decodes_features(asyn, async_engine=True)
     assert predict_steps(x, asyn, params, sync=True)[0] == pytest.approx(asyn.step(work()).total_ms)
     path = tmp_path / "cal.json"
     params.save(path)
@@ -1043,10 +1052,9 @@ def test_tp_graph_term_sits_in_the_host_time_of_an_async_tp_replay_only(spec):
     assert params.tp_graph_ms(True) == 0.4 and params.tp_graph_ms(False) == 0.0
     layers = spec.num_moe_layers
     zero = np.zeros(layers)
-    q, starts = np.array([1, 1]), np.array([10, 20])
 
     def work(**kw):
-        return StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=zero, prefetched=zero, **kw)
+        return _two_decodes(spec, **kw)
     base = CostModel(spec, GPU, UNIT, tp=2, async_scheduling=True)
     tp = CostModel(spec, GPU, params, tp=2, async_scheduling=True)
     replay = work(graphed=True, in_place=zero)
@@ -1061,10 +1069,8 @@ def test_tp_graph_term_sits_in_the_host_time_of_an_async_tp_replay_only(spec):
     assert one.step(replay).total_ms == pytest.approx(one_base.step(replay).total_ms)
     sync = CostModel(spec, GPU, params, tp=2)
     assert sync.step(replay).total_ms == pytest.approx(CostModel(spec, GPU, UNIT, tp=2).step(replay).total_ms)
-    x = {"tokens": np.array([2.0]), "decode": np.array([2.0]), "pairs": np.array([32.0]),
-         "kv_bytes": np.array([34.0]) * tp.kv_bytes_per_token_layer, "touched": np.array([10.0]),
-         "loads": np.zeros(1), "expansions": np.zeros(1), "running": np.array([2.0]), "samples": np.array([2.0]),
-         "in_place": np.zeros(1), "graphed": np.array([True]), "overlapped": np.array([False]), "async_engine": True}
+    x = _two_decodes_features(tp, in_place=np.zeros(1), graphed=np.array([True]), overlapped=np.array([False]),
+                              async_engine=True)
     assert predict_steps(x, tp, params, sync=True)[0] == pytest.approx(tp.step(replay).total_ms)
 
 

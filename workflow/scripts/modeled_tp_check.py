@@ -89,8 +89,8 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
     (``tp<N>_<runs folder>_<policy>_<workload>.csv``). ``decode_gamma``: ``hotset``'s decode tempering
     (fitted.decode_gamma; 1: the profile as measured; a run with its own hotset replays it as measured). ``kernels``:
     a decode-kernel wave -> (the engine's modeled_decode_kernels, which terms those are) (None: the base terms for
-    every run). ``h2d``: also replay each
-    measured repeat with its own probed host-to-device rate (``run_h2d_gbps``) where the runs have one, as rows
+    every run). ``h2d``: also replay each measured repeat with its own probed host-to-device rate (``run_h2d_gbps``)
+    where the runs have one, as rows
     ``RUN h2d:probe`` (modeled: the median of those replays): the model given that measured input, beside the replay
     at the profile's rate."""
     runs = pd.read_csv(runs_path, dtype={"commit": str})
@@ -120,8 +120,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
         wave, terms = kernels(features["decode_kernels"]) if kernels is not None else (None, "base")
 
         setup = dict(spec=spec_with_layers(name, layers), policy=policy, group=g, tp=tp, features=features, wave=wave,
-                     hotset=run_hotset, hardware=hardware, cost_params=cost_params,
-                     decode_gamma=gamma,
+                     hotset=run_hotset, hardware=hardware, cost_params=cost_params, decode_gamma=gamma,
                      requests=requests)
         result, llm = replay_tp(**setup, h2d_gbps=None)
         run = f"tp{tp}_{Path(runs_path).parent.name}"

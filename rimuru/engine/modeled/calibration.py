@@ -777,6 +777,13 @@ def _tp_step_groups(feats: list[tuple[dict, CostModel, str]], p: CostParams) -> 
     return groups
 
 
+def _async_tp_features(timelines: list[tuple[pd.DataFrame, CostModel, str]]) -> list[tuple[dict, CostModel, str]]:
+    """(``timeline_features`` with async overlap, cost model, policy) of an async engine's TP serving ``timelines``:
+    what ``fit_tp_async`` and ``fit_tp_graph`` fit on and ``_tp_step_groups`` reports."""
+    return [(timeline_features(frame, cost, policy, async_overlap=True), cost, policy)
+            for frame, cost, policy in timelines]
+
+
 def fit_tp_graph(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostParams,
                  kernels_wave: int | None = None) -> tuple[CostParams, dict]:
     """``tp_graph_async_ms``, every other term as fitted (the async engine's TP terms included): least squares (>= 0)
@@ -786,19 +793,18 @@ def fit_tp_graph(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostPa
     (``kernels_wave``). Its eager steps are not in the fit (their terms are ``fit_tp_async``'s); the report's groups
     show them."""
     q = p.with_decode_kernels(kernels_wave)
-    feats = [(timeline_features(frame, cost, policy, async_overlap=True), cost) for frame, cost, policy in timelines]
+    feats = _async_tp_features(timelines)
 
     def residual(theta):
         r = q.replace(tp_graph_async_ms=float(theta[0]))
         return np.concatenate([(predict_steps(x, c, r, sync=x["sync"]) - x["measured"])[x["graphed"]]
-                               for x, c in feats])
+                               for x, c, _ in feats])
 
     sol = least_squares(residual, x0=[0.1], bounds=([0], [50]))
     graph = float(sol.x[0])
     report = {"tp_graph_async_ms": graph, "kernels_wave": kernels_wave,
-              "graph_steps": int(sum(x["graphed"].sum() for x, _ in feats)),
-              "groups": _tp_step_groups([(x, c, pol) for (x, c), (_, _, pol) in zip(feats, timelines)],
-                                        q.replace(tp_graph_async_ms=graph))}
+              "graph_steps": int(sum(x["graphed"].sum() for x, _, _ in feats)),
+              "groups": _tp_step_groups(feats, q.replace(tp_graph_async_ms=graph))}
     return p.replace(tp_graph_async_ms=graph), report
 
 
@@ -812,17 +818,17 @@ def fit_tp_async(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostPa
     decode kernels it launched (``kernels_wave``: ``CostParams.with_decode_kernels``). The synchronous engine's
     terms (``fit_tp``) are left as they are."""
     q = p.with_decode_kernels(kernels_wave)
-    feats = [(timeline_features(frame, cost, policy, async_overlap=True), cost) for frame, cost, policy in timelines]
+    feats = _async_tp_features(timelines)
 
     def residual(theta):
         r = q.replace(tp_step_async_ms=float(theta[0]), tp_layer_async_ms=float(theta[1]))
-        return np.concatenate([predict_steps(x, c, r, sync=x["sync"]) - x["measured"] for x, c in feats])
+        return np.concatenate([predict_steps(x, c, r, sync=x["sync"]) - x["measured"] for x, c, _ in feats])
 
     sol = least_squares(residual, x0=[max(p.tp_step_ms, 1e-3), max(p.tp_layer_ms, 1e-3)], bounds=([0, 0], [50, 50]))
     step, layer = (float(v) for v in sol.x)
     fitted = p.replace(tp_step_async_ms=step, tp_layer_async_ms=layer)
     r = q.replace(tp_step_async_ms=step, tp_layer_async_ms=layer)
     report = {"tp_step_async_ms": step, "tp_layer_async_ms": layer, "kernels_wave": kernels_wave,
-              "timeline_steps": int(sum(len(x["measured"]) for x, _ in feats)),
-              "groups": _tp_step_groups([(x, c, pol) for (x, c), (_, _, pol) in zip(feats, timelines)], r)}
+              "timeline_steps": int(sum(len(x["measured"]) for x, _, _ in feats)),
+              "groups": _tp_step_groups(feats, r)}
     return fitted, report

@@ -63,8 +63,9 @@ def trace_skip(command: str) -> int:
     first requests."""
     import re
 
-    if command_arg(command, "--trace-skip") is not None:
-        return int(command_arg(command, "--trace-skip"))
+    skip = command_arg(command, "--trace-skip")
+    if skip is not None:
+        return int(skip)
     found = re.search(r"_skip(\d+)\.jsonl(?:\.gz)?$", str(command_arg(command, "--trace", "")))
     return int(found.group(1)) if found else 0
 
