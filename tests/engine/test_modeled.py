@@ -96,6 +96,52 @@ def test_step_matches_the_vectorised_calibration_form():
     assert predict_steps(x, cost, params, sync=True)[0] == pytest.approx(cost.step(w).total_ms)
 
 
+@pytest.mark.parametrize("sync", [True, False])
+def test_hybrid_step_matches_the_vectorised_calibration_form(sync):
+    """A hybrid's Gated DeltaNet layers: predict_steps charges each linear layer the state and delta-rule term
+    and, in a step with a prefill chunk, the chunked path's terms (CostModel.linear_attention_ms), and each full layer
+    attention, as CostModel.step does; a prefill chunk beside two decodes (three sequences' states)."""
+    spec = ModelSpec.from_pretrained("tiny-qwen3.5-moe")
+    params = CostParams(prefetch_recall=0.0, host_step_ms=1.0, host_seq_us=20.0, gpu_layer_us=15.0, token_us=3.0,
+                        mma_eff=1e-6, hbm_eff=1e-3,  # slow enough that the roofline GDN term is no rounding error
+                        gdn_prefill_layer_ms=0.4)
+    cost = CostModel(spec, load_gpu("h200"), params)
+    assert 0 < cost.linear_layers < len(spec.layer_types)
+    layers = spec.num_moe_layers
+    q, starts = np.array([1, 1, 64]), np.array([10, 20, 0])
+    w = StepWork(q, starts, samples=3, touched=np.full(layers, 6), demand=np.full(layers, 2.0),
+                 prefetched=np.zeros(layers), sync_per_layer=sync)
+    pairs = 10 + 1 + 20 + 1 + 64 * 65 / 2
+    x = {"tokens": np.array([66.0]), "decode": np.array([2.0]), "pairs": np.array([pairs]),
+         "kv_bytes": np.array([(10 + 1 + 20 + 1 + 64 + 66.0) * cost.kv_bytes_per_token_layer]),
+         "touched": np.array([6.0]), "loads": np.array([2.0]), "expansions": np.array([0.0]),
+         "running": np.array([3.0]), "samples": np.array([3.0]), "chunked": np.array([True])}
+    got = predict_steps(x, cost, params, sync=sync)[0]
+    assert got == pytest.approx(cost.step(w).total_ms)
+    # the GDN terms are in it, once per linear layer: without them the step is shorter by that much (with a sync
+    # per layer the host waits for each layer; without, the launches hide part of it)
+    gdn = cost.linear_attention_ms(q)
+    assert gdn > 0.4 + 0.05
+    flat_params = params.replace(gdn_prefill_layer_ms=0.0)
+    flat = CostModel(spec, load_gpu("h200"), flat_params)
+    flat.state_bytes, flat.state_flops_per_token = 0, 0
+    shorter = got - predict_steps(x, flat, flat_params, sync=sync)[0]
+    if sync:
+        assert shorter == pytest.approx(gdn * cost.linear_layers)
+    else:
+        assert 0 < shorter <= gdn * cost.linear_layers + 1e-9
+    # a pure decode step runs the recurrent kernel: no chunked terms, in either form
+    q1 = np.array([1, 1, 1])
+    roofline_only = CostModel(spec, load_gpu("h200"), flat_params)
+    assert cost.linear_attention_ms(q1) == pytest.approx(roofline_only.linear_attention_ms(q1))
+    decode = cost.step(StepWork(
+        q1, starts, samples=3, touched=np.full(layers, 6), demand=np.full(layers, 2.0), prefetched=np.zeros(layers),
+        sync_per_layer=sync))
+    x1 = x | {"tokens": np.array([3.0]), "decode": np.array([3.0]), "pairs": np.array([10 + 1 + 20 + 1 + 1.0]),
+              "kv_bytes": np.array([(11 + 21 + 1 + 3.0) * cost.kv_bytes_per_token_layer]), "chunked": np.array([False])}
+    assert predict_steps(x1, cost, params, sync=sync)[0] == pytest.approx(decode.total_ms)
+
+
 def test_graphed_step_matches_the_vectorised_calibration_form_and_reads_misses_in_place():
     """A decode-graph replay: host step time + every layer back to back; missed experts read over PCIe."""
     spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
@@ -715,6 +761,43 @@ def test_tp_fit_recovers_the_per_layer_term():
     fitted, report = fit_tp(step_tp, [(frame, cost, "fixed")], CostParams())
     assert fitted.tp_step_ms == pytest.approx(1.2) and report["tp_step_segments"] == 3
     assert fitted.tp_layer_ms == pytest.approx(0.4)
+
+
+def test_gdn_prefill_fit_recovers_the_chunked_term_on_clean_steps_only():
+    """fit_gdn_prefill: gdn_prefill_layer_ms from a hybrid's chunked steps (small prefills beside decodes) drawn from
+    the model itself; a chunked step whose first layer touched >= 3/4 of the experts (it copies that layer's misses
+    for the next step) and the step after it are left out, so a planted slowdown of those two does not move the fit.
+    Pure decode steps take no chunked term."""
+    from rimuru.engine.modeled.calibration import fit_gdn_prefill, gdn_prefill_clean_steps, timeline_features
+
+    spec = ModelSpec.from_pretrained("tiny-qwen3.5-moe")
+    truth = CostParams(gdn_prefill_layer_ms=1.7, tp_step_ms=1.0, tp_layer_ms=0.3)
+    cost = CostModel(spec, load_gpu("h200"), truth, tp=2)
+    e = spec.num_experts
+    prefill = np.array([0, 12, 0, 40, 200, 0, 7, 0, 300, 0, 0, 90], float)
+    touched = np.where(prefill >= 200, e, e // 4).astype(float)  # steps 4 and 8 touch every expert: they carry
+    frame = pd.DataFrame({"step": np.arange(len(prefill)), "repeat": 0, "tokens": prefill + 6,
+                          "prefill_tokens": prefill, "decode_tokens": 6, "context_tokens": 600 + prefill, "adjust": 0,
+                          "experts_loaded": 2 * spec.num_moe_layers, "experts_touched": touched * spec.num_moe_layers,
+                          "cuda_graph": 0, "waiting": 0, "running": 7, "step_ms": 0.0})
+    x = timeline_features(frame, cost, "fixed")
+    clean = gdn_prefill_clean_steps(frame, x, e)
+    assert clean.tolist() == [False, True, False, True, False, False, True, False, False, False, False, True]
+    measured = predict_steps(x, cost, truth, sync=x["sync"])
+    measured[[4, 5, 8, 9]] += 25.0  # what the fed model cannot see around a next-step prefetch
+    frame["step_ms"] = measured
+    start = truth.replace(gdn_prefill_layer_ms=0.0)
+    fitted, report = fit_gdn_prefill([(frame, CostModel(spec, load_gpu("h200"), start, tp=2), "fixed")], start)
+    assert fitted.gdn_prefill_layer_ms == pytest.approx(1.7, rel=1e-4) and report["fitted_steps"] == 4
+    # the term is per GDN layer of a chunked step: the decode steps do not move with it
+    pure = ~np.asarray(x["chunked"], bool)
+    assert np.allclose(predict_steps(x, cost, start, sync=x["sync"])[pure], predict_steps(x, cost, truth,
+                                                                                         sync=x["sync"])[pure])
+    chunk = predict_steps(x, cost, truth, sync=x["sync"])[1] - predict_steps(x, cost, start, sync=x["sync"])[1]
+    assert chunk == pytest.approx(1.7 * cost.linear_layers)
+    with pytest.raises(ValueError, match="no Gated DeltaNet"):
+        fit_gdn_prefill([(frame, CostModel(ModelSpec.from_pretrained("tiny-qwen3-moe"), load_gpu("h200"), start),
+                          "fixed")], start)
 
 
 def test_carried_copies_hide_behind_the_next_steps_host_time(spec):

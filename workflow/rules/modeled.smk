@@ -26,6 +26,8 @@ def calibration_inputs(w):
             + ([f"{REF}/{MODELED['tp_fit']['graph_timelines']}/e2e_runs.csv"]
                + glob.glob(f"{REF}/{MODELED['tp_fit']['graph_timelines']}/timeline.csv*")
                if "graph_timelines" in MODELED.get("tp_fit", {}) else [])
+            + ([f"{REF}/{MODELED['gdn_fit']['timelines']}/e2e_runs.csv"]
+               + glob.glob(f"{REF}/{MODELED['gdn_fit']['timelines']}/timeline.csv*") if "gdn_fit" in MODELED else [])
             + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})
                if profile not in MODELED.get("routing_prior_build", {})]  # BUILD keys: each run's folder's hotset
             + [h for profile, keys in MODELED.get("decode_gamma_fit", {}).items()
@@ -78,7 +80,8 @@ rule modeled_calibrate:
                f"{MODELED['tp_fit']['async_kernels']}" if "async_timelines" in MODELED.get("tp_fit", {}) else "")
             + (f" --tp-graph-timelines {MODELED['tp_fit']['graph_timelines']}"
                if "graph_timelines" in MODELED.get("tp_fit", {}) else "")
-            if "tp_fit" in MODELED else ""),
+            if "tp_fit" in MODELED else "")
+           + (f" --gdn-timelines {MODELED['gdn_fit']['timelines']}" if "gdn_fit" in MODELED else ""),
         gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
         laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
         prefill=" ".join(MODELED.get("prefill_gamma_fit", [])),

@@ -24,6 +24,7 @@ from rimuru.engine.modeled.calibration import (
     fit_decode_floor,
     fit_decode_gamma,
     fit_decode_kernels,
+    fit_gdn_prefill,
     fit_loop,
     fit_moe_kernel,
     fit_prefill_routing,
@@ -120,6 +121,9 @@ def main() -> None:
     ap.add_argument("--tp-graph-timelines", default="",
                     help="folder (relative to --reference): e2e_runs.csv and timeline.csv of a TP Poisson run of the "
                          "same async engine: tp_graph_async_ms from its graph replays (calibration.fit_tp_graph)")
+    ap.add_argument("--gdn-timelines", default="",
+                    help="folder (relative to --reference): e2e_runs.csv and timeline.csv of hybrid serving runs: "
+                         "gdn_prefill_layer_ms from their chunked steps (calibration.fit_gdn_prefill)")
     ap.add_argument("--decode-gamma-fit", nargs="*", default=[],
                     help="PROFILE=RUN+RUN...: a hotset (relative to --reference) and the fit runs served with it whose "
                          "decode steps give its decode tempering (RoutingModel decode_gamma; fitted.decode_gamma); or "
@@ -420,6 +424,11 @@ def main() -> None:
                                         by_repeat=True)
         params, tp_graph = fit_tp_graph(g_timelines, params, args.tp_async_kernels)
         tp_graph["input"] = args.tp_graph_timelines
+    gdn = {}
+    if args.gdn_timelines:  # after the TP terms: a hybrid TP run's eager steps carry them
+        h_timelines = read_tp_timelines(ref / args.gdn_timelines, "--gdn-timelines", gpu, params, data, by_repeat=True)
+        params, gdn = fit_gdn_prefill(h_timelines, params)
+        gdn["input"] = args.gdn_timelines
     checks = {}
     for path in args.async_floor:
         frame = pd.read_csv(ref / path)
@@ -430,7 +439,7 @@ def main() -> None:
             checks[f"{path} {int(layers)}L"] = floor_check(f.reset_index(drop=True), cost, params, async_overlap=True)
     params = params.replace(fitted={"tp_fit": tp, "tp_fit_inputs": [args.tp_step, args.tp_timelines],
                                     "tp_async_fit": tp_async,
-                                    "tp_graph_fit": tp_graph,
+                                    "tp_graph_fit": tp_graph, "gdn_prefill_fit": gdn,
                                     "loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,

@@ -49,6 +49,7 @@ from rimuru.engine.modeled.cost import CostModel, CostParams
 from rimuru.engine.modeled.hardware import GpuProfile
 from rimuru.engine.modeled.routing import RoutingModel, effective_profile_tokens, shrink_to_uniform
 from rimuru.experts.hotset import order_rank
+from rimuru.experts.provider import prefetch_next_step
 from rimuru.models.spec import ModelSpec
 
 
@@ -424,6 +425,11 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     g = cost.gpu
     roof = lambda b, f, e: np.maximum(b / (g.hbm_bytes_per_s * p.hbm_eff), f / (g.bf16_flops * e)) * 1e3  # noqa: E731
     attn = roof(x["kv_bytes"], cost.attn_flops_factor * x["pairs"], p.attn_eff)
+    # a hybrid's Gated DeltaNet layers (CostModel.linear_attention_ms): each sequence's state, FLOPs per token
+    gdn = roof(2 * cost.state_bytes * x["running"], cost.state_flops_per_token * x["tokens"], p.mma_eff)
+    if cost.linear_layers:  # a step with a prefill chunk runs the chunked path (CostModel.linear_attention_ms)
+        gdn = gdn + np.where(np.asarray(x.get("chunked", False), bool), p.gdn_prefill_layer_ms, 0.0)
+    linear = cost.linear_layer_mask()
     dense = roof(cost.layer_dense_bytes, cost.layer_dense_flops_per_token * x["tokens"], p.mma_eff)
     moe = np.maximum(x["touched"] * cost.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff),
                      x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
@@ -431,12 +437,12 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     # an async-scheduling engine's TP terms for steps of such an engine (x["async_engine"]: CostParams.tp_terms)
     tp_step, tp_layer = p.tp_terms(bool(x.get("async_engine", False))) if cost.tp > 1 else (0.0, 0.0)
     tp_graph = p.tp_graph_ms(bool(x.get("async_engine", False))) if cost.tp > 1 else 0.0
-    device = attn + dense + p.gpu_layer_us * 1e-3 + ar
     load = lambda n: n * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.pcie_eff) * 1e3  # noqa: E731
     layers = cost.num_moe_layers
     gpu_t = np.zeros_like(x["tokens"])
     copy_t = load(x["expansions"])
     for layer in range(layers):
+        device = (gdn if linear[layer] else attn) + dense + p.gpu_layer_us * 1e-3 + ar
         overlapped = np.maximum(device + moe, p.host_layer_async_ms) - moe  # launches overlap the device
         gpu_t = gpu_t + np.where(sync, device + p.host_layer_sync_ms + tp_layer, overlapped)
         r = p.prefetch_recall if layer > 0 else 0.0
@@ -457,7 +463,8 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
                          x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
     reads = in_place * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.inplace_eff) * 1e3
     host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"] + tp_step + tp_graph
-    device = layers * (attn + dense + p.graph_layer_ms() + ar + moe_res + reads) + head
+    per_layer = attn if not linear.any() else (linear.sum() * gdn + (layers - linear.sum()) * attn) / layers
+    device = layers * (per_layer + dense + p.graph_layer_ms() + ar + moe_res + reads) + head
     overlapped = x.get("overlapped", False)  # async scheduling: launched while the step before ran
     graphed = np.where(overlapped, np.maximum(host, device), host + device)
     return np.where(x["graphed"], graphed, eager)
@@ -531,7 +538,7 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
             "touched": frame["experts_touched"].to_numpy(float) / layers, "loads": np.where(graphed, 0.0, loaded),
             "in_place": np.where(graphed, loaded, 0.0), "expansions": expansions, "running": chunks,
             "samples": chunks, "graphed": graphed, "sync": np.full(len(frame), policy != "static"),
-            "measured": frame["step_ms"].to_numpy(float),
+            "measured": frame["step_ms"].to_numpy(float), "chunked": prefill > 0,
             "kind": np.where(prefill == 0, np.where(graphed, "decode graph", "decode eager"),
                              np.where(decode == 0, "prefill", "mixed"))}
 
@@ -775,6 +782,55 @@ def _tp_step_groups(feats: list[tuple[dict, CostModel, str]], p: CostParams) -> 
                 "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
                 "modeled_ms_sum": float(pred[idx].sum())}
     return groups
+
+
+def gdn_prefill_clean_steps(frame: pd.DataFrame, x: dict, num_experts: int) -> np.ndarray:
+    """The steps of a hybrid serving timeline (``x``: its ``timeline_features``) that run the chunked GDN path and that
+    the fed step model represents whole: no next-step prefetch into them or out of them. An eager step whose first MoE
+    layer touched >= 3/4 of its experts copies that layer's misses at its end for the next step
+    (``rimuru.experts.provider.prefetch_next_step``; the timeline has the step's mean touched per layer, taken as its
+    first layer's): those copies are recorded among its loads, run behind its host tail and make the next step's
+    first layer hit, none of which ``predict_steps`` fed the step's recorded loads knows."""
+    carries = np.array([prefetch_next_step(int(round(v)), num_experts) for v in x["touched"]], bool)
+    carries &= ~np.asarray(x["graphed"], bool)
+    after = np.concatenate([[False], carries[:-1]]) & (frame["step"].diff() == 1).to_numpy()
+    return np.asarray(x["chunked"], bool) & ~carries & ~after
+
+
+def fit_gdn_prefill(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: CostParams) -> tuple[CostParams, dict]:
+    """``gdn_prefill_layer_ms`` (a hybrid's GDN layer in a step that is not pure decode: fla's chunked path), every
+    other term as fitted: least squares (>= 0) of the measured minus the modeled step over the steps of hybrid serving
+    ``timelines`` ((timeline, cost model, policy)) that run the chunked path and have no next-step prefetch into or out
+    of them (``gdn_prefill_clean_steps``). A hybrid engine replays no decode graph, so its steps are eager and
+    synchronous (a TP run's terms: ``tp_step_ms``, ``tp_layer_ms``)."""
+    feats = []
+    for frame, cost, policy in timelines:
+        if not cost.linear_layers:
+            raise ValueError(f"fit_gdn_prefill: {cost.spec.model_type} has no Gated DeltaNet layers")
+        x = timeline_features(frame, cost, policy)
+        label = f"{policy} r{int(frame['repeat'].iloc[0])}" if "repeat" in frame else policy
+        feats.append((x, cost, label, gdn_prefill_clean_steps(frame, x, cost.spec.num_experts)))
+    if not any(c.any() for *_, c in feats):
+        raise ValueError("fit_gdn_prefill: no chunked step without a next-step prefetch in the timelines")
+
+    def residual(theta):
+        r = p.replace(gdn_prefill_layer_ms=float(theta[0]))
+        return np.concatenate([(predict_steps(x, c, r, sync=x["sync"]) - x["measured"])[clean]
+                               for x, c, _, clean in feats])
+
+    sol = least_squares(residual, x0=[0.5], bounds=([0], [50]))
+    value = float(sol.x[0])
+    fitted = p.replace(gdn_prefill_layer_ms=value)
+    groups = {}
+    for x, c, label, clean in feats:
+        before, after = predict_steps(x, c, p, sync=x["sync"]), predict_steps(x, c, fitted, sync=x["sync"])
+        for name, idx in (("fitted steps", clean), ("chunked steps", np.asarray(x["chunked"], bool)),
+                          ("all steps", np.ones(len(clean), bool))):
+            groups[f"{label} {name}"] = {
+                "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
+                "modeled_ms_sum_before": float(before[idx].sum()), "modeled_ms_sum": float(after[idx].sum())}
+    return fitted, {"gdn_prefill_layer_ms": value, "fitted_steps": int(sum(c.sum() for *_, c in feats)),
+                    "groups": groups}
 
 
 def _async_tp_features(timelines: list[tuple[pd.DataFrame, CostModel, str]]) -> list[tuple[dict, CostModel, str]]:

@@ -70,6 +70,9 @@ class CostParams:
     # on top of the per-step term: rank 0 sends each replay to its peers (the TP Poisson runs' send-to-launch is
     # 0.72-0.87 ms a replay, a one-GPU replay's host 0.52); host time, which max(host, device) overlaps
     # (calibration.fit_tp_graph, fitted on a TP Poisson run's graph replays)
+    gdn_prefill_layer_ms: float = 0.0  # a hybrid's Gated DeltaNet layer in a step that is not pure decode (it runs
+    # fla's chunked prefill for every sequence of the step, and the conv over the chunk): per layer, launches and the
+    # chunk pipeline's fixed work, beyond the state/FLOPs roofline (calibration.fit_gdn_prefill)
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     routing_prior_tokens: float = 0.0  # a hotset layer worth n tokens is shrunk toward uniform, weight prior/(n+prior)
@@ -255,6 +258,14 @@ class CostModel:
         self.tp_step_ms, self.tp_layer_ms = params.tp_terms(async_scheduling) if tp > 1 else (0.0, 0.0)
         self.tp_graph_ms = params.tp_graph_ms(async_scheduling) if tp > 1 else 0.0
 
+    def linear_layer_mask(self) -> np.ndarray:
+        """[M] which MoE layers are Gated DeltaNet layers (the vectorised step model's layer order: every layer MoE)."""
+        if not self.linear_layers:
+            return np.zeros(self.num_moe_layers, bool)
+        if len(self.moe_layer_ids) != len(self.layer_kinds):
+            raise NotImplementedError("the vectorised step model (calibration.predict_steps) needs every layer MoE")
+        return self._linear_mask
+
     # ------------------------------------------------------------------ terms (ms)
     def _roof(self, nbytes: float, flops: float, flops_eff: float) -> float:
         p, g = self.params, self.gpu
@@ -268,9 +279,13 @@ class CostModel:
         return self._roof(kv_bytes, self.attn_flops_factor * pairs, self.params.attn_eff)
 
     def linear_attention_ms(self, q_lens: np.ndarray) -> float:
-        """One GDN layer: each request's recurrent state read and written, delta-rule FLOPs per token."""
-        return self._roof(2 * self.state_bytes * len(q_lens), self.state_flops_per_token * float(q_lens.sum()),
-                          self.params.mma_eff)
+        """One GDN layer: each request's recurrent state read and written, delta-rule FLOPs per token; in a step
+        with a prefill chunk (any request computing more than one token: the engine's ``is_pure_decode`` is false)
+        the chunked path's fixed time too (``CostParams.gdn_prefill_layer_ms``)."""
+        tokens = float(q_lens.sum())
+        roof = self._roof(2 * self.state_bytes * len(q_lens), self.state_flops_per_token * tokens, self.params.mma_eff)
+        chunked = len(q_lens) and q_lens.max() > 1
+        return roof + (self.params.gdn_prefill_layer_ms if chunked else 0.0)
 
     def dense_ms(self, tokens: int) -> float:
         """One decoder layer's dense weights (projections, router, shared expert)."""
