@@ -887,6 +887,9 @@ def test_trace_skip_reads_the_requests_a_runs_trace_skipped():
     # e2e_tp_gpu.py's own option (wave 13): it wins over the file name
     tp = "e2e_tp_gpu.py --trace results/reference/e2e_tp2/trace_sharegpt_400.jsonl.gz --trace-skip 100 --tp 2"
     assert trace_skip(tp) == 100
+    # wave 14's one-GPU hybrid call: `tail -n +101` into ..._from101.jsonl, requests 101 onward (100 skipped)
+    assert trace_skip("e2e_gpu.py --trace /tmp/trace_from101.jsonl --num-requests 100") == 100
+    assert trace_skip("e2e_gpu.py --trace /tmp/trace_from1.jsonl") == 0
 
 
 def test_modeled_routing_profile_replaces_the_routing_not_the_cache_order(tmp_path):

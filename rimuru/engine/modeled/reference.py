@@ -58,16 +58,21 @@ def command_arg(command: str, name: str, default=None):
 
 def trace_skip(command: str) -> int:
     """How many requests of its trace a run skipped: ``device_engine.sh``'s ``E2E_TRACE_SKIP=N`` serves the trace from
-    request N+1 on through a file named ``..._skipN.jsonl`` (``--trace`` of the recorded command), ``e2e_tp_gpu.py``
-    takes ``--trace-skip N``; either way its prompts are the trace's requests N+1 onward; 0 for a run of the trace's
-    first requests."""
+    request N+1 on through a file named ``..._skipN.jsonl`` (``--trace`` of the recorded command), wave 14's one-GPU
+    hybrid call through ``..._fromM.jsonl`` (the trace from request M on: ``tail -n +M``, M - 1 skipped),
+    ``e2e_tp_gpu.py`` takes ``--trace-skip N``; either way its prompts are the trace's requests N+1 onward; 0 for a run
+    of the trace's first requests."""
     import re
 
     skip = command_arg(command, "--trace-skip")
     if skip is not None:
         return int(skip)
-    found = re.search(r"_skip(\d+)\.jsonl(?:\.gz)?$", str(command_arg(command, "--trace", "")))
-    return int(found.group(1)) if found else 0
+    trace = str(command_arg(command, "--trace", ""))
+    found = re.search(r"_skip(\d+)\.jsonl(?:\.gz)?$", trace)
+    if found:
+        return int(found.group(1))
+    found = re.search(r"_from(\d+)\.jsonl(?:\.gz)?$", trace)
+    return int(found.group(1)) - 1 if found else 0
 
 
 def hotset_prompts(command: str, num_requests: int, default: int = 256) -> int:
