@@ -703,8 +703,10 @@ class LLM:
         counts = self.model.routing_counts if self.model is not None else None
         if counts is None:
             raise RuntimeError("create the engine with record_routing=True to profile routing")
-        tokens = int(counts[0].sum()) // self.spec.top_k
-        return Hotset.from_counts(counts.numpy().astype(np.float64), tokens, self.model_name)
+        decode = self.model.decode_routing_counts
+        k = self.spec.top_k
+        return Hotset.from_counts(counts.numpy().astype(np.float64), int(counts[0].sum()) // k, self.model_name,
+                                  decode.numpy().astype(np.float64), int(decode[0].sum()) // k)
 
     @property
     def graphs(self) -> DecodeGraphs | None:

@@ -188,7 +188,7 @@ class Qwen35MoeModel(QwenMoeModel):
         self.moe = [MoeLayerWeights.from_dense(dense, spec, layer) for layer in spec.moe_layers]
         self.lm_head = dense.get("lm_head.weight", dense["model.embed_tokens.weight"])
         self._lm_head = projection(self.lm_head)  # oneDNN prepacked on the CPU (kernels/linear_cpu.py)
-        self.routing_counts = None
+        self.routing_counts = self.decode_routing_counts = self._decode_rows = None
         self._reduce = comm.all_reduce if comm.world_size > 1 else _identity
 
     def decode_projections(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -229,6 +229,7 @@ class Qwen35MoeModel(QwenMoeModel):
         if states is None or ssm is None or conv is None:
             raise ValueError("a hybrid model's forward needs the step's StateMetadata and the SSM and conv views")
         spec, w, eps = self.spec, self.w, self.spec.rms_norm_eps
+        self._recording_step(meta)
         h = F.embedding(input_ids, w["model.embed_tokens.weight"])
         for layer in range(spec.num_layers):
             p = f"model.layers.{layer}"

@@ -74,6 +74,8 @@ class QwenMoeModel:
         self.rope = rope
         self.layers = [self._resolve(layer) for layer in range(spec.num_layers)]
         self.routing_counts: torch.Tensor | None = None  # [moe_layers, E] when recording
+        self.decode_routing_counts: torch.Tensor | None = None  # [moe_layers, E]: the decode tokens' part
+        self._decode_rows: torch.Tensor | None = None  # [T] bool, host: the recording step's decode tokens
         self.expert_map = None if expert_map is None else expert_map.to(device=device, dtype=torch.int32)
         self._ep = {} if expert_map is None else {"null_expert": int(expert_map.max()),
                                                    "tile_experts": spec.num_experts}
@@ -128,6 +130,14 @@ class QwenMoeModel:
 
     def record_routing(self) -> None:
         self.routing_counts = torch.zeros(len(self.spec.moe_layers), self.spec.num_experts, dtype=torch.int64)
+        self.decode_routing_counts = torch.zeros_like(self.routing_counts)
+
+    def _recording_step(self, meta: AttentionMetadata) -> None:
+        """While recording: which of this step's tokens are decode tokens (their request computes one token; a
+        one-token prompt chunk counts with them), for ``decode_routing_counts``."""
+        if self.routing_counts is not None:
+            q = meta.cu_query_lens.diff()
+            self._decode_rows = torch.repeat_interleave(q == 1, q).cpu()
 
     def _mlp(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         """A dense MLP by weight-name prefix (subclasses); this model's layers use :meth:`_dense_mlp`."""
@@ -151,8 +161,12 @@ class QwenMoeModel:
 
     def _record(self, m: int, topk_ids: torch.Tensor) -> None:
         if self.routing_counts is not None:
-            ids = topk_ids.reshape(-1).long().cpu()
-            self.routing_counts[m] += torch.bincount(ids, minlength=self.spec.num_experts)
+            ids = topk_ids.long().cpu()  # [T, k]
+            self.routing_counts[m] += torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
+            rows = self._decode_rows
+            if rows is not None and len(rows) == len(ids) and rows.any():
+                self.decode_routing_counts[m] += torch.bincount(ids[rows].reshape(-1),
+                                                                minlength=self.spec.num_experts)
 
     def _moe_parts(self, layer: int, x: torch.Tensor, experts: ExpertProvider, expert_view: torch.Tensor,
                    row_valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -177,6 +191,7 @@ class QwenMoeModel:
         ``row_valid`` [T, 1] bool marks real tokens of a padded (captured) batch; padding rows are computed
         but routed like row 0 so that they read no extra experts."""
         eps = self.spec.rms_norm_eps
+        self._recording_step(meta)
         end = self.comm.reduce_add_rms_norm  # one rank: add_rms_norm itself
         h = F.embedding(input_ids, self.embed)  # [T, d]
         cos_sin = self.rope.cos_sin(meta.positions)  # once per step, shared by every layer

@@ -43,5 +43,6 @@ def test_calibration_hotset_routes_every_truncated_prompt_to_its_staggered_lengt
     outputs = [1, 98, 67]  # 1 + 97 i mod 128
     # every prompt token and every generated token but the last is routed once
     assert hotset.num_tokens == sum(prompts) + sum(o - 1 for o in outputs)
+    assert hotset.decode_tokens == sum(o - 1 for o in outputs)  # recorded apart too (the plain MoE's forward)
     with pytest.raises(ValueError, match="token ids"):
         calibration_hotset(llm, [TraceRequest("t", 0.0, "hello", 1, 4)], 1)

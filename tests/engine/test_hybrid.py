@@ -139,3 +139,33 @@ def test_gpu_greedy_matches_transformers(model_dir, reference_cuda, ieee_fp32_do
     late = {k: n - warm.get(k, 0) for k, n in compiles_by_kernel().items() if n != warm.get(k, 0)}
     steps = [(r.tokens, r.prefill_tokens, r.compiles) for r in llm.timeline.records if r.compiles]
     assert sum(r.compiles for r in llm.timeline.records) == 0, f"compiles after warm-up {info}: {late} in {steps}"
+
+
+def test_routing_profile_records_the_decode_tokens_apart(ckpt, tmp_path):
+    """record_routing counts the decode tokens (requests computing one token in a step) apart as well as in the whole
+    profile: a profile with outputs minus the same prompts' profile with one output token each is exactly the decode
+    part, its token count the outputs less the tokens the prefill sampled; the split survives a save and load."""
+    import numpy as np
+
+    from rimuru.experts.hotset import Hotset
+
+    prompts = [PROMPTS[1], PROMPTS[4], PROMPTS[3]]
+    outputs = [1, 5, 9]
+    whole = engine(ckpt, gpu_memory_budget="400MiB", policy="static", record_routing=True).profile_hotset(
+        prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for o in outputs])
+    prefill = engine(ckpt, gpu_memory_budget="400MiB", policy="static", record_routing=True).profile_hotset(
+        prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+    k = ckpt.spec.top_k
+    assert whole.decode_tokens == sum(o - 1 for o in outputs) and prefill.decode_tokens == 0
+    assert prefill.decode_probability is None  # no decode token: nothing recorded apart
+    assert whole.num_tokens == sum(map(len, prompts)) + whole.decode_tokens
+    counts = whole.probability * whole.num_tokens
+    decode = whole.decode_probability * whole.decode_tokens
+    assert np.allclose(decode.sum(axis=1), whole.decode_tokens * k)
+    assert np.allclose(counts - prefill.probability * prefill.num_tokens, decode)
+    whole.save(tmp_path / "h.json")
+    back = Hotset.load(tmp_path / "h.json")
+    assert back.decode_tokens == whole.decode_tokens
+    assert np.allclose(back.decode_probability, whole.decode_probability, atol=1e-6)
+    prefill.save(tmp_path / "p.json")
+    assert Hotset.load(tmp_path / "p.json").decode_probability is None

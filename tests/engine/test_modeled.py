@@ -397,6 +397,33 @@ def test_decode_tempering_by_hand():
         LLM("qwen3-30b-a3b", executor="torch", modeled_decode_gamma=1.1)
 
 
+def test_decode_tokens_route_by_the_profiles_decode_part_by_hand():
+    """A hotset with its decode tokens recorded apart (wave 14): decode tokens route by that part (shrunk against its
+    own token count, then tempered), prefill chunks and the cache order by the whole profile; without the part,
+    decode tokens route by the whole profile as before."""
+    from rimuru.engine.modeled.routing import temper
+    from rimuru.experts.hotset import Hotset
+
+    pi = np.array([[0.9, 0.6, 0.3, 0.2], [0.5, 0.5, 0.5, 0.5]])
+    dec = np.array([[0.5, 0.5, 0.5, 0.5], [1.0, 0.6, 0.3, 0.1]])
+    split = RoutingModel.from_hotset(Hotset(pi / 2, 100, "m", dec / 2, 20), 2)
+    plain = RoutingModel.from_hotset(Hotset(pi / 2, 100, "m"), 2)
+    assert split.decode_profile and not plain.decode_profile
+    assert split.touch_probability(3.0)[0, 3] == pytest.approx(1 - 0.8**3)  # prefill: the whole profile
+    assert split.touch_probability(0.0, 1.0)[0] == pytest.approx([0.5] * 4)  # one decode token: the decode part
+    assert split.touch_probability(0.0, 2.0)[1, 3] == pytest.approx(1 - 0.9**2)
+    mixed = split.touch_probability(1.0, 1.0)  # one prefill and one decode token: both laws
+    assert mixed[0, 0] == pytest.approx(1 - 0.1 * 0.5)
+    assert np.array_equal(plain.touch_probability(3.0, 2.0), plain.touch_probability(5.0))
+    # shrunk against its own tokens: 20 decode tokens with a prior of 20 put half the weight on uniform
+    shrunk = RoutingModel.from_hotset(Hotset(pi / 2, 100, "m", dec / 2, 20), 2, prior_tokens=20.0)
+    assert shrunk.pi_decode[1] == pytest.approx(0.5 * dec[1] + 0.5 * 0.5)
+    assert shrunk.pi[1] == pytest.approx(pi[1])  # a flat layer: shrinking changes nothing
+    # tempering applies to the decode part
+    hot = split.with_decode_gamma(2.0)
+    assert np.allclose(hot.pi_decode, temper(dec, 2.0, 2)) and np.array_equal(hot.pi, split.pi)
+
+
 def test_decode_gamma_fit_recovers_the_tempering_the_loads_were_drawn_with():
     """fit_decode_gamma on decode steps whose recorded loads are a known tempering's expected misses (graphed steps
     at 1x, eager ones times 1 + waste, expansions on top): it finds that gamma."""

@@ -29,6 +29,14 @@ them); gamma 1 (the default) is the profile itself. Fitted per profile on the de
 with that profile (``rimuru.engine.modeled.calibration.fit_decode_gamma``), and applied to the runs served with the
 same profile only (the fidelity config says which).
 
+Decode tokens' own profile (since wave 14): a hotset profiled since wave 14 also records its decode tokens apart
+(``Hotset.decode_probability``: tokens of requests computing one token in a step). Decode tokens then route by that
+part, shrunk the same way against its own token count, and tempered by ``decode_gamma`` (1 unless fitted); the whole
+profile still orders the cache and routes prefill chunks. Why: on wave 14's one-GPU hybrid the served requests' decode
+tokens put 4-5% of their routings outside each layer's 128 most popular experts against the profile's 3-4%, and a replay
+drawing them from the decode tokens' routing loads 3-5% fewer decode misses than measured instead of 7-11%
+(docs/modeled.md, wave 14). Older profiles have no split: their decode tokens route by the whole profile.
+
 Prefill tokens (``prefill_gamma``, since wave 12): a prompt's chunk routes its effective tokens by the profile tempered
 the same way (``pi ** prefill_gamma``, rescaled to top-k), so that the touched pairs' placement against the cache (the
 hotset's order) follows the recorded prefill loads, while the chunk law keeps their count. A single 48-layer prompt
@@ -131,19 +139,24 @@ class RoutingModel:
     def __init__(self, probability: np.ndarray, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
                  chunk_exponent: float = 1.0, num_tokens: float = 0, prior_tokens: float = 0.0,
                  reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0,
-                 prefill_gamma: float = 1.0) -> None:
+                 prefill_gamma: float = 1.0, decode_probability: np.ndarray | None = None,
+                 decode_tokens: float = 0) -> None:
+        """``decode_probability`` (over ``decode_tokens``): the profile's decode tokens apart (``Hotset``'s, where
+        the profiler recorded them): decode tokens route by it, shrunk the same way, instead of by the whole
+        profile (module doc); None: by the whole profile."""
         if chunk_scale <= 0 or not 0 < chunk_exponent <= 1:
             raise ValueError(f"chunk_scale must be > 0 and chunk_exponent in (0, 1], got {chunk_scale}, "
                              f"{chunk_exponent}")
         self.chunk_scale, self.chunk_exponent = float(chunk_scale), float(chunk_exponent)
-        n = num_tokens
-        if prior_tokens > 0 and reference_curve is not None and len(reference_curve) and num_tokens > 0:
-            n = effective_profile_tokens(probability, num_tokens, reference_curve, top_k)
-        self.profile_tokens = np.broadcast_to(np.asarray(n, dtype=np.float64), (np.shape(probability)[0],))
-        self.pi = np.clip(shrink_to_uniform(probability, top_k, n, prior_tokens), 0.0, 1.0)
         self.top_k = top_k
+        self.pi, n = self._shrunk(probability, num_tokens, prior_tokens, reference_curve)
+        self.profile_tokens = np.broadcast_to(np.asarray(n, dtype=np.float64), (np.shape(probability)[0],))
+        self.decode_profile = decode_probability is not None
+        self.pi_decode_base = self.pi if decode_probability is None else self._shrunk(
+            decode_probability, decode_tokens, prior_tokens, reference_curve)[0]
         self.decode_gamma = float(decode_gamma)
-        self.pi_decode, self._log_miss_decode = self._tempered(self.decode_gamma)  # decode tokens' routing (module doc)
+        self.pi_decode, self._log_miss_decode = self._tempered(self.decode_gamma, self.pi_decode_base)  # decode
+        # tokens' routing (module doc)
         self.prefill_gamma = float(prefill_gamma)
         self.pi_prefill, self._log_miss_prefill = self._tempered(self.prefill_gamma)  # prefill chunks' (module doc)
         self.rng = np.random.default_rng(seed)
@@ -155,20 +168,30 @@ class RoutingModel:
                     reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0,
                     prefill_gamma: float = 1.0) -> RoutingModel:
         """The hotset's profile, shrunk toward uniform by ``prior_tokens`` against its ``num_tokens`` (per layer:
-        fewer where ``reference_curve`` says its unseen experts are too many for that many tokens)."""
+        fewer where ``reference_curve`` says its unseen experts are too many for that many tokens); its decode
+        tokens' profile the same way, where it has one."""
         return cls(hotset.probability, top_k, seed, chunk_scale, chunk_exponent, hotset.num_tokens, prior_tokens,
-                   reference_curve, decode_gamma, prefill_gamma)
+                   reference_curve, decode_gamma, prefill_gamma, hotset.decode_probability, hotset.decode_tokens)
 
-    def _tempered(self, gamma: float) -> tuple[np.ndarray, np.ndarray]:
-        """The profile tempered by ``gamma`` (:func:`temper`) and its log(1 - pi)."""
-        pi = temper(self.pi, gamma, self.top_k)
+    def _shrunk(self, probability: np.ndarray, num_tokens: float, prior_tokens: float,
+                reference_curve: np.ndarray | None) -> tuple[np.ndarray, float | np.ndarray]:
+        """A profile over ``num_tokens`` tokens shrunk toward uniform (:func:`shrink_to_uniform`, per layer against
+        its effective tokens where ``reference_curve`` is given), and those tokens."""
+        n = num_tokens
+        if prior_tokens > 0 and reference_curve is not None and len(reference_curve) and num_tokens > 0:
+            n = effective_profile_tokens(probability, num_tokens, reference_curve, self.top_k)
+        return np.clip(shrink_to_uniform(probability, self.top_k, n, prior_tokens), 0.0, 1.0), n
+
+    def _tempered(self, gamma: float, base: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The profile (or ``base``) tempered by ``gamma`` (:func:`temper`) and its log(1 - pi)."""
+        pi = temper(self.pi if base is None else base, gamma, self.top_k)
         return pi, _log_miss(pi)
 
     def with_decode_gamma(self, gamma: float) -> RoutingModel:
         """The same profile with decode tokens tempered by ``gamma`` (a copy; it shares this model's generator)."""
         out = copy.copy(self)
         out.decode_gamma = float(gamma)
-        out.pi_decode, out._log_miss_decode = self._tempered(out.decode_gamma)
+        out.pi_decode, out._log_miss_decode = self._tempered(out.decode_gamma, self.pi_decode_base)
         out._touch = {}
         return out
 
@@ -210,7 +233,7 @@ class RoutingModel:
         """[L, E] P(expert touched by ``tokens`` independent tokens (fractional: effective tokens) routed by the
         profile's prefill tempering and ``decode`` decode tokens routed by its decode tempering; with the two gammas
         equal the two are one count; both 1: the profile itself)."""
-        if self.decode_gamma == self.prefill_gamma:
+        if self.decode_gamma == self.prefill_gamma and not self.decode_profile:
             tokens, decode = float(tokens) + float(decode), 0.0
         key = (round(float(tokens), 2), round(float(decode), 2))
         p = self._touch.get(key)
