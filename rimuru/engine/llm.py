@@ -429,12 +429,14 @@ class LLM:
         t0 = self.clock.now()
         compiles_before = compile_count()
         outputs: list[RequestOutput] = []
-        if self._inflight is not None and not self._pipelinable():
+        pipelinable = self._pipelinable()
+        if self._inflight is not None and not pipelinable:
             inflight, self._inflight = self._inflight, None
             outputs = self._commit(inflight, t0, compiles_before)
             self.policy.after_forward()  # nothing in flight now: free the pages of experts that step shrank
             t0, compiles_before = self.clock.now(), compile_count()
-        if self._pipelinable():
+            pipelinable = self._pipelinable()  # the commit finished requests and freed pages: ask again
+        if pipelinable:
             return outputs + self._step_async(t0, compiles_before)
         return outputs + self._step_sync(t0, compiles_before)
 
