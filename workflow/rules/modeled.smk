@@ -182,6 +182,24 @@ rule modeled_tp_steps:
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
+# the decode tokens' routing against the replay's profile (wave 14): routing_split_gpu.py's measured splits
+ROUTING_SPLITS = [f"{REF}/{d}/routing_split.json" for d in MODELED.get("routing_split", [])]
+
+
+rule modeled_routing_split:
+    input:
+        calibration="results/modeled/calibration.json",
+        splits=ROUTING_SPLITS,
+    output:
+        csv="results/modeled/routing_split.csv",
+        md="results/modeled/routing_split.md",
+    log: "results/logs/modeled/routing_split.log"
+    shell:
+        CPU + "results/logs/modeled/cpu/routing_split.json -- "
+        "{PY} {SCRIPTS}/modeled_routing_split.py --splits {input.splits} --cost-params {input.calibration} "
+        "--out-csv {output.csv} --out-md {output.md} > {log} 2>&1"
+
+
 # ---- the paper's configurations at full scale (MODELED) -----------------------------------------------
 PAPER = MODELED["paper"]
 SPLITS = MODELED["splits"]
@@ -329,5 +347,6 @@ rule modeled_all:
         rules.modeled_calibrate.output,
         rules.modeled_fidelity.output,
         rules.modeled_tp_steps.output,
+        rules.modeled_routing_split.output if ROUTING_SPLITS else [],
         rules.modeled_paper_tables.output,
         rules.modeled_case_eol_tables.output,
