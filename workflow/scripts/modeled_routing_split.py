@@ -102,10 +102,10 @@ def main() -> None:
                               values="decode_over_profile").reset_index()
     ratio.columns = [f"batch {c}" if isinstance(c, (int, np.integer)) else c for c in ratio.columns]
     lines = ["# Decode tokens' routing against the replay's profile (MODELED from measured routing)", "",
-             "Source files and how: `workflow/scripts/modeled_routing_split.py` (module docstring). Tail shares: of all",
-             "routings, outside each layer's top experts by the hotset. Ratios: expected distinct misses of one decode",
-             "step drawn from the decode tokens' routing over those drawn from the hotset as the replay takes it",
-             "(> 1: the replay under-draws), against a cache holding each layer's most popular experts.", "",
+             "Source files and how: `workflow/scripts/modeled_routing_split.py` (module docstring). Tail shares:",
+             "of all routings, outside each layer's top experts by the hotset. Ratios: expected distinct misses of one",
+             "decode step drawn from the decode tokens' routing over those drawn from the hotset as the replay takes",
+             "it (> 1: the replay under-draws), against a cache holding each layer's most popular experts.", "",
              tails.to_markdown(index=False, floatfmt=".4f"), "", ratio.to_markdown(index=False, floatfmt=".3f"), "",
              f"Provenance: commit {frame['prov_commit'].iloc[0]}, {frame['prov_date'].iloc[0]}."]
     Path(args.out_md).write_text("\n".join(lines) + "\n")

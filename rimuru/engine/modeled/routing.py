@@ -32,10 +32,11 @@ same profile only (the fidelity config says which).
 Decode tokens' own profile (since wave 14): a hotset profiled since wave 14 also records its decode tokens apart
 (``Hotset.decode_probability``: tokens of requests computing one token in a step). Decode tokens then route by that
 part, shrunk the same way against its own token count, and tempered by ``decode_gamma`` (1 unless fitted); the whole
-profile still orders the cache and routes prefill chunks. Why: on wave 14's one-GPU hybrid the served requests' decode
-tokens put 4.6% of their routings outside each layer's 128 most popular experts against the profile's 3.7-3.8%, and a replay
-drawing them from the decode tokens' routing loads 3-5% fewer decode misses than measured instead of 7-11%
-(docs/modeled.md, wave 14). Older profiles have no split: their decode tokens route by the whole profile.
+profile still orders the cache and routes prefill chunks. Why: on wave 14's one-GPU hybrid the served requests'
+decode tokens put 4.6% of their routings outside each layer's 128 most popular experts against the profile's
+3.7-3.8%, and a replay drawing them from the decode tokens' routing loads 3-5% fewer decode misses than measured
+instead of 7-11% (docs/modeled.md, wave 14). Older profiles have no split: their decode tokens route by the whole
+profile.
 
 Prefill tokens (``prefill_gamma``, since wave 12): a prompt's chunk routes its effective tokens by the profile tempered
 the same way (``pi ** prefill_gamma``, rescaled to top-k), so that the touched pairs' placement against the cache (the
