@@ -769,6 +769,17 @@ def test_tensor_parallel_host_terms_by_hand(spec):
     assert predict_steps(x, cost, params, sync=True)[0] == pytest.approx(cost.step(work()).total_ms)
 
 
+def _timeline(n: int, decode, context, touched, prefill=0.0, loaded=0, graphed=0, running=None) -> pd.DataFrame:
+    """``n`` steps of an e2e timeline with the columns ``calibration.timeline_features`` reads (``LLM.timeline``'s):
+    per step (a number or an array) its decode and prefill tokens, context, experts touched and loaded, whether it
+    replayed a decode graph; nothing waiting; ``step_ms`` 0 for the test to fill."""
+    prefill = np.broadcast_to(np.asarray(prefill, float), (n,))
+    return pd.DataFrame({"step": np.arange(n), "repeat": 0, "tokens": prefill + decode, "prefill_tokens": prefill,
+                         "decode_tokens": decode, "context_tokens": context, "adjust": 0, "experts_loaded": loaded,
+                         "experts_touched": touched, "cuda_graph": graphed, "waiting": 0,
+                         "running": decode if running is None else running, "step_ms": 0.0})
+
+
 def test_tp_fit_recovers_the_per_layer_term():
     """fit_tp: tp_step_ms is the median of rank 0's send-to-launch + the peer's lateness; tp_layer_ms the mean
     per-layer excess of eager paged TP steps over the model without it (steps drawn from the model itself)."""
@@ -778,9 +789,7 @@ def test_tp_fit_recovers_the_per_layer_term():
     truth = CostParams(tp_step_ms=1.2, tp_layer_ms=0.4)
     cost = CostModel(spec, load_gpu("h200"), truth, tp=2)
     n = 30
-    frame = pd.DataFrame({"step": np.arange(n), "repeat": 0, "tokens": 8, "prefill_tokens": 0, "decode_tokens": 8,
-                          "context_tokens": 800, "adjust": 0, "experts_loaded": 0, "experts_touched": 20,
-                          "cuda_graph": 0, "waiting": 0, "running": 8, "step_ms": 0.0})
+    frame = _timeline(n, decode=8, context=800, touched=20)
     x = timeline_features(frame, cost, "fixed")
     frame["step_ms"] = predict_steps(x, cost, truth, sync=x["sync"])
     step_tp = pd.DataFrame({"tensor_parallel_size": [1, 2, 2, 2], "rank0_send_to_launch_ms": [np.nan, 0.8, 1.0, 0.5],
@@ -803,10 +812,8 @@ def test_gdn_prefill_fit_recovers_the_chunked_term_on_clean_steps_only():
     e = spec.num_experts
     prefill = np.array([0, 12, 0, 40, 200, 0, 7, 0, 300, 0, 0, 90], float)
     touched = np.where(prefill >= 200, e, e // 4).astype(float)  # steps 4 and 8 touch every expert: they carry
-    frame = pd.DataFrame({"step": np.arange(len(prefill)), "repeat": 0, "tokens": prefill + 6,
-                          "prefill_tokens": prefill, "decode_tokens": 6, "context_tokens": 600 + prefill, "adjust": 0,
-                          "experts_loaded": 2 * spec.num_moe_layers, "experts_touched": touched * spec.num_moe_layers,
-                          "cuda_graph": 0, "waiting": 0, "running": 7, "step_ms": 0.0})
+    frame = _timeline(len(prefill), decode=6, prefill=prefill, context=600 + prefill,
+                      touched=touched * spec.num_moe_layers, loaded=2 * spec.num_moe_layers, running=7)
     x = timeline_features(frame, cost, "fixed")
     clean = gdn_prefill_clean_steps(frame, x, e)
     assert clean.tolist() == [False, True, False, True, False, False, True, False, False, False, False, True]
@@ -1145,9 +1152,7 @@ def test_tp_async_fit_recovers_its_terms_and_keeps_the_sync_ones():
     cost = CostModel(spec, load_gpu("h200"), truth, tp=2)
     n = 40
     graphed = (np.arange(n) >= 20).astype(int)
-    frame = pd.DataFrame({"step": np.arange(n), "repeat": 0, "tokens": 8, "prefill_tokens": 0, "decode_tokens": 8,
-                          "context_tokens": 800 + 8 * np.arange(n), "adjust": 0, "experts_loaded": 0,
-                          "experts_touched": 20, "cuda_graph": graphed, "waiting": 0, "running": 8, "step_ms": 0.0})
+    frame = _timeline(n, decode=8, context=800 + 8 * np.arange(n), touched=20, graphed=graphed)
     x = timeline_features(frame, cost, "fixed", async_overlap=True)
     assert x["overlapped"].sum() == 19  # every graph replay after the first
     frame["step_ms"] = predict_steps(x, cost, truth, sync=x["sync"])
@@ -1198,9 +1203,7 @@ def test_tp_graph_fit_recovers_its_term_from_replays_only():
     cost = CostModel(spec, load_gpu("h200"), truth, tp=2)
     n = 40
     graphed = (np.arange(n) >= 10).astype(int)
-    frame = pd.DataFrame({"step": np.arange(n), "repeat": 0, "tokens": 2, "prefill_tokens": 0, "decode_tokens": 2,
-                          "context_tokens": 200 + 2 * np.arange(n), "adjust": 0, "experts_loaded": 0,
-                          "experts_touched": 12, "cuda_graph": graphed, "waiting": 0, "running": 2, "step_ms": 0.0})
+    frame = _timeline(n, decode=2, context=200 + 2 * np.arange(n), touched=12, graphed=graphed)
     x = timeline_features(frame, cost, "fixed", async_overlap=True)
     frame["step_ms"] = np.where(graphed == 1, predict_steps(x, cost, truth, sync=x["sync"]), 50.0)
     fitted, report = fit_tp_graph([(frame, cost, "fixed"), (frame, cost, "fixed")], start)  # two repeats
