@@ -10,6 +10,18 @@ REF = "results/reference"
 CPU = "{PY} {SCRIPTS}/rusage.py "  # + the job's results/logs/modeled/cpu/*.json + " -- " + its command
 
 
+def tp_run_files(folder):
+    """What modeled_calibrate.py's read_tp_timelines reads of a TP serving-runs folder under REF."""
+    return [f"{REF}/{folder}/e2e_runs.csv"] + glob.glob(f"{REF}/{folder}/timeline.csv*")
+
+
+def tp_fit_folders():
+    """The serving-runs folders the calibration fits TP and hybrid terms on (tp_fit's, gdn_fit's)."""
+    tp = MODELED.get("tp_fit", {})
+    return ([tp[k] for k in ("timelines", "async_timelines", "graph_timelines") if k in tp]
+            + ([MODELED["gdn_fit"]["timelines"]] if "gdn_fit" in MODELED else []))
+
+
 def calibration_inputs(w):
     return (glob.glob(f"{REF}/kernel/kernel_*.csv") + [f"{REF}/attention_h200.csv", f"{REF}/e2e/e2e.csv"]
             + [f"{REF}/{f}" for f in MODELED["decode_floor"]]
@@ -18,16 +30,8 @@ def calibration_inputs(w):
                for k in MODELED["fit_timelines"]]
             + [f"{REF}/{f}" for f in MODELED.get("async_floor", [])]
             + [f"{REF}/{d}/{f}" for d in MODELED.get("routing_prior_fit", []) for f in ("hotset.json", "e2e.csv")]
-            + ([f"{REF}/{MODELED['tp_fit']['step_tp']}", f"{REF}/{MODELED['tp_fit']['timelines']}/e2e_runs.csv"]
-               + glob.glob(f"{REF}/{MODELED['tp_fit']['timelines']}/timeline.csv*") if "tp_fit" in MODELED else [])
-            + ([f"{REF}/{MODELED['tp_fit']['async_timelines']}/e2e_runs.csv"]
-               + glob.glob(f"{REF}/{MODELED['tp_fit']['async_timelines']}/timeline.csv*")
-               if "async_timelines" in MODELED.get("tp_fit", {}) else [])
-            + ([f"{REF}/{MODELED['tp_fit']['graph_timelines']}/e2e_runs.csv"]
-               + glob.glob(f"{REF}/{MODELED['tp_fit']['graph_timelines']}/timeline.csv*")
-               if "graph_timelines" in MODELED.get("tp_fit", {}) else [])
-            + ([f"{REF}/{MODELED['gdn_fit']['timelines']}/e2e_runs.csv"]
-               + glob.glob(f"{REF}/{MODELED['gdn_fit']['timelines']}/timeline.csv*") if "gdn_fit" in MODELED else [])
+            + ([f"{REF}/{MODELED['tp_fit']['step_tp']}"] if "tp_fit" in MODELED else [])
+            + [f for folder in tp_fit_folders() for f in tp_run_files(folder)]
             + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})
                if profile not in MODELED.get("routing_prior_build", {})]  # BUILD keys: each run's folder's hotset
             + [h for profile, keys in MODELED.get("decode_gamma_fit", {}).items()
