@@ -425,11 +425,11 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     g = cost.gpu
     roof = lambda b, f, e: np.maximum(b / (g.hbm_bytes_per_s * p.hbm_eff), f / (g.bf16_flops * e)) * 1e3  # noqa: E731
     attn = roof(x["kv_bytes"], cost.attn_flops_factor * x["pairs"], p.attn_eff)
-    # a hybrid's Gated DeltaNet layers (CostModel.linear_attention_ms): each sequence's state, FLOPs per token
-    gdn = roof(2 * cost.state_bytes * x["running"], cost.state_flops_per_token * x["tokens"], p.mma_eff)
-    if cost.linear_layers:  # a step with a prefill chunk runs the chunked path (CostModel.linear_attention_ms)
-        gdn = gdn + np.where(np.asarray(x.get("chunked", False), bool), p.gdn_prefill_layer_ms, 0.0)
     linear = cost.linear_layer_mask()
+    if linear.any():  # a hybrid's Gated DeltaNet layers (CostModel.linear_attention_ms): each sequence's state, FLOPs
+        # per token, and in a step with a prefill chunk the chunked path's fixed time
+        gdn = (roof(2 * cost.state_bytes * x["running"], cost.state_flops_per_token * x["tokens"], p.mma_eff)
+               + np.where(np.asarray(x.get("chunked", False), bool), p.gdn_prefill_layer_ms, 0.0))
     dense = roof(cost.layer_dense_bytes, cost.layer_dense_flops_per_token * x["tokens"], p.mma_eff)
     moe = np.maximum(x["touched"] * cost.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff),
                      x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
