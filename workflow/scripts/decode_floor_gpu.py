@@ -183,6 +183,9 @@ def main() -> None:
     ap.add_argument("--budget", default="32GiB", help="offloading policies, full model; scaled as e2e_gpu does")
     ap.add_argument("--hotset", default=None)
     ap.add_argument("--fast-synth", action="store_true")
+    ap.add_argument("--gpu-synth", action="store_true",
+                    help="draw the synthetic weights on the device (as e2e_gpu.py --gpu-synth: the hybrid's layers in "
+                         "seconds)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run (fp32; decode graphs replay eagerly)")
@@ -206,8 +209,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    ckpt = SyntheticCheckpoint(args.model, args.seed, args.skew, args.layers, repeat_first_layer=args.fast_synth).load(
-        device, dtype)
+    ckpt = SyntheticCheckpoint(args.model, args.seed, args.skew, args.layers, repeat_first_layer=args.fast_synth,
+                               generate_on_device=args.gpu_synth).load(device, dtype)
     print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     full = ModelSpec.from_pretrained(args.model)
     rng = np.random.default_rng(args.seed)
@@ -220,7 +223,7 @@ def main() -> None:
                   **({"hotset": args.hotset} if args.hotset else {}))
         t1 = time.perf_counter()
         info = llm.warmup_or_eager()  # a failed capture must not cost the whole device call: measure eager, say so
-        if device.type != "cuda":
+        if device.type != "cuda" and not llm.spec.is_hybrid:  # a hybrid engine has no decode graphs: eager only
             llm._install_eager_replay_graphs()
         print(f"{policy}: warm-up {time.perf_counter() - t1:.1f} s, {info}", flush=True)
         label = {"model": args.model, "layers": args.layers, "policy": policy}
