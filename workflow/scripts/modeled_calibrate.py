@@ -24,6 +24,7 @@ from rimuru.engine.modeled.calibration import (
     fit_decode_floor,
     fit_decode_gamma,
     fit_decode_kernels,
+    fit_gdn_eager,
     fit_gdn_prefill,
     fit_loop,
     fit_moe_kernel,
@@ -124,6 +125,12 @@ def main() -> None:
     ap.add_argument("--gdn-timelines", default="",
                     help="folder (relative to --reference): e2e_runs.csv and timeline.csv of hybrid serving runs: "
                          "gdn_prefill_layer_ms from their chunked steps (calibration.fit_gdn_prefill)")
+    ap.add_argument("--gdn-floor", default="",
+                    help="a hybrid decode floor (decode_floor_gpu.py detail CSV, relative to --reference): "
+                         "gdn_eager_layer_ms from its eager segments (calibration.fit_gdn_eager), before the "
+                         "--gdn-timelines fit")
+    ap.add_argument("--gdn-floor-steps", type=int, default=12,
+                    help="that floor's steps per segment, discarded and measured (its context growth)")
     ap.add_argument("--decode-gamma-fit", nargs="*", default=[],
                     help="PROFILE=RUN+RUN...: a hotset (relative to --reference) and the fit runs served with it whose "
                          "decode steps give its decode tempering (RoutingModel decode_gamma; fitted.decode_gamma); or "
@@ -424,6 +431,14 @@ def main() -> None:
                                         by_repeat=True)
         params, tp_graph = fit_tp_graph(g_timelines, params, args.tp_async_kernels)
         tp_graph["input"] = args.tp_graph_timelines
+    gdn_eager = {}
+    if args.gdn_floor:  # a hybrid's eager GDN host term, before the chunked-prefill term that the same steps carry
+        frame = pd.read_csv(ref / args.gdn_floor)
+        data.append(data_entry(ref / args.gdn_floor, frame))
+        (layers,) = frame["layers"].unique()
+        cost = CostModel(spec_with_layers(frame["model"].iloc[0], int(layers)), gpu, params)
+        params, gdn_eager = fit_gdn_eager(frame, cost, params, steps_per_segment=args.gdn_floor_steps)
+        gdn_eager["input"] = args.gdn_floor
     gdn = {}
     if args.gdn_timelines:  # after the TP terms: a hybrid TP run's eager steps carry them
         h_timelines = read_tp_timelines(ref / args.gdn_timelines, "--gdn-timelines", gpu, params, data, by_repeat=True)
@@ -440,6 +455,7 @@ def main() -> None:
     params = params.replace(fitted={"tp_fit": tp, "tp_fit_inputs": [args.tp_step, args.tp_timelines],
                                     "tp_async_fit": tp_async,
                                     "tp_graph_fit": tp_graph, "gdn_prefill_fit": gdn,
+                                    "gdn_eager_fit": gdn_eager,
                                     "loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,

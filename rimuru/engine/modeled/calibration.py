@@ -443,8 +443,9 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     copy_t = load(x["expansions"])
     for layer in range(layers):
         device = (gdn if linear[layer] else attn) + dense + p.gpu_layer_us * 1e-3 + ar
-        overlapped = np.maximum(device + moe, p.host_layer_async_ms) - moe  # launches overlap the device
-        gpu_t = gpu_t + np.where(sync, device + p.host_layer_sync_ms + tp_layer, overlapped)
+        gdn_host = p.gdn_eager_layer_ms if linear[layer] else 0.0  # a GDN layer's launches
+        overlapped = np.maximum(device + moe, p.host_layer_async_ms + gdn_host) - moe  # launches overlap the device
+        gpu_t = gpu_t + np.where(sync, device + p.host_layer_sync_ms + tp_layer + gdn_host, overlapped)
         r = p.prefetch_recall if layer > 0 else 0.0
         copy_t = np.maximum(copy_t, gpu_t) + load(x["loads"] * (1 - r))
         ready = copy_t
@@ -830,6 +831,43 @@ def fit_gdn_prefill(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: Cos
                 "steps": int(idx.sum()), "measured_ms_sum": float(x["measured"][idx].sum()),
                 "modeled_ms_sum_before": float(before[idx].sum()), "modeled_ms_sum": float(after[idx].sum())}
     return fitted, {"gdn_prefill_layer_ms": value, "fitted_steps": int(sum(c.sum() for *_, c in feats)),
+                    "groups": groups}
+
+
+def fit_gdn_eager(frame: pd.DataFrame, cost: CostModel, p: CostParams, steps_per_segment: int = 12) -> tuple[
+        CostParams, dict]:
+    """``gdn_eager_layer_ms`` (host time of a hybrid's Gated DeltaNet layer in an eager step), every other term as
+    fitted: least squares (>= 0) of the measured minus the modeled step over the segments of a hybrid decode floor
+    (``frame``: ``decode_floor_gpu.py``'s detail rows, one layer count; ``cost`` its model; a hybrid engine has no
+    decode graphs, so every segment is eager; ``steps_per_segment``: its discarded plus measured steps). Segments that
+    ran fewer requests than their batch (KV-bound: the policy's pool held fewer) are left out: the segment features
+    take the batch as the running requests. The report gives each (policy, batch)'s measured and modeled step, before
+    and after, so that a growth with the batch the one term does not carry shows."""
+    if not cost.linear_layers:
+        raise ValueError(f"fit_gdn_eager: {cost.spec.model_type} has no Gated DeltaNet layers")
+    frame = frame[(frame["mode"] == "eager") & (frame["compiles"] == 0) & (frame["stalls"] == 0)]
+    kept = frame[frame["running"] == frame["batch"]].reset_index(drop=True)
+    if kept.empty:
+        raise ValueError("fit_gdn_eager: no eager segment that ran its whole batch")
+    x = floor_features(kept, cost, steps_per_segment=steps_per_segment)
+
+    def residual(theta):
+        return predict_steps(x, cost, p.replace(gdn_eager_layer_ms=float(theta[0])), sync=x["sync"]) - x["measured"]
+
+    sol = least_squares(residual, x0=[0.1], bounds=([0], [50]))
+    value = float(sol.x[0])
+    fitted = p.replace(gdn_eager_layer_ms=value)
+    before, after = predict_steps(x, cost, p, sync=x["sync"]), predict_steps(x, cost, fitted, sync=x["sync"])
+    groups = {}
+    for (policy, batch), idx in kept.groupby(["policy", "batch"]).indices.items():
+        groups[f"{policy} {int(batch)}"] = {
+            "segments": len(idx), "measured_ms": float(np.median(x["measured"][idx])),
+            "modeled_ms_before": float(np.median(before[idx])), "modeled_ms": float(np.median(after[idx]))}
+    err = (after - x["measured"]) / x["measured"]
+    return fitted, {"gdn_eager_layer_ms": value, "segments": len(kept),
+                    "left_out_kv_bound": int(len(frame) - len(kept)),
+                    "median_abs_rel_error": float(np.median(np.abs(err))),
+                    "median_abs_rel_error_before": float(np.median(np.abs((before - x["measured"]) / x["measured"]))),
                     "groups": groups}
 
 

@@ -73,6 +73,10 @@ class CostParams:
     gdn_prefill_layer_ms: float = 0.0  # a hybrid's Gated DeltaNet layer in a step that is not pure decode (it runs
     # fla's chunked prefill for every sequence of the step, and the conv over the chunk): per layer, launches and the
     # chunk pipeline's fixed work, beyond the state/FLOPs roofline (calibration.fit_gdn_prefill)
+    gdn_eager_layer_ms: float = 0.0  # a hybrid's Gated DeltaNet layer in an eager step, decode or chunked: host time of
+    # its launches beyond an attention layer's (four input projections, the conv, the recurrent kernel, a gated norm),
+    # added to the layer's host term (serial with the device under a routing sync, overlapped without one)
+    # (calibration.fit_gdn_eager, fitted on a hybrid decode floor)
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     routing_prior_tokens: float = 0.0  # a hotset layer worth n tokens is shrunk toward uniform, weight prior/(n+prior)
@@ -364,6 +368,7 @@ class CostModel:
         dense = self.dense_ms(tokens)
         ar = 2 * self.allreduce_ms(tokens)
         host_layer = p.host_layer_sync_ms + self.tp_layer_ms if w.sync_per_layer else p.host_layer_async_ms
+        host_linear = host_layer + p.gdn_eager_layer_ms  # a GDN layer's launches (0 unless fitted)
         assignments = tokens * self.top_k * (1 - (w.cpu_share if w.cpu_share is not None else 0.0))
         moe = self.moe_ms(w.touched, assignments * np.ones(self.num_moe_layers))
         cpu = np.zeros(self.num_moe_layers)
@@ -371,8 +376,8 @@ class CostModel:
             cpu = self.cpu_ms(w.cpu_experts, tokens * self.top_k * w.cpu_share)
         moe_total = np.maximum(moe, cpu)  # host and device experts of a layer run side by side
         layer_gpu_fixed = p.gpu_layer_us * 1e-3
-        pre, tail = self._prefix(attn_full, attn_lin, dense + layer_gpu_fixed + ar, host_layer, moe_total,
-                                 w.sync_per_layer)
+        pre, tail = self._prefix(attn_full, attn_lin, dense + layer_gpu_fixed + ar, host_layer, host_linear,
+                                 moe_total, w.sync_per_layer)
         demand, prefetch = self.load_ms(w.demand), self.load_ms(w.prefetched)
         expansion = float(self.load_ms(w.expansion_experts))
         if w.overlapped:
@@ -389,32 +394,37 @@ class CostModel:
         total = host + gpu_end + head
         n_layers = len(self.layer_kinds)
         return StepTime(
-            total_ms=total, host_ms=host + host_layer * self.num_moe_layers, attention_ms=attn_full * self.full_layers
-            + attn_lin * self.linear_layers, dense_ms=(dense + layer_gpu_fixed) * n_layers + head,
+            total_ms=total, host_ms=host + host_layer * self.num_moe_layers + p.gdn_eager_layer_ms * self.linear_layers,
+            attention_ms=attn_full * self.full_layers + attn_lin * self.linear_layers,
+            dense_ms=(dense + layer_gpu_fixed) * n_layers + head,
             moe_ms=float(moe.sum()), load_stall_ms=stall, allreduce_ms=ar * n_layers, cpu_ms=float(cpu.sum()),
             loads_ms=float(np.sum(demand) + np.sum(prefetch) + expansion + carried))
 
-    def _prefix(self, attn_full: float, attn_lin: float, other: float, host_layer: float, moe_total: np.ndarray,
-                sync: bool) -> tuple[np.ndarray, float]:
-        """[M] time of each MoE layer before its experts run, and time after the last MoE layer."""
+    def _prefix(self, attn_full: float, attn_lin: float, other: float, host_layer: float, host_linear: float,
+                moe_total: np.ndarray, sync: bool) -> tuple[np.ndarray, float]:
+        """[M] time of each MoE layer before its experts run, and time after the last MoE layer. ``host_layer``: a
+        layer's host term, ``host_linear`` a GDN layer's."""
         kinds = self.layer_kinds
         if len(self.moe_layer_ids) == len(kinds):  # every layer is MoE: vectorised
             device = np.where(self._linear_mask, attn_lin, attn_full) + other
+            host = np.where(self._linear_mask, host_linear, host_layer)
             if sync:
-                return device + host_layer, 0.0
-            return np.maximum(device + moe_total, host_layer) - moe_total, 0.0
+                return device + host, 0.0
+            return np.maximum(device + moe_total, host) - moe_total, 0.0
         pre = np.zeros(self.num_moe_layers)
         carry, tail, m = 0.0, 0.0, 0  # dense-MLP layers add to the next MoE layer (or to the end)
         for i, kind in enumerate(kinds):
             device = (attn_lin if kind == LINEAR_ATTENTION else attn_full) + other
+            host_layer_i = host_linear if kind == LINEAR_ATTENTION else host_layer
             if i not in self.moe_layer_ids:
-                extra = device + host_layer if sync else max(device, host_layer)
+                extra = device + host_layer_i if sync else max(device, host_layer_i)
                 if m < self.num_moe_layers:
                     carry += extra
                 else:
                     tail += extra
                 continue
             # with a routing sync host and device alternate; without, the host's launches overlap the device
-            pre[m] = carry + (device + host_layer if sync else max(device + moe_total[m], host_layer) - moe_total[m])
+            pre[m] = carry + (device + host_layer_i if sync else max(device + moe_total[m], host_layer_i)
+                              - moe_total[m])
             carry, m = 0.0, m + 1
         return pre, tail
