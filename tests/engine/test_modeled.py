@@ -799,6 +799,70 @@ def test_tp_fit_recovers_the_per_layer_term():
     assert fitted.tp_layer_ms == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize("sync", [True, False])
+def test_gdn_eager_term_is_host_time_per_linear_layer(sync):
+    """gdn_eager_layer_ms: each Gated DeltaNet layer's launches in an eager step, decode or chunked. Under a routing
+    sync (paged experts) the host waits for every layer, so the step is longer by exactly the term per GDN layer, in
+    CostModel.step and in predict_steps alike; without one (resident experts) the launches overlap the device, so it
+    is longer by at most that. A plain MoE model has no GDN layer: the term does not move its steps."""
+    spec = ModelSpec.from_pretrained("tiny-qwen3.5-moe")
+    base = CostParams(prefetch_recall=0.0, host_step_ms=1.0, host_seq_us=20.0, gpu_layer_us=15.0)
+    with_term = base.replace(gdn_eager_layer_ms=0.6)
+    layers = spec.num_moe_layers
+    x = {"tokens": np.array([4.0]), "decode": np.array([4.0]), "pairs": np.array([400.0]),
+         "kv_bytes": np.array([404.0]), "touched": np.array([6.0]), "loads": np.array([2.0]),
+         "expansions": np.array([0.0]), "running": np.array([4.0]), "samples": np.array([4.0])}
+    w = StepWork(np.ones(4, int), np.full(4, 100), samples=4, touched=np.full(layers, 6),
+                 demand=np.full(layers, 2.0), prefetched=np.zeros(layers), sync_per_layer=sync)
+    x["kv_bytes"] = np.array([(4 * 101 + 4.0) * CostModel(spec, load_gpu("h200"), base).kv_bytes_per_token_layer])
+    steps = {}
+    for name, p in (("base", base), ("term", with_term)):
+        cost = CostModel(spec, load_gpu("h200"), p)
+        steps[name] = cost.step(w).total_ms
+        assert predict_steps(x, cost, p, sync=sync)[0] == pytest.approx(steps[name])
+    longer = steps["term"] - steps["base"]
+    linear = CostModel(spec, load_gpu("h200"), base).linear_layers
+    assert linear > 0
+    if sync:
+        assert longer == pytest.approx(0.6 * linear)
+    else:
+        assert 0 <= longer <= 0.6 * linear + 1e-9
+    plain = ModelSpec.from_pretrained("tiny-qwen3-moe")
+    wp = StepWork(np.ones(4, int), np.full(4, 100), samples=4, touched=np.full(plain.num_moe_layers, 6),
+                  demand=np.full(plain.num_moe_layers, 2.0), prefetched=np.zeros(plain.num_moe_layers),
+                  sync_per_layer=sync)
+    assert CostModel(plain, load_gpu("h200"), with_term).step(wp).total_ms == pytest.approx(
+        CostModel(plain, load_gpu("h200"), base).step(wp).total_ms)
+
+
+def test_gdn_eager_fit_recovers_the_term_and_leaves_out_kv_bound_segments():
+    """fit_gdn_eager: gdn_eager_layer_ms from a hybrid decode floor's eager segments drawn from the model itself
+    (three policies, batches 1-16, paged ones syncing on routing); a segment that ran fewer requests than its batch
+    (KV-bound) is left out, so a planted slowdown of it does not move the fit."""
+    from rimuru.engine.modeled.calibration import fit_gdn_eager, floor_features
+
+    spec = ModelSpec.from_pretrained("tiny-qwen3.5-moe")
+    truth = CostParams(gdn_eager_layer_ms=0.45, host_step_ms=1.0, host_seq_us=20.0)
+    cost = CostModel(spec, load_gpu("h200"), truth)
+    rows = [{"model": "tiny-qwen3.5-moe", "layers": spec.num_layers, "policy": policy, "batch": b, "mode": "eager",
+             "order": order, "running": b, "step_ms": 0.0, "graphed_steps": 0, "compiles": 0, "stalls": 0,
+             "experts_touched": 4.0 * spec.num_moe_layers,
+             "experts_loaded": (0.0 if policy == "static" else 2.0) * spec.num_moe_layers}
+            for policy in ("static", "fixed", "elastic") for b in (1, 2, 4, 16) for order in (0, 1)]
+    frame = pd.DataFrame(rows)
+    frame.loc[len(frame)] = {**rows[-1], "batch": 64, "running": 8}  # KV-bound: ran 8 of 64
+    x = floor_features(frame, cost, steps_per_segment=12)
+    frame["step_ms"] = predict_steps(x, cost, truth, sync=x["sync"])
+    frame.loc[len(frame) - 1, "step_ms"] += 30.0
+    start = truth.replace(gdn_eager_layer_ms=0.0)
+    fitted, report = fit_gdn_eager(frame, CostModel(spec, load_gpu("h200"), start), start, steps_per_segment=12)
+    assert fitted.gdn_eager_layer_ms == pytest.approx(0.45, rel=1e-4)
+    assert report["segments"] == len(rows) and report["left_out_kv_bound"] == 1
+    assert report["groups"]["fixed 1"]["modeled_ms"] > report["groups"]["fixed 1"]["modeled_ms_before"]
+    with pytest.raises(ValueError, match="no Gated DeltaNet"):
+        fit_gdn_eager(frame, CostModel(ModelSpec.from_pretrained("tiny-qwen3-moe"), load_gpu("h200"), start), start)
+
+
 def test_gdn_prefill_fit_recovers_the_chunked_term_on_clean_steps_only():
     """fit_gdn_prefill: gdn_prefill_layer_ms from a hybrid's chunked steps (small prefills beside decodes) drawn from
     the model itself; a chunked step whose first layer touched >= 3/4 of the experts (it copies that layer's misses
