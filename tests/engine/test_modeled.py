@@ -855,12 +855,14 @@ def test_gdn_eager_fit_recovers_the_term_and_leaves_out_kv_bound_segments():
     frame["step_ms"] = predict_steps(x, cost, truth, sync=x["sync"])
     frame.loc[len(frame) - 1, "step_ms"] += 30.0
     start = truth.replace(gdn_eager_layer_ms=0.0)
-    fitted, report = fit_gdn_eager(frame, CostModel(spec, load_gpu("h200"), start), start, steps_per_segment=12)
+    fitted, report = fit_gdn_eager([(frame, CostModel(spec, load_gpu("h200"), start))], start, steps_per_segment=12)
     assert fitted.gdn_eager_layer_ms == pytest.approx(0.45, rel=1e-4)
     assert report["segments"] == len(rows) and report["left_out_kv_bound"] == 1
-    assert report["groups"]["fixed 1"]["modeled_ms"] > report["groups"]["fixed 1"]["modeled_ms_before"]
+    group = f"{spec.num_layers}L fixed 1"
+    assert report["groups"][group]["modeled_ms"] > report["groups"][group]["modeled_ms_before"]
     with pytest.raises(ValueError, match="no Gated DeltaNet"):
-        fit_gdn_eager(frame, CostModel(ModelSpec.from_pretrained("tiny-qwen3-moe"), load_gpu("h200"), start), start)
+        fit_gdn_eager([(frame, CostModel(ModelSpec.from_pretrained("tiny-qwen3-moe"), load_gpu("h200"), start))],
+                      start)
 
 
 def test_gdn_prefill_fit_recovers_the_chunked_term_on_clean_steps_only():

@@ -32,7 +32,7 @@ def calibration_inputs(w):
             + [f"{REF}/{d}/{f}" for d in MODELED.get("routing_prior_fit", []) for f in ("hotset.json", "e2e.csv")]
             + ([f"{REF}/{MODELED['tp_fit']['step_tp']}"] if "tp_fit" in MODELED else [])
             + [f for folder in tp_fit_folders() for f in tp_run_files(folder)]
-            + ([f"{REF}/{MODELED['gdn_fit']['floor']}"] if "floor" in MODELED.get("gdn_fit", {}) else [])
+            + [f"{REF}/{f}" for f in MODELED.get("gdn_fit", {}).get("floors", [])]
             + [f"{REF}/{profile}" for profile in MODELED.get("decode_gamma_fit", {})
                if profile not in MODELED.get("routing_prior_build", {})]  # BUILD keys: each run's folder's hotset
             + [h for profile, keys in MODELED.get("decode_gamma_fit", {}).items()
@@ -87,8 +87,8 @@ rule modeled_calibrate:
                if "graph_timelines" in MODELED.get("tp_fit", {}) else "")
             if "tp_fit" in MODELED else "")
            + (f" --gdn-timelines {MODELED['gdn_fit']['timelines']}" if "gdn_fit" in MODELED else "")
-           + (f" --gdn-floor {MODELED['gdn_fit']['floor']} --gdn-floor-steps {MODELED['gdn_fit']['floor_steps']}"
-              if "floor" in MODELED.get("gdn_fit", {}) else ""),
+           + (f" --gdn-floor {' '.join(MODELED['gdn_fit']['floors'])} --gdn-floor-steps "
+              f"{MODELED['gdn_fit']['floor_steps']}" if "floors" in MODELED.get("gdn_fit", {}) else ""),
         gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
         laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
         prefill=" ".join(MODELED.get("prefill_gamma_fit", [])),

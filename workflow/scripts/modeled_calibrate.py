@@ -125,12 +125,12 @@ def main() -> None:
     ap.add_argument("--gdn-timelines", default="",
                     help="folder (relative to --reference): e2e_runs.csv and timeline.csv of hybrid serving runs: "
                          "gdn_prefill_layer_ms from their chunked steps (calibration.fit_gdn_prefill)")
-    ap.add_argument("--gdn-floor", default="",
-                    help="a hybrid decode floor (decode_floor_gpu.py detail CSV, relative to --reference): "
-                         "gdn_eager_layer_ms from its eager segments (calibration.fit_gdn_eager), before the "
-                         "--gdn-timelines fit")
+    ap.add_argument("--gdn-floor", nargs="*", default=[],
+                    help="hybrid decode floors (decode_floor_gpu.py detail CSVs, relative to --reference; one layer "
+                         "count each): gdn_eager_layer_ms from their eager segments together "
+                         "(calibration.fit_gdn_eager), before the --gdn-timelines fit")
     ap.add_argument("--gdn-floor-steps", type=int, default=12,
-                    help="that floor's steps per segment, discarded and measured (its context growth)")
+                    help="those floors' steps per segment, discarded and measured (their context growth)")
     ap.add_argument("--decode-gamma-fit", nargs="*", default=[],
                     help="PROFILE=RUN+RUN...: a hotset (relative to --reference) and the fit runs served with it whose "
                          "decode steps give its decode tempering (RoutingModel decode_gamma; fitted.decode_gamma); or "
@@ -433,11 +433,15 @@ def main() -> None:
         tp_graph["input"] = args.tp_graph_timelines
     gdn_eager = {}
     if args.gdn_floor:  # a hybrid's eager GDN host term, before the chunked-prefill term that the same steps carry
-        frame = pd.read_csv(ref / args.gdn_floor)
-        data.append(data_entry(ref / args.gdn_floor, frame))
-        (layers,) = frame["layers"].unique()
-        cost = CostModel(spec_with_layers(frame["model"].iloc[0], int(layers)), gpu, params)
-        params, gdn_eager = fit_gdn_eager(frame, cost, params, steps_per_segment=args.gdn_floor_steps)
+        floors = []
+        for path in args.gdn_floor:
+            frame = pd.read_csv(ref / path)
+            data.append(data_entry(ref / path, frame))
+            layers = frame["layers"].unique()
+            if len(layers) != 1:
+                raise SystemExit(f"--gdn-floor {path}: one layer count per file, got {sorted(layers)}")
+            floors.append((frame, CostModel(spec_with_layers(frame["model"].iloc[0], int(layers[0])), gpu, params)))
+        params, gdn_eager = fit_gdn_eager(floors, params, steps_per_segment=args.gdn_floor_steps)
         gdn_eager["input"] = args.gdn_floor
     gdn = {}
     if args.gdn_timelines:  # after the TP terms: a hybrid TP run's eager steps carry them

@@ -834,40 +834,47 @@ def fit_gdn_prefill(timelines: list[tuple[pd.DataFrame, CostModel, str]], p: Cos
                     "groups": groups}
 
 
-def fit_gdn_eager(frame: pd.DataFrame, cost: CostModel, p: CostParams, steps_per_segment: int = 12) -> tuple[
+def fit_gdn_eager(floors: list[tuple[pd.DataFrame, CostModel]], p: CostParams, steps_per_segment: int = 12) -> tuple[
         CostParams, dict]:
     """``gdn_eager_layer_ms`` (host time of a hybrid's Gated DeltaNet layer in an eager step), every other term as
-    fitted: least squares (>= 0) of the measured minus the modeled step over the segments of a hybrid decode floor
-    (``frame``: ``decode_floor_gpu.py``'s detail rows, one layer count; ``cost`` its model; a hybrid engine has no
-    decode graphs, so every segment is eager; ``steps_per_segment``: its discarded plus measured steps). Segments that
-    ran fewer requests than their batch (KV-bound: the policy's pool held fewer) are left out: the segment features
-    take the batch as the running requests. The report gives each (policy, batch)'s measured and modeled step, before
-    and after, so that a growth with the batch the one term does not carry shows."""
-    if not cost.linear_layers:
-        raise ValueError(f"fit_gdn_eager: {cost.spec.model_type} has no Gated DeltaNet layers")
-    frame = frame[(frame["mode"] == "eager") & (frame["compiles"] == 0) & (frame["stalls"] == 0)]
-    kept = frame[frame["running"] == frame["batch"]].reset_index(drop=True)
-    if kept.empty:
+    fitted: least squares (>= 0) of the measured minus the modeled step over the segments of hybrid decode floors
+    (``floors``: (``decode_floor_gpu.py``'s detail rows of one layer count, its cost model) each; a hybrid engine has
+    no decode graphs, so every segment is eager; ``steps_per_segment``: their discarded plus measured steps). Segments
+    that ran fewer requests than their batch (KV-bound: the policy's pool held fewer) are left out: the segment
+    features take the batch as the running requests. The report gives each (layers, policy, batch)'s measured and
+    modeled step, before and after, so that a growth with the batch or the depth the one term does not carry shows."""
+    parts = []
+    for frame, cost in floors:
+        if not cost.linear_layers:
+            raise ValueError(f"fit_gdn_eager: {cost.spec.model_type} has no Gated DeltaNet layers")
+        frame = frame[(frame["mode"] == "eager") & (frame["compiles"] == 0) & (frame["stalls"] == 0)]
+        kept = frame[frame["running"] == frame["batch"]].reset_index(drop=True)
+        parts.append((kept, cost, floor_features(kept, cost, steps_per_segment=steps_per_segment),
+                      len(frame) - len(kept)))
+    if not sum(len(kept) for kept, *_ in parts):
         raise ValueError("fit_gdn_eager: no eager segment that ran its whole batch")
-    x = floor_features(kept, cost, steps_per_segment=steps_per_segment)
 
     def residual(theta):
-        return predict_steps(x, cost, p.replace(gdn_eager_layer_ms=float(theta[0])), sync=x["sync"]) - x["measured"]
+        q = p.replace(gdn_eager_layer_ms=float(theta[0]))
+        return np.concatenate([(predict_steps(x, cost, q, sync=x["sync"]) - x["measured"]) / x["measured"]
+                               for _, cost, x, _ in parts])
 
     sol = least_squares(residual, x0=[0.1], bounds=([0], [50]))
     value = float(sol.x[0])
     fitted = p.replace(gdn_eager_layer_ms=value)
-    before, after = predict_steps(x, cost, p, sync=x["sync"]), predict_steps(x, cost, fitted, sync=x["sync"])
-    groups = {}
-    for (policy, batch), idx in kept.groupby(["policy", "batch"]).indices.items():
-        groups[f"{policy} {int(batch)}"] = {
-            "segments": len(idx), "measured_ms": float(np.median(x["measured"][idx])),
-            "modeled_ms_before": float(np.median(before[idx])), "modeled_ms": float(np.median(after[idx]))}
-    err = (after - x["measured"]) / x["measured"]
-    return fitted, {"gdn_eager_layer_ms": value, "segments": len(kept),
-                    "left_out_kv_bound": int(len(frame) - len(kept)),
-                    "median_abs_rel_error": float(np.median(np.abs(err))),
-                    "median_abs_rel_error_before": float(np.median(np.abs((before - x["measured"]) / x["measured"]))),
+    groups, err, err_before = {}, [], []
+    for kept, cost, x, _ in parts:
+        before, after = predict_steps(x, cost, p, sync=x["sync"]), predict_steps(x, cost, fitted, sync=x["sync"])
+        for (layers, policy, batch), idx in kept.groupby(["layers", "policy", "batch"]).indices.items():
+            groups[f"{int(layers)}L {policy} {int(batch)}"] = {
+                "segments": len(idx), "measured_ms": float(np.median(x["measured"][idx])),
+                "modeled_ms_before": float(np.median(before[idx])), "modeled_ms": float(np.median(after[idx]))}
+        err.append((after - x["measured"]) / x["measured"])
+        err_before.append((before - x["measured"]) / x["measured"])
+    return fitted, {"gdn_eager_layer_ms": value, "segments": int(sum(len(k) for k, *_ in parts)),
+                    "left_out_kv_bound": int(sum(n for *_, n in parts)),
+                    "median_abs_rel_error": float(np.median(np.abs(np.concatenate(err)))),
+                    "median_abs_rel_error_before": float(np.median(np.abs(np.concatenate(err_before)))),
                     "groups": groups}
 
 
