@@ -122,8 +122,9 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (today's eager path)")
     ap.add_argument("--discard-engine", action="store_true",
                     help="before the measured runs, build one engine of the first run's policy, warm it up, serve the "
-                         "--warmup-requests through it and close it: the first engine built in a process runs its host "
-                         "path slower (docs/modeled.md, wave 14), so no measured pass is a process's first engine")
+                         "--warmup-requests through it and close it, so that no measured pass is a process's first "
+                         "engine (wave 14 saw a first engine run slower; with it discarded the first measured pass "
+                         "still had the highest TTFT in wave 15: docs/modeled.md, Gaps)")
     ap.add_argument("--fast-synth", action="store_true", help="repeated_layer_checkpoint (layer-0 copies)")
     ap.add_argument("--gpu-synth", action="store_true",
                     help="draw the synthetic weights on the device (its generator: other values than the CPU's, same "

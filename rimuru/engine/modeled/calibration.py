@@ -33,6 +33,10 @@ Four fits, each on the data that identifies its terms:
    with ``token_us`` (per token of an eager step) free. Decode-floor segments alone fit pure decode only;
    a serving run's prefill and mixed steps and its small graphed decode batches (a Poisson run's steps)
    need the per-token term and the host path of the commit the runs were measured at.
+7. **A hybrid's Gated DeltaNet layers** (``fit_gdn_eager``, then ``fit_gdn_prefill``): the host time of a GDN layer's
+   launches in an eager step, on hybrid decode floors (every segment eager: a hybrid has no decode graphs), then the
+   chunked path's fixed time per GDN layer in a step with a prefill chunk, on a hybrid serving run's clean chunked
+   steps, with the first in place (docs/modeled.md, calibration items 12 and 13).
 
 Fit 3 re-fits ``gpu_layer_us`` on whole steps (fits 1 and 2's fixed times are its starting point).
 """

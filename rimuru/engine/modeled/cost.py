@@ -76,7 +76,7 @@ class CostParams:
     gdn_eager_layer_ms: float = 0.0  # a hybrid's Gated DeltaNet layer in an eager step, decode or chunked: host time of
     # its launches beyond an attention layer's (four input projections, the conv, the recurrent kernel, a gated norm),
     # added to the layer's host term (serial with the device under a routing sync, overlapped without one)
-    # (calibration.fit_gdn_eager, fitted on a hybrid decode floor)
+    # (calibration.fit_gdn_eager, fitted on hybrid decode floors)
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     routing_prior_tokens: float = 0.0  # a hotset layer worth n tokens is shrunk toward uniform, weight prior/(n+prior)
