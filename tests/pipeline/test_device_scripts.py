@@ -1,0 +1,42 @@
+"""The device scripts whose output the calibration fits on, run on the CPU at a tiny size: what they write is what
+the fits read (a hybrid decode floor into ``calibration.fit_gdn_eager``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from rimuru.engine.modeled.calibration import fit_gdn_eager
+from rimuru.engine.modeled.cost import CostModel, CostParams
+from rimuru.engine.modeled.hardware import load_gpu
+from rimuru.engine.modeled.reference import spec_with_layers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_hybrid_decode_floor_runs_eager_and_feeds_the_gdn_eager_fit(tmp_path):
+    """decode_floor_gpu.py on a tiny hybrid (CPU): every segment eager (a hybrid engine has no decode graphs, and none
+    is installed for it on the CPU), each policy and batch measured twice with its whole batch running; the detail CSV
+    goes into fit_gdn_eager as modeled_calibrate's --gdn-floor gives it."""
+    cmd = [sys.executable, str(ROOT / "workflow/scripts/decode_floor_gpu.py"), "--model", "tiny-qwen3.5-moe",
+           "--layers", "2", "--policies", "static,fixed", "--batches", "1,2", "--steps", "3", "--discard", "1",
+           "--repeats", "2", "--budget", "1GiB", "--static-budget", "1GiB", "--device", "cpu", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    detail = pd.read_csv(tmp_path / "decode_floor_detail.csv")
+    assert sorted(set(zip(detail["policy"], detail["batch"]))) == [("fixed", 1), ("fixed", 2), ("static", 1),
+                                                                   ("static", 2)]
+    assert (detail["mode"] == "eager").all() and (detail["graphed_steps"] == 0).all()
+    assert (detail["running"] == detail["batch"]).all() and (detail.groupby(["policy", "batch"]).size() == 2).all()
+    summary = pd.read_csv(tmp_path / "decode_floor.csv")
+    assert not summary["cuda_graphs"].any() and len(summary) == 4
+    base = CostParams()
+    cost = CostModel(spec_with_layers("tiny-qwen3.5-moe", 2), load_gpu("h200"), base)
+    fitted, report = fit_gdn_eager([(detail, cost)], base, steps_per_segment=4)
+    assert np.isfinite(fitted.gdn_eager_layer_ms) and fitted.gdn_eager_layer_ms >= 0
+    assert report["segments"] == len(detail) and report["left_out_kv_bound"] == 0
+    assert set(report["groups"]) == {"2L fixed 1", "2L fixed 2", "2L static 1", "2L static 2"}
