@@ -176,27 +176,28 @@ def main() -> None:
         budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
         return budget_full, e2e_scaled_budget(full, ckpt.spec, budget_full, policy, dtype)
 
-    def build(engine: str) -> LLM:
-        policy, buffers, gc_idle = parse_engine(engine)
-        return LLM(ckpt, gpu_memory_budget=budgets(policy)[1], policy=policy, kv_reserve=args.kv_reserve,
+    def build(policy: str, buffers: str, gc_idle: bool, budget: int) -> LLM:
+        return LLM(ckpt, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve,
                    hotset=str(hotset_path), seed=args.seed, device=args.device, dtype=dtype,
                    enforce_eager=args.enforce_eager, loading_buffers=buffers, gc_idle_collect=gc_idle)
 
     if args.discard_engine:  # nothing of it is recorded
         t1 = time.perf_counter()
-        llm = build(schedule[0][0].split(":")[0])
+        first = schedule[0][0].split(":")[0]
+        policy, buffers, gc_idle = parse_engine(first)
+        llm = build(policy, buffers, gc_idle, budgets(policy)[1])
         llm.warmup_or_eager()
         serve(llm, trace[: max(args.warmup_requests, 1)], None, args.seed)
         llm.close()
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-        print(f"discarded engine ({schedule[0][0].split(':')[0]}): {time.perf_counter() - t1:.1f} s", flush=True)
+        print(f"discarded engine ({first}): {time.perf_counter() - t1:.1f} s", flush=True)
     for order, (run, repeat) in enumerate(schedule):
         engine, workload = run.split(":")
         policy, buffers, gc_idle = parse_engine(engine)
         budget_full, budget = budgets(policy)
-        llm = build(engine)
+        llm = build(policy, buffers, gc_idle, budget)
         # warm-up: compile every kernel variant and capture the decode graphs, then a discarded pass of the same
         # workload's first requests; its steps are dropped from the record
         info = llm.warmup_or_eager()  # a failed capture must not cost the whole device call: serve eager, say so
