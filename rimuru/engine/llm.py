@@ -650,6 +650,10 @@ class LLM:
             experts_loaded=loaded[1] - loaded_before[1], r_b=out.kv_short_l2, adjust=change,
             preempted=len(out.preempted), compiles=compiles, cuda_graph=int(graphed), kv_pages_moved=moved))
 
+    def timeline_seconds(self) -> float:
+        """Now on the timeline's axis (``StepRecord.time_s``: seconds of ``clock`` since the engine was built)."""
+        return self.clock.now() - self._start
+
     def stats(self) -> EngineStats:
         kv_pages = self.kv.num_allocated_pages
         return EngineStats(

@@ -216,6 +216,8 @@ def main() -> None:
         # the engine froze its heap at warm-up (EngineConfig.gc_freeze) and collects when idle (gc_idle_collect, unless
         # +gcauto): what still collects, and in which step call
         # (the timeline rows that call recorded), so that a flagged step can be matched to a collection
+        # the unix time of the timeline's zero: its steps can be set beside a sidecar's samples (host_probe.py)
+        zero_unix = time.time() - llm.timeline_seconds()
         with GcRecorder(position=llm.timeline.__len__) as pauses, llm.observe_steps(pauses):
             metrics, duration = serve(llm, served, rate, args.seed)
         llm.check_integrity()  # the allocator's and the cache's invariants after the run (KV compaction moved pages)
@@ -263,7 +265,8 @@ def main() -> None:
             "cached_experts_median": float(frame["cached_experts"].median()),
             "buffer_experts_end": sum(llm.loader.capacities),
             "total_experts": llm.memory_report["total_experts"], "top32_share": round(top32, 4),
-            "duration_s": duration, "repeat": repeat, "order": order, "stalls": stalls,
+            "duration_s": duration, "timeline_zero_unix": zero_unix, "repeat": repeat, "order": order,
+            "stalls": stalls,
             # labelled second count, not the issue's: over 3x max(bucket median, the step's own PCIe time)
             "stalls_pcie": int(pcie_stall_mask(frame, PCIE_BPS).sum()),
             "compiles": int(frame["compiles"].sum()), "cuda_graph_steps": int(frame["cuda_graph"].sum()),
