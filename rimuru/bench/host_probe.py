@@ -10,7 +10,11 @@ sample:
   operations (the dispatcher path that an eager step's launches also take) — so that a slower host shows as a larger
   number for the same work;
 * the machine's CPU time split since the previous sample (``/proc/stat``'s first line): busy and steal shares of all
-  cores' time.
+  cores' time;
+* with ``cpus``, the core the probe ran on: each sample pins the probe to the next core of the list in turn, so that
+  the cores' speeds are sampled one by one (a virtual machine's cores need not run at one speed);
+* with ``watch_pid``, the core the watched process's main thread last ran on (``/proc/PID/stat``'s ``processor``)
+  and its CPU share since the previous sample: a host-bound engine's step runs at the speed of that core.
 
 :func:`align` attaches to each row of an engine timeline the sample nearest in time (the benchmark records the unix
 time of its timeline's zero), so that a step's time can be set beside the host's speed at that moment.
@@ -19,6 +23,7 @@ time of its timeline's zero), so that a step's time can be set beside the host's
 from __future__ import annotations
 
 import csv
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -69,34 +74,63 @@ def probe_work(iterations: int = 2000) -> float:
     return ms
 
 
+def process_cpu(stat_text: str) -> tuple[int, int]:
+    """(the core a process's thread last ran on, its user + system clock ticks) from ``/proc/PID/stat`` text (the
+    command name, field 2, may hold spaces and parentheses: fields are counted after its last ``)``)."""
+    rest = stat_text[stat_text.rindex(")") + 2:].split()
+    return int(rest[36]), int(rest[11]) + int(rest[12])  # fields 39, 14 and 15 of proc(5), from field 3 here
+
+
 @dataclass(frozen=True)
 class Sample:
     unix_s: float
     probe_ms: float
     busy_share: float
     steal_share: float
+    cpu: int = -1  # the core the probe ran on (-1: not pinned)
+    watch_cpu: int = -1  # the watched thread's last core (-1: none watched, or it ended)
+    watch_share: float = float("nan")  # its CPU time over wall time since the previous sample
 
 
 def sample_loop(out: str | Path, *, interval_s: float = 0.5, samples: int = 0, iterations: int = 2000,
+                cpus: list[int] | None = None, watch_pid: int | None = None,
                 read_stat: Callable[[], str] | None = None, stop: Callable[[], bool] | None = None) -> int:
     """Write one :class:`Sample` row per ``interval_s`` to the CSV ``out`` (flushed per row, so a killed sampler leaves
-    every row it took) until ``samples`` rows (0: no limit) or ``stop()``. Returns the rows written."""
+    every row it took) until ``samples`` rows (0: no limit) or ``stop()``. ``cpus``: pin each sample's probe to the
+    next of these cores in turn; ``watch_pid``: record that process's main thread's core and CPU share (a process that
+    has ended gives -1 and NaN). Returns the rows written."""
     if interval_s < 0 or samples < 0 or iterations < 1:
         raise ValueError(f"interval_s and samples must be >= 0 and iterations >= 1, got {interval_s}, {samples}, "
                          f"{iterations}")
+    if cpus is not None and (not cpus or not set(cpus) <= os.sched_getaffinity(0)):
+        raise ValueError(f"cpus {cpus} are not a non-empty subset of this process's cores "
+                         f"{sorted(os.sched_getaffinity(0))}")
     read = read_stat or (lambda: Path("/proc/stat").read_text())
-    before = cpu_times(read())
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def watched() -> tuple[int, int] | None:
+        try:
+            return process_cpu(Path(f"/proc/{watch_pid}/stat").read_text()) if watch_pid else None
+        except (OSError, ValueError, IndexError):
+            return None
+
+    before, seen, last = cpu_times(read()), watched(), time.time()
     written = 0
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=[k for k in Sample.__dataclass_fields__])
         writer.writeheader()
         while not (samples and written >= samples) and not (stop and stop()):
             time.sleep(interval_s)
+            cpu = cpus[written % len(cpus)] if cpus else -1
+            if cpus:
+                os.sched_setaffinity(0, {cpu})
             probe = probe_work(iterations)
-            now = cpu_times(read())
+            now, watch, unix = cpu_times(read()), watched(), time.time()
             busy, steal = cpu_shares(before, now)
-            before = now
-            writer.writerow(asdict(Sample(time.time(), probe, busy, steal)))
+            share = ((watch[1] - seen[1]) / ticks / (unix - last) if watch and seen and unix > last
+                     else float("nan"))
+            before, seen, last = now, watch, unix
+            writer.writerow(asdict(Sample(unix, probe, busy, steal, cpu, watch[0] if watch else -1, share)))
             f.flush()
             written += 1
     return written

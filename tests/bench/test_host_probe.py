@@ -2,6 +2,7 @@
 the sampling loop's rows, and the alignment of a timeline with the samples."""
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from rimuru.bench.host_probe import align, cpu_shares, cpu_times, probe_work, sample_loop
+from rimuru.bench.host_probe import align, cpu_shares, cpu_times, probe_work, process_cpu, sample_loop
 from rimuru.engine.llm import LLM
 from rimuru.engine.sampling_params import SamplingParams
 
@@ -42,7 +43,9 @@ def test_sample_loop_writes_a_row_per_sample(tmp_path):
     readings = iter([_stat(0, 0, 0), _stat(10, 80, 10), _stat(10, 180, 10), _stat(60, 230, 10)])
     n = sample_loop(tmp_path / "p.csv", interval_s=0, samples=3, iterations=10, read_stat=lambda: next(readings))
     rows = pd.read_csv(tmp_path / "p.csv")
-    assert n == 3 and list(rows.columns) == ["unix_s", "probe_ms", "busy_share", "steal_share"]
+    assert n == 3 and list(rows.columns) == ["unix_s", "probe_ms", "busy_share", "steal_share", "cpu", "watch_cpu",
+                                             "watch_share"]
+    assert (rows["cpu"] == -1).all() and (rows["watch_cpu"] == -1).all()
     assert rows["steal_share"].tolist() == pytest.approx([0.1, 0.0, 0.0])
     assert rows["busy_share"].tolist() == pytest.approx([0.1, 0.0, 0.5])
     assert (rows["probe_ms"] > 0).all() and rows["unix_s"].is_monotonic_increasing
@@ -86,3 +89,25 @@ def test_timeline_seconds_is_the_timelines_axis():
         assert llm.timeline_seconds() == pytest.approx(frame["time_s"].iloc[-1])  # virtual clock: no time passed since
     finally:
         llm.close()
+
+
+def test_process_cpu_counts_fields_after_the_command_name():
+    fields = [str(i) for i in range(3, 53)]  # proc(5) fields 3..52
+    fields[14 - 3], fields[15 - 3], fields[39 - 3] = "120", "30", "7"
+    assert process_cpu("4242 (a (b) c) " + " ".join(fields)) == (7, 150)
+
+
+def test_sample_loop_pins_the_probe_and_watches_a_process(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        n = sample_loop(tmp_path / "p.csv", interval_s=0, samples=2, iterations=10, cpus=cores[:1],
+                        watch_pid=os.getpid())
+    finally:
+        os.sched_setaffinity(0, set(cores))
+    rows = pd.read_csv(tmp_path / "p.csv")
+    assert n == 2 and (rows["cpu"] == cores[0]).all()
+    assert rows["watch_cpu"].isin(cores).all()  # this process's main thread: the pinned core, where it ran
+    gone = sample_loop(tmp_path / "q.csv", interval_s=0, samples=1, iterations=10, watch_pid=2**22 + 12345)
+    assert gone == 1 and pd.read_csv(tmp_path / "q.csv")["watch_cpu"].tolist() == [-1]
+    with pytest.raises(ValueError):
+        sample_loop(tmp_path / "r.csv", samples=1, cpus=[max(cores) + 1000])
