@@ -136,6 +136,42 @@ def sample_loop(out: str | Path, *, interval_s: float = 0.5, samples: int = 0, i
     return written
 
 
+class StepSpeedProbe:
+    """A step observer (``LLM.observe_steps``) that measures the speed of the engine's own thread at every step: when
+    a step call ends (outside its timed part), it runs :func:`probe_work` on that thread and notes the core the thread
+    is on (``/proc/thread-self/stat``). A sidecar samples other cores; this samples the one the steps ran on. It adds
+    the probe's time (``iterations`` 100: well under a millisecond) between steps, not to them.
+
+    ``rows``: (timeline length after the call, probe ms, core) per step call; :meth:`columns` gives them per timeline
+    row (a call that recorded no row is dropped; NaN / -1 for a row no call matched)."""
+
+    def __init__(self, position: Callable[[], int], iterations: int = 100) -> None:
+        if iterations < 1:
+            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        self.position, self.iterations = position, iterations
+        self.rows: list[tuple[int, float, int]] = []
+
+    def step_started(self) -> None:
+        pass
+
+    def step_ended(self) -> None:
+        ms = probe_work(self.iterations)
+        try:
+            core = process_cpu(Path("/proc/thread-self/stat").read_text())[0]
+        except (OSError, ValueError, IndexError):
+            core = -1
+        self.rows.append((self.position(), ms, core))
+
+    def columns(self, rows: int) -> pd.DataFrame:
+        """``host_probe_ms`` and ``host_cpu`` for timeline rows ``0..rows-1``: row ``i`` takes the call whose timeline
+        length after it was ``i + 1`` (the call that recorded it)."""
+        ms, core = [float("nan")] * rows, [-1] * rows
+        for length, probe, cpu in self.rows:
+            if 0 < length <= rows:
+                ms[length - 1], core[length - 1] = probe, cpu
+        return pd.DataFrame({"host_probe_ms": ms, "host_cpu": core})
+
+
 def align(timeline: pd.DataFrame, zero_unix_s: float, probe: pd.DataFrame,
           tolerance_s: float = 2.0) -> pd.DataFrame:
     """``timeline`` (rows with ``time_s``, seconds since its zero) with the nearest probe sample's columns

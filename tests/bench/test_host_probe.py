@@ -111,3 +111,23 @@ def test_sample_loop_pins_the_probe_and_watches_a_process(tmp_path):
     assert gone == 1 and pd.read_csv(tmp_path / "q.csv")["watch_cpu"].tolist() == [-1]
     with pytest.raises(ValueError):
         sample_loop(tmp_path / "r.csv", samples=1, cpus=[max(cores) + 1000])
+
+
+def test_step_speed_probe_gives_each_timeline_row_its_probe():
+    from rimuru.bench.host_probe import StepSpeedProbe
+
+    llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", modeled_step_ms=5.0)
+    try:
+        probe = StepSpeedProbe(llm.timeline.__len__, iterations=5)
+        with llm.observe_steps(probe):
+            llm.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, ignore_eos=True))
+            while llm.has_unfinished_requests():
+                llm.step()
+        cols = probe.columns(len(llm.timeline))
+        assert len(probe.rows) == len(llm.timeline) == 4 and list(cols) == ["host_probe_ms", "host_cpu"]
+        assert (cols["host_probe_ms"] > 0).all() and cols["host_cpu"].isin(sorted(os.sched_getaffinity(0))).all()
+        assert probe.columns(6)["host_cpu"].tolist()[4:] == [-1, -1]  # rows no call recorded
+    finally:
+        llm.close()
+    with pytest.raises(ValueError):
+        StepSpeedProbe(lambda: 0, iterations=0)

@@ -23,6 +23,7 @@ arrival at 0): the Poisson rows' arrival times differ from what this version dra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rimuru.bench.ab import abba_order, summarize
 from rimuru.bench.gcstats import GcRecorder
+from rimuru.bench.host_probe import StepSpeedProbe
 from rimuru.bench.inproc import calibration_hotset
 from rimuru.bench.inproc import serve_trace as serve
 from rimuru.engine.llm import LLM
@@ -125,11 +127,17 @@ def main() -> None:
                          "--warmup-requests through it and close it, so that no measured pass is a process's first "
                          "engine (wave 14 saw a first engine run slower; with it discarded the first measured pass "
                          "still had the highest TTFT in wave 15: docs/modeled.md, Gaps)")
+    ap.add_argument("--step-probe", type=int, default=0, metavar="ITERATIONS",
+                    help="after every measured step call, time a fixed host workload of this size on the engine's "
+                         "thread and note its core (rimuru.bench.host_probe.StepSpeedProbe): timeline columns "
+                         "host_probe_ms and host_cpu; 0: off")
     ap.add_argument("--fast-synth", action="store_true", help="repeated_layer_checkpoint (layer-0 copies)")
     ap.add_argument("--gpu-synth", action="store_true",
                     help="draw the synthetic weights on the device (its generator: other values than the CPU's, same "
                          "recipes; seconds instead of minutes for a paper-scale model's layers on the host CPU)")
     args = ap.parse_args()
+    if args.step_probe < 0:
+        raise SystemExit(f"--step-probe must be >= 0, got {args.step_probe}")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(args.out)
@@ -218,13 +226,17 @@ def main() -> None:
         # (the timeline rows that call recorded), so that a flagged step can be matched to a collection
         # the unix time of the timeline's zero: its steps can be set beside a sidecar's samples (host_probe.py)
         zero_unix = time.time() - llm.timeline_seconds()
-        with GcRecorder(position=llm.timeline.__len__) as pauses, llm.observe_steps(pauses):
+        speed = StepSpeedProbe(llm.timeline.__len__, args.step_probe) if args.step_probe else None
+        with GcRecorder(position=llm.timeline.__len__) as pauses, llm.observe_steps(pauses), \
+                (llm.observe_steps(speed) if speed else contextlib.nullcontext()):
             metrics, duration = serve(llm, served, rate, args.seed)
         llm.check_integrity()  # the allocator's and the cache's invariants after the run (KV compaction moved pages)
         # pages a finished run still holds (a hybrid's SSM and conv states, KV): 0 unless a request leaked them
         left = sum(llm.allocator.num_allocated(cls) for cls in ((SSM, CONV, KV) if llm.spec.is_hybrid else (KV,)))
         stats = llm.stats()
         frame = llm.timeline.frame()
+        if speed:
+            frame = pd.concat([frame, speed.columns(len(frame))], axis=1)
         frame.to_csv(out / f"timeline_{engine}_{workload}_r{repeat}.csv", index=False)
         # every run's per-step timeline in one file (the modeled executor calibrates on it)
         frame.assign(policy=policy, workload=workload, repeat=repeat, order=order, loading_buffers=buffers,
