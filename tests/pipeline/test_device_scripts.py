@@ -24,7 +24,8 @@ def test_a_hybrid_decode_floor_runs_eager_and_feeds_the_gdn_eager_fit(tmp_path):
     goes into fit_gdn_eager as modeled_calibrate's --gdn-floor gives it."""
     cmd = [sys.executable, str(ROOT / "workflow/scripts/decode_floor_gpu.py"), "--model", "tiny-qwen3.5-moe",
            "--layers", "2", "--policies", "static,fixed", "--batches", "1,2", "--steps", "3", "--discard", "1",
-           "--repeats", "2", "--budget", "1GiB", "--static-budget", "1GiB", "--device", "cpu", "--out", str(tmp_path)]
+           "--repeats", "2", "--budget", "1GiB", "--static-budget", "1GiB", "--device", "cpu", "--step-probe", "10",
+           "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     detail = pd.read_csv(tmp_path / "decode_floor_detail.csv")
@@ -32,6 +33,7 @@ def test_a_hybrid_decode_floor_runs_eager_and_feeds_the_gdn_eager_fit(tmp_path):
                                                                    ("static", 2)]
     assert (detail["mode"] == "eager").all() and (detail["graphed_steps"] == 0).all()
     assert (detail["running"] == detail["batch"]).all() and (detail.groupby(["policy", "batch"]).size() == 2).all()
+    assert (detail["host_probe_ms"] > 0).all()  # --step-probe: each segment's median of the engine thread's probe
     summary = pd.read_csv(tmp_path / "decode_floor.csv")
     assert not summary["cuda_graphs"].any() and len(summary) == 4
     base = CostParams()

@@ -41,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from rimuru.bench.host_probe import StepSpeedProbe  # noqa: E402
 from rimuru.engine.cuda_graphs import bucket_for  # noqa: E402
 from rimuru.engine.llm import LLM  # noqa: E402
 from rimuru.engine.modeled.reference import e2e_scaled_budget  # noqa: E402
@@ -105,7 +106,10 @@ def kernels_for(llm: LLM, mode: str, variant: str | None, bucket: int | None, ca
 
 
 def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: int, discard: int, repeats: int,
-            rng: np.random.Generator, ab_variants: tuple[str, ...] = (), ab_eager: bool = False) -> list[dict]:
+            rng: np.random.Generator, ab_variants: tuple[str, ...] = (), ab_eager: bool = False,
+            probe: StepSpeedProbe | None = None) -> list[dict]:
+    """``probe``: observing ``llm``'s steps (``--step-probe``): each row gets the median of its measured steps'
+    probes (``host_probe_ms``: the engine thread's host speed; NaN without)."""
     rows = []
     captured: dict = {}  # (variant, bucket) -> that variant's graph of the bucket
     default = variants.current()
@@ -141,7 +145,10 @@ def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: i
             with llm.use_graphs(not mode.startswith("eager")), \
                     llm.use_async_scheduling(mode in ("graph", "graph-base")), \
                     kernels_for(llm, mode, v, bucket, captured):
+                probed = len(probe.rows) if probe else 0
                 frame = segment(llm, steps, discard)
+            speed = (float(np.median([ms for _, ms, _ in probe.rows[probed:][discard:]])) if probe
+                     and len(probe.rows) > probed + discard else float("nan"))
             floors = decode_floor(frame, llm.spec)
             decode = frame[frame["prefill_tokens"] == 0]  # the steps the floor is computed for: a segment under
             # KV pressure also holds the recompute prefills of preempted requests, whose time a decode floor omits
@@ -159,7 +166,7 @@ def measure(llm: LLM, label: dict, batches: list[int], prompt_len: int, steps: i
                          "graphed_steps": int(frame["cuda_graph"].sum()), "steps": len(frame),
                          "experts_touched": float(frame["experts_touched"].median()),
                          "experts_loaded": float(frame["experts_loaded"].median()),
-                         "cached_experts": int(frame["cached_experts"].iloc[-1])})
+                         "cached_experts": int(frame["cached_experts"].iloc[-1]), "host_probe_ms": speed})
             print(json.dumps({k2: rows[-1][k2] for k2 in ("policy", "layers", "batch", "mode", "kernels", "order",
                                                           "step_ms", "floor_ms", "stalls", "compiles",
                                                           "experts_loaded")}), flush=True)
@@ -186,6 +193,9 @@ def main() -> None:
     ap.add_argument("--gpu-synth", action="store_true",
                     help="draw the synthetic weights on the device (as e2e_gpu.py --gpu-synth: the hybrid's layers in "
                          "seconds)")
+    ap.add_argument("--step-probe", type=int, default=0, metavar="ITERATIONS",
+                    help="after every step call, time a fixed host workload of this size on the engine's thread "
+                         "(e2e_gpu.py --step-probe): detail column host_probe_ms, each segment's median; 0: off")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda", help="cpu: a dry run (fp32; decode graphs replay eagerly)")
@@ -227,8 +237,10 @@ def main() -> None:
             llm._install_eager_replay_graphs()
         print(f"{policy}: warm-up {time.perf_counter() - t1:.1f} s, {info}", flush=True)
         label = {"model": args.model, "layers": args.layers, "policy": policy}
-        rows += measure(llm, label, [int(b) for b in args.batches.split(",")], args.prompt_len, args.steps,
-                        args.discard, args.repeats, rng, ab_variants, args.ab_eager)
+        probe = StepSpeedProbe(llm.timeline.__len__, args.step_probe) if args.step_probe > 0 else None
+        with llm.observe_steps(probe) if probe else contextlib.nullcontext():
+            rows += measure(llm, label, [int(b) for b in args.batches.split(",")], args.prompt_len, args.steps,
+                            args.discard, args.repeats, rng, ab_variants, args.ab_eager, probe)
         detail = pd.DataFrame(rows)
         detail.assign(**provenance()).to_csv(out / "decode_floor_detail.csv", index=False)
         del llm
