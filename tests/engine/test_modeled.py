@@ -990,6 +990,9 @@ def test_trace_skip_reads_the_requests_a_runs_trace_skipped():
     # wave 14's one-GPU hybrid call: `tail -n +101` into ..._from101.jsonl, requests 101 onward (100 skipped)
     assert trace_skip("e2e_gpu.py --trace /tmp/trace_from101.jsonl --num-requests 100") == 100
     assert trace_skip("e2e_gpu.py --trace /tmp/trace_from1.jsonl") == 0
+    # wave 16's: `tail -n +301` into /tmp/trace301.jsonl; e2e_gpu.py's --trace-skip since
+    assert trace_skip("e2e_gpu.py --trace /tmp/trace301.jsonl --num-requests 100") == 300
+    assert trace_skip("e2e_gpu.py --trace .device/trace_sharegpt_400.jsonl --trace-skip 300") == 300
 
 
 def test_modeled_routing_profile_replaces_the_routing_not_the_cache_order(tmp_path):

@@ -102,6 +102,8 @@ def main() -> None:
     ap.add_argument("--kv-reserve", type=float, default=0.1)
     ap.add_argument("--trace", required=True, help="JSONL with prompt_token_ids and output_len")
     ap.add_argument("--num-requests", type=int, default=200)
+    ap.add_argument("--trace-skip", type=int, default=0,
+                    help="serve the trace from request N+1 on (as e2e_tp_gpu.py; the modeled fidelity reads it back)")
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson rate for the second workload")
     ap.add_argument("--poisson-requests", type=int, default=0,
                     help="Poisson runs serve the trace's first N requests (0: --num-requests), so that one call "
@@ -150,7 +152,7 @@ def main() -> None:
     print(f"synthesized {args.layers} layers in {time.perf_counter() - t0:.0f} s", flush=True)
     full = ModelSpec.from_pretrained(args.model)
     try:
-        trace = read_token_trace(args.trace, args.num_requests, args.max_output)
+        trace = read_token_trace(args.trace, args.num_requests, args.max_output, skip=args.trace_skip)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     cap = f", outputs <= {args.max_output}" if args.max_output else ""

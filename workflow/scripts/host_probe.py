@@ -29,7 +29,10 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=2000, help="the probe workload's size (one sample's work)")
     ap.add_argument("--cpus", default="", help="'all' or a comma list: each sample's probe pinned to the next core")
     ap.add_argument("--watch-pid", type=int, default=0,
-                    help="record this process's main thread's core and CPU share at each sample")
+                    help="record this process's main thread's core and CPU share at each sample: the Python "
+                         "process itself, not a wrapper's (`timeout ... &` gives timeout's PID in $!, and "
+                         "`pgrep -f` matches its command line too); e2e_gpu.py --step-probe records the engine "
+                         "thread's core per step")
     args = ap.parse_args()
     stopping = []
     for sig in (signal.SIGTERM, signal.SIGINT):

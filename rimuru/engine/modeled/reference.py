@@ -59,7 +59,8 @@ def command_arg(command: str, name: str, default=None):
 def trace_skip(command: str) -> int:
     """How many requests of its trace a run skipped: ``device_engine.sh``'s ``E2E_TRACE_SKIP=N`` serves the trace from
     request N+1 on through a file named ``..._skipN.jsonl`` (``--trace`` of the recorded command), wave 14's one-GPU
-    hybrid call through ``..._fromM.jsonl`` (the trace from request M on: ``tail -n +M``, M - 1 skipped),
+    hybrid call through ``..._fromM.jsonl`` (the trace from request M on: ``tail -n +M``, M - 1 skipped; wave 16's
+    through ``/tmp/traceM.jsonl``),
     ``e2e_tp_gpu.py`` takes ``--trace-skip N``; either way its prompts are the trace's requests N+1 onward; 0 for a run
     of the trace's first requests."""
     import re
@@ -71,7 +72,7 @@ def trace_skip(command: str) -> int:
     found = re.search(r"_skip(\d+)\.jsonl(?:\.gz)?$", trace)
     if found:
         return int(found.group(1))
-    found = re.search(r"_from(\d+)\.jsonl(?:\.gz)?$", trace)
+    found = re.search(r"(?:_from|/trace)(\d+)\.jsonl(?:\.gz)?$", trace)  # wave 16's call: /tmp/trace301.jsonl
     return int(found.group(1)) - 1 if found else 0
 
 
