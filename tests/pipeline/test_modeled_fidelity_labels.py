@@ -77,6 +77,34 @@ def test_tp_band_pools_a_setups_runs_over_calls_and_policies(fidelity, tmp_path)
     assert band[band["num_requests"] == 48].empty  # its own set-up, and no replay row of folder c was given
 
 
+def test_setup_band_pools_one_setups_passes_over_folders(fidelity):
+    """fidelity_setup_band.csv (wave 16): the passes of one one-GPU set-up from two folders (calls) pooled per policy;
+    each folder's validation replay against the pooled median and range; another trace slice is its own set-up; a fit
+    row is not listed."""
+    cmd = "e2e_gpu.py --trace .device/trace_sharegpt_400.jsonl --num-requests 100 --poisson-requests 32 " \
+          "--calibration-prompts 64"
+    base = {"model": "m (40/40 layers)", "budget_gib": 24.0, "workload": "poisson", "request_rate": 1.0,
+            "num_requests": 32, "command": cmd, "policy": "fixed"}
+    e2e = pd.DataFrame([base | {"run": "a", "output_throughput": 26.0, "mean_ttft_ms": 400.0},
+                        base | {"run": "a", "output_throughput": 27.0, "mean_ttft_ms": 380.0},
+                        base | {"run": "b", "output_throughput": 27.5, "mean_ttft_ms": 420.0},
+                        base | {"run": "b", "output_throughput": 28.0, "mean_ttft_ms": 360.0},
+                        base | {"run": "c", "command": cmd + " --trace-skip 100", "output_throughput": 20.0,
+                                "mean_ttft_ms": 100.0}])
+    rows = [{"run": f"{r}/fixed/poisson", "split": split, "metric": m, "modeled": v, "rel_error": 0.5}
+            for r, split in (("a", "validate"), ("b", "validate"), ("c", "fit"))
+            for m, v in (("output_throughput", 28.0), ("mean_ttft_ms", 300.0))]
+    band = fidelity.setup_band(e2e, pd.DataFrame(rows))
+    assert set(band["run"]) == {"a", "b"} and set(band["folders"]) == {2} and set(band["runs"]) == {4}
+    thr = band[(band["metric"] == "output_throughput") & (band["run"] == "a")].iloc[0]
+    assert thr["pooled_median"] == 27.25 and thr["run_median"] == 26.5 and thr["hotset_prompts"] == 64
+    assert thr["rel_error_vs_pooled"] == pytest.approx(28 / 27.25 - 1) and thr["within_measured_range"]
+    ttft = band[band["metric"] == "mean_ttft_ms"]
+    assert not ttft["within_measured_range"].any() and ttft["spread_low"].iloc[0] == pytest.approx(360 / 390 - 1)
+    assert "mean_tpot_ms" not in set(band["metric"])  # not in these runs' columns
+    assert fidelity.setup_band(pd.DataFrame(), pd.DataFrame()).empty
+
+
 def test_seed_spread_summarises_each_runs_draws(fidelity):
     """fidelity_seeds.csv: per run and metric, the draws' median, min and max error and their count, beside each draw;
     no draws (no Poisson run replayed): an empty table."""

@@ -131,6 +131,7 @@ rule modeled_fidelity:
         positions="results/modeled/fidelity_decode_position.csv",  # beside csv: fixed Poisson misses by decode position
         pairs="results/modeled/fidelity_policy_pairs.csv",  # beside csv: TP fixed minus elastic at the same steps
         band="results/modeled/fidelity_tp_band.csv",  # beside csv: TP validation runs pooled per set-up vs the replays
+        setup_band="results/modeled/fidelity_setup_band.csv",  # beside csv: one-GPU validation runs per set-up (wave 16)
         seeds="results/modeled/fidelity_seeds.csv",  # beside csv: one-GPU Poisson runs replayed with other routing seeds
         figure="figures/modeled_fidelity.png",
         timelines=directory("results/modeled/fidelity_timelines"),

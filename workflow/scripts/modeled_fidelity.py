@@ -391,6 +391,8 @@ def main() -> None:
     tp_paths = [p.partition("=")[2] for p in args.tp_runs]
     validate_tp = [p.partition("=")[2] for p in args.tp_runs if p.partition("=")[0] == "validate"]
     tp_band(validate_tp, frame).to_csv(Path(args.out_csv).with_name("fidelity_tp_band.csv"), index=False)
+    setup_band(e2e[e2e["routing_profile"] == ""], frame).to_csv(
+        Path(args.out_csv).with_name("fidelity_setup_band.csv"), index=False)
     kinds = step_kinds(args.reference, tp_paths, timelines)
     kinds.to_csv(Path(args.out_csv).with_name("fidelity_kinds.csv"), index=False)
     positions = decode_positions(args.reference, timelines, args.cost_params)
@@ -471,6 +473,50 @@ def tp_band(runs_paths: list[str], fidelity: pd.DataFrame) -> pd.DataFrame:
                             "pooled_median": med, "pooled_min": float(v.min()), "pooled_max": float(v.max()),
                             "spread_low": float(v.min()) / med - 1, "spread_high": float(v.max()) / med - 1,
                             "run": f"{folder}/{policy}", "commit": str(row["commit"].iloc[0]), "modeled": modeled,
+                            "rel_error_vs_pooled": modeled / med - 1,
+                            "within_measured_range": bool(v.min() <= modeled <= v.max()),
+                            "goal": GOALS.get(m, float("nan"))})
+    return pd.DataFrame(out)
+
+
+SETUP_BAND_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "forward_steps")
+SETUP_KEYS = ("model", "budget_gib", "workload", "request_rate", "num_requests", "trace_skip", "hotset_prompts",
+              "policy")
+
+
+def setup_band(e2e: pd.DataFrame, fidelity: pd.DataFrame) -> pd.DataFrame:
+    """One-GPU validation runs against their set-up's band (wave 16): every measured pass of one set-up (model label
+    with its layers and output cap, budget, workload, rate, requests, the trace's first request, hotset prompts,
+    policy) pooled over the folders that measured it — the same work measured in several calls, on several machines
+    — as median, min and max; beside it each folder's replay (``fidelity``'s validation row) with its error against
+    the pooled median and whether it lies within the measured range. Where the host's speed moves a run's steps by
+    more than the goal between passes (wave 16: host-bound steps at two speeds 1.3-1.5x apart), a run's own median is
+    one draw of that spread; the band says where the model sits in it. Set-ups measured by one folder are listed
+    too (``folders`` 1)."""
+    if e2e.empty:
+        return pd.DataFrame()
+    runs = e2e.assign(
+        trace_skip=e2e["command"].map(lambda c: trace_skip(str(c))),
+        hotset_prompts=[hotset_prompts(str(c), int(command_arg(str(c), "--num-requests", n)))
+                        for c, n in zip(e2e["command"], e2e["num_requests"])])
+    validate = fidelity[fidelity["split"] == "validate"]
+    out = []
+    for setup, g in runs.groupby(list(SETUP_KEYS), dropna=False):
+        for m in SETUP_BAND_METRICS:
+            if m not in g:
+                continue
+            v = g[m].astype(float)
+            med = float(v.median())
+            for run, r in g.groupby("run"):
+                row = validate[(validate["run"] == f"{run}/{setup[-1]}/{setup[2]}") & (validate["metric"] == m)]
+                if row.empty:
+                    continue
+                modeled = float(row["modeled"].iloc[0])
+                out.append({**dict(zip(SETUP_KEYS, setup)), "metric": m, "runs": len(v), "folders": g["run"].nunique(),
+                            "pooled_median": med, "pooled_min": float(v.min()), "pooled_max": float(v.max()),
+                            "spread_low": float(v.min()) / med - 1, "spread_high": float(v.max()) / med - 1,
+                            "run": run, "run_median": float(r[m].astype(float).median()), "modeled": modeled,
+                            "rel_error_vs_run": float(row["rel_error"].iloc[0]),
                             "rel_error_vs_pooled": modeled / med - 1,
                             "within_measured_range": bool(v.min() <= modeled <= v.max()),
                             "goal": GOALS.get(m, float("nan"))})
