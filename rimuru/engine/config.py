@@ -97,6 +97,7 @@ MODELED_OPTIONS = (
     ModeledOption("modeled_h2d_gbps", _positive_number, "a positive host-to-device rate in GB/s"),
     ModeledOption("modeled_decode_gamma", _positive_number, "a positive exponent of the decode routing", unset=1.0),
     ModeledOption("modeled_prefill_gamma", _positive_number, "a positive exponent of the prefill routing", unset=1.0),
+    ModeledOption("modeled_host_slowdown", _positive_number, "a positive factor on the host terms", unset=1.0),
 )
 
 
@@ -137,6 +138,8 @@ class EngineConfig:
     modeled_prefill_gamma: float = 1.0  # modeled: prefill chunks' effective tokens route by the profile tempered to
     # this power (routing.temper; RoutingModel.prefill_gamma): the prefill tempering the calibration fitted with the
     # chunk law of the model build a run served (fitted.chunk_law[NAME].prefill_gamma, wave 12); 1: the profile
+    modeled_host_slowdown: float = 1.0  # modeled: the host is this many times slower than the calibration's fit data
+    # (CostParams.with_host_slowdown: every host term scaled); 1: the calibration's host
     modeled_chunk_law: tuple[float, float] | None = None  # modeled: a prefill chunk law (scale, exponent) instead of
     # the calibration's routing_chunk_*: one the calibration fitted for the model build a run served (fitted.chunk_law)
     modeled_decode_kernels: int | None = None  # modeled: the wave of the decode kernels the modeled engine launches

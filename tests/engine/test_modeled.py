@@ -1133,6 +1133,41 @@ def test_modeled_h2d_rate_replaces_the_profiles_for_one_run():
         EngineConfig(modeled_h2d_gbps=30.0)
 
 
+def test_host_slowdown_scales_the_host_terms_only():
+    """CostParams.with_host_slowdown (wave 16): every host term times the factor, None kept, device / copy / CPU-expert
+    terms unchanged; a modeled engine with modeled_host_slowdown steps slower where its step is host time; the option
+    is checked."""
+    from rimuru.engine.config import EngineConfig
+    from rimuru.engine.modeled.cost import HOST_TERMS
+
+    calibrated = Path(__file__).resolve().parents[2] / "results/modeled/calibration.json"
+    p = CostParams.load(calibrated)
+    slow = p.with_host_slowdown(1.5)
+    assert p.with_host_slowdown(1.0) is p
+    for name in HOST_TERMS:
+        before, after = getattr(p, name), getattr(slow, name)
+        assert after == (None if before is None else pytest.approx(1.5 * before)), name
+    for name in ("hbm_eff", "mma_eff", "pcie_eff", "gpu_layer_us", "inplace_eff", "cpu_layer_us",
+                 "gdn_prefill_layer_ms", "routing_chunk_scale"):
+        assert getattr(slow, name) == getattr(p, name), name
+    assert p.replace(resident_token_us=None).with_host_slowdown(2.0).resident_token_us is None
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="host slowdown"):
+            p.with_host_slowdown(bad)
+    kw = dict(executor="modeled", gpu_memory_budget="40GiB", policy="fixed", hardware="h200",
+              cost_params=str(calibrated))
+    trace = [TraceRequest(64, 8, 0.0)]
+    base, slower = LLM("qwen3-30b-a3b", **kw), LLM("qwen3-30b-a3b", **kw, modeled_host_slowdown=1.5)
+    assert slower.executor.cost.params.host_step_ms == pytest.approx(1.5 * base.executor.cost.params.host_step_ms)
+    m_base, m_slow = replay(base, trace), replay(slower, trace)
+    assert m_slow["mean_tpot_ms"] > m_base["mean_tpot_ms"] and m_slow["mean_ttft_ms"] > m_base["mean_ttft_ms"]
+    for bad in (0.0, -2.0, "slow"):  # (True == 1.0: the unset value, as modeled_decode_gamma's)
+        with pytest.raises(ValueError, match="modeled_host_slowdown"):
+            EngineConfig(executor="modeled", modeled_host_slowdown=bad)
+    with pytest.raises(ValueError, match="modeled_host_slowdown"):
+        EngineConfig(modeled_host_slowdown=1.4)
+
+
 def test_modeled_routing_prior_replaces_the_calibrations_shrinkage():
     """A named shrinkage (prior, reference curve) for a run's model build stands in for the calibration's: a stronger
     prior moves a concentrated profile toward uniform (more experts touched per step); bad values are refused."""

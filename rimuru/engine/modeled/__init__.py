@@ -37,6 +37,7 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     params = CostParams.load(config.cost_params) if config.cost_params else CostParams()
     # the graph-replay terms of the decode kernels this engine launches (fitted on floors measured with them)
     params = params.with_decode_kernels(config.modeled_decode_kernels)
+    params = params.with_host_slowdown(config.modeled_host_slowdown)  # a slower (or faster) host than the fit data's
     from rimuru.experts.hotset import Hotset
 
     profile = Hotset.load(config.modeled_routing_profile) if config.modeled_routing_profile else llm.hotset

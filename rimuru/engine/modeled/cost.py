@@ -27,6 +27,12 @@ from rimuru.models.spec import LINEAR_ATTENTION, ModelSpec
 # the terms of a decode-graph replay that follow its kernels (CostParams.decode_kernels): the fixed device time per
 # layer, the in-place reads' PCIe efficiency and the replay's host time
 DECODE_KERNEL_TERMS = ("graph_layer_us", "inplace_eff", "host_graph_step_ms")
+# the terms that are host time (the engine thread's Python, dispatch and launches): CostParams.with_host_slowdown scales
+# them; device, copy and CPU-expert terms stay (wave 16: one H200 host ran these at two speeds 1.3-1.5x apart)
+HOST_TERMS = ("host_step_ms", "host_seq_us", "token_us", "host_layer_sync_ms", "host_layer_async_ms",
+              "host_graph_step_ms", "resident_token_us", "resident_seq_us", "loop_step_us", "loop_seq_us",
+              "loop_eager_us", "tp_step_ms", "tp_layer_ms", "tp_step_async_ms", "tp_layer_async_ms",
+              "tp_graph_async_ms", "gdn_eager_layer_ms")
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,16 @@ class CostParams:
             raise ValueError(f"decode_kernels[{wave}] has terms {sorted(unknown)} that are not graph-replay terms "
                              f"({', '.join(DECODE_KERNEL_TERMS)})")
         return self.replace(**{k: float(v) for k, v in terms.items()})
+
+    def with_host_slowdown(self, factor: float) -> CostParams:
+        """The parameters of a host ``factor`` times slower (``HOST_TERMS`` multiplied; 1: these). The calibration's
+        host terms are one host's at the time of its fit data; wave 16 measured the H200 machine's engine thread at
+        two speeds 1.3-1.5x apart within one call (docs/modeled.md), and the paper's cards sit in other hosts."""
+        if not factor > 0:
+            raise ValueError(f"host slowdown must be > 0, got {factor}")
+        if factor == 1:
+            return self
+        return self.replace(**{k: getattr(self, k) * factor for k in HOST_TERMS if getattr(self, k) is not None})
 
     def tp_terms(self, async_scheduling: bool) -> tuple[float, float]:
         """(per-step, per-MoE-layer) host terms of a tensor-parallel step: those fitted on an engine with async
