@@ -44,6 +44,28 @@ def test_layer_pipeline_by_hand():
     assert end == pytest.approx(5.0) and stall == pytest.approx(3.0)
 
 
+def test_layer_pipeline_overlap_by_hand():
+    """CostParams.eager_host_overlap's pipeline: the host launches the next layer while the device runs this layer's
+    experts and waits for their copies; only the routing sync makes the host wait."""
+    from rimuru.engine.modeled import layer_pipeline_overlap
+
+    # layer 0: launched by 1, routed at 1, copy 1..2 (stall 1), experts 2..4; layer 1: launched 1..2 meanwhile, its
+    # device work 4..4.5, routed at 4.5, no copy, experts 4.5..6.5 (the serial form: 8)
+    end, stall = layer_pipeline_overlap(np.array([1.0, 1.0]), np.array([0.5, 0.5]), np.array([2.0, 2.0]),
+                                        np.array([1.0, 0.0]), np.array([0.0, 0.0]), 0.0)
+    assert (end, stall) == (pytest.approx(6.5), pytest.approx(1.0))
+    assert layer_pipeline(np.array([1.5, 1.5]), np.array([2.0, 2.0]), np.array([1.0, 0.0]), np.zeros(2), 0.0)[0] \
+        == pytest.approx(8.0)
+    # host-bound (3 ms of launches a layer): layer 0's copy hides under layer 1's launches, the last layer's does not
+    host, device, moe = np.array([3.0, 3.0]), np.array([0.1, 0.1]), np.array([0.2, 0.2])
+    with_loads = layer_pipeline_overlap(host, device, moe, np.array([1.0, 1.0]), np.zeros(2), 0.0)
+    without = layer_pipeline_overlap(host, device, moe, np.zeros(2), np.zeros(2), 0.0)
+    assert with_loads[0] == pytest.approx(7.2) and without[0] == pytest.approx(6.2) and with_loads[1] == 2.0
+    # an expansion queued first holds the copy stream
+    assert layer_pipeline_overlap(np.array([1.0]), np.array([0.0]), np.array([1.0]), np.array([0.0]),
+                                  np.array([0.0]), 4.0) == (pytest.approx(5.0), pytest.approx(3.0))
+
+
 def test_cost_terms_by_hand(spec):
     cost = CostModel(spec, GPU, UNIT)
     e = spec.expert_bytes()  # 3 * 768 * 2048 * 2 = 9437184 B
@@ -78,10 +100,13 @@ def test_allreduce_and_cpu_experts_by_hand(spec):
     assert slow == pytest.approx(4096 * 6 * 768 * 2048 / (10 * 100 * 1e9) * 1e3)
 
 
-def test_step_matches_the_vectorised_calibration_form():
-    """CostModel.step and calibration.predict_steps are one model: same numbers on the same work."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_matches_the_vectorised_calibration_form(overlap):
+    """CostModel.step and calibration.predict_steps are one model: same numbers on the same work (either eager
+    pipeline: CostParams.eager_host_overlap)."""
     spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
-    params = CostParams(prefetch_recall=0.5, host_step_ms=1.0, host_seq_us=20.0, gpu_layer_us=15.0, token_us=3.0)
+    params = CostParams(prefetch_recall=0.5, host_step_ms=1.0, host_seq_us=20.0, gpu_layer_us=15.0, token_us=3.0,
+                        eager_host_overlap=overlap)
     cost = CostModel(spec, load_gpu("h200"), params)
     layers = spec.num_moe_layers
     q, starts = np.array([1, 1, 1]), np.array([10, 20, 30])
@@ -96,15 +121,15 @@ def test_step_matches_the_vectorised_calibration_form():
     assert predict_steps(x, cost, params, sync=True)[0] == pytest.approx(cost.step(w).total_ms)
 
 
-@pytest.mark.parametrize("sync", [True, False])
-def test_hybrid_step_matches_the_vectorised_calibration_form(sync):
+@pytest.mark.parametrize("sync,overlap", [(True, False), (False, False), (True, True)])
+def test_hybrid_step_matches_the_vectorised_calibration_form(sync, overlap):
     """A hybrid's Gated DeltaNet layers: predict_steps charges each linear layer the state and delta-rule term
     and, in a step with a prefill chunk, the chunked path's terms (CostModel.linear_attention_ms), and each full layer
     attention, as CostModel.step does; a prefill chunk beside two decodes (three sequences' states)."""
     spec = ModelSpec.from_pretrained("tiny-qwen3.5-moe")
     params = CostParams(prefetch_recall=0.0, host_step_ms=1.0, host_seq_us=20.0, gpu_layer_us=15.0, token_us=3.0,
                         mma_eff=1e-6, hbm_eff=1e-3,  # slow enough that the roofline GDN term is no rounding error
-                        gdn_prefill_layer_ms=0.4)
+                        gdn_prefill_layer_ms=0.4, eager_host_overlap=overlap)
     cost = CostModel(spec, load_gpu("h200"), params)
     assert 0 < cost.linear_layers < len(spec.layer_types)
     layers = spec.num_moe_layers
@@ -126,9 +151,9 @@ def test_hybrid_step_matches_the_vectorised_calibration_form(sync):
     flat = CostModel(spec, load_gpu("h200"), flat_params)
     flat.state_bytes, flat.state_flops_per_token = 0, 0
     shorter = got - predict_steps(x, flat, flat_params, sync=sync)[0]
-    if sync:
+    if sync and not overlap:
         assert shorter == pytest.approx(gdn * cost.linear_layers)
-    else:
+    else:  # (with the host's launches overlapping the experts, part of it hides too)
         assert 0 < shorter <= gdn * cost.linear_layers + 1e-9
     # a pure decode step runs the recurrent kernel: no chunked terms, in either form
     q1 = np.array([1, 1, 1])

@@ -163,6 +163,9 @@ def main() -> None:
     ap.add_argument("--decode-kernels-base", type=int, default=None,
                     help="the decode kernels' wave of the --decode-floor files (the base calibration's terms serve "
                          "it; a wave fitted here equal to it is reported, not applied)")
+    ap.add_argument("--eager-host-overlap", action="store_true",
+                    help="fit the eager pipeline in which a layer's host launches overlap the previous layer's experts "
+                         "and their copies (CostParams.eager_host_overlap, wave 16); default: host and device serial")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -182,7 +185,8 @@ def main() -> None:
     attention = fit_attention(att_frame, gpu, kernel["hbm_eff"])
     data.append(data_entry(att_path, att_frame))
     base = CostParams(hbm_eff=kernel["hbm_eff"], mma_eff=kernel["mma_eff"], attn_eff=attention["attn_eff"],
-                      gpu_layer_us=kernel["moe_fixed_us"] + attention["attn_fixed_us"])
+                      gpu_layer_us=kernel["moe_fixed_us"] + attention["attn_fixed_us"],
+                      eager_host_overlap=args.eager_host_overlap)
 
     e2e_path = ref / "e2e" / "e2e.csv"
     e2e = pd.read_csv(e2e_path)

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from rimuru.engine.modeled.cost import CostModel, CostParams, StepTime, StepWork, layer_pipeline
+from rimuru.engine.modeled.cost import CostModel, CostParams, StepTime, StepWork, layer_pipeline, layer_pipeline_overlap
 from rimuru.engine.modeled.executor import ModeledExecutor
 from rimuru.engine.modeled.hardware import GpuProfile, HostProfile, load_gpu, load_host
 from rimuru.engine.modeled.routing import RoutingModel
 from rimuru.memory import EXPERT
 
 __all__ = ["CostModel", "CostParams", "GpuProfile", "HostProfile", "ModeledExecutor", "RoutingModel", "StepTime",
-           "StepWork", "build_modeled_executor", "layer_pipeline", "load_gpu", "load_host"]
+           "StepWork", "build_modeled_executor", "layer_pipeline", "layer_pipeline_overlap", "load_gpu", "load_host"]
 
 
 def build_modeled_executor(llm, config) -> ModeledExecutor:

@@ -444,18 +444,27 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     load = lambda n: n * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.pcie_eff) * 1e3  # noqa: E731
     layers = cost.num_moe_layers
     gpu_t = np.zeros_like(x["tokens"])
+    host_t = np.zeros_like(x["tokens"])  # eager_host_overlap: the host's clock (rows with a routing sync)
     copy_t = load(x["expansions"])
     for layer in range(layers):
         device = (gdn if linear[layer] else attn) + dense + p.gpu_layer_us * 1e-3 + ar
         gdn_host = p.gdn_eager_layer_ms if linear[layer] else 0.0  # a GDN layer's launches
         overlapped = np.maximum(device + moe, p.host_layer_async_ms + gdn_host) - moe  # launches overlap the device
-        gpu_t = gpu_t + np.where(sync, device + p.host_layer_sync_ms + tp_layer + gdn_host, overlapped)
+        host_l = p.host_layer_sync_ms + tp_layer + gdn_host
+        if p.eager_host_overlap:  # cost.layer_pipeline_overlap: launches from the last routing sync on
+            host_t = host_t + host_l
+            gpu_t = np.where(sync, np.maximum(gpu_t + device, host_t), gpu_t + overlapped)
+            host_t = np.where(sync, gpu_t, host_t)  # the routing sync
+        else:
+            gpu_t = gpu_t + np.where(sync, device + host_l, overlapped)
         r = p.prefetch_recall if layer > 0 else 0.0
         copy_t = np.maximum(copy_t, gpu_t) + load(x["loads"] * (1 - r))
         ready = copy_t
         if layer + 1 < layers:
             copy_t = copy_t + load(x["loads"] * p.prefetch_recall)
         gpu_t = np.maximum(gpu_t, ready) + moe
+    if p.eager_host_overlap:
+        gpu_t = np.where(sync, np.maximum(gpu_t, host_t), gpu_t)
     head = roof(cost.lm_head_bytes, cost.lm_head_flops_per_row * x["samples"], p.mma_eff)
     seq_us = np.where(sync, p.seq_us(True), p.seq_us(False))
     token_us = np.where(sync, p.eager_token_us(True), p.eager_token_us(False))

@@ -83,6 +83,10 @@ class CostParams:
     # its launches beyond an attention layer's (four input projections, the conv, the recurrent kernel, a gated norm),
     # added to the layer's host term (serial with the device under a routing sync, overlapped without one)
     # (calibration.fit_gdn_eager, fitted on hybrid decode floors)
+    eager_host_overlap: bool = False  # (wave 16) an eager step with a routing sync: a layer's host launches run while
+    # the previous layer's experts (and the copies they wait for) run on the device; the host waits only at the next
+    # routing sync (layer_pipeline_overlap). False: a layer's host and device time serial, then its experts, then the
+    # next layer's host time (layer_pipeline; the model through wave 15)
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     routing_prior_tokens: float = 0.0  # a hotset layer worth n tokens is shrunk toward uniform, weight prior/(n+prior)
@@ -237,6 +241,34 @@ def layer_pipeline(pre_ms: np.ndarray, moe_ms: np.ndarray, demand_ms: np.ndarray
             g = ready
         g += moe[layer]
     return g, stall
+
+
+def layer_pipeline_overlap(host_ms: np.ndarray, device_ms: np.ndarray, moe_ms: np.ndarray, demand_ms: np.ndarray,
+                           prefetch_ms: np.ndarray, expansion_ms: float) -> tuple[float, float]:
+    """Host, compute and copy streams over the MoE layers of an eager step with a routing sync per layer
+    (``CostParams.eager_host_overlap``); returns (end, stall waiting for copies).
+
+    Layer ``l``: the host launches its work before the experts (``host_ms[l]``) from when it left the previous
+    layer's routing sync; the device runs that work (``device_ms[l]``) after the previous layer's experts, and it ends
+    no earlier than its last launch. The host then waits for the routing (the sync), queues the layer's demand copies
+    (and the next layer's prefetch), launches the experts, which wait for the copies on the device, and goes on to
+    the next layer without waiting: the next layer's launches overlap these experts and their copies.
+    """
+    host, gpu, copy, stall = 0.0, 0.0, float(expansion_ms), 0.0
+    prefetch = np.asarray(prefetch_ms, float).tolist() + [0.0]
+    for layer, (h, d, moe, demand) in enumerate(zip(np.asarray(host_ms, float).tolist(),
+                                                     np.asarray(device_ms, float).tolist(),
+                                                     np.asarray(moe_ms, float).tolist(),
+                                                     np.asarray(demand_ms, float).tolist())):
+        host += h
+        routed = max(gpu + d, host)
+        host = routed  # the routing sync
+        copy = max(copy, routed) + demand
+        ready = copy
+        copy += prefetch[layer + 1]
+        stall += max(0.0, ready - routed)
+        gpu = max(routed, ready) + moe
+    return max(host, gpu), stall
 
 
 class CostModel:
@@ -404,7 +436,15 @@ class CostModel:
         # up to the first launch: scheduling and per-request preparation (the per-token term is bookkeeping that
         # grows with a chunk during its layers, e.g. the MoE's gather/scatter: it does not precede the device)
         lead = scheduling + self.tp_step_ms
-        gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, max(0.0, carried - lead) + expansion)
+        if w.sync_per_layer and p.eager_host_overlap:  # host launches overlap the previous layer's experts
+            device_pre, device_tail = self._prefix(attn_full, attn_lin, dense + layer_gpu_fixed + ar, 0.0, 0.0,
+                                                   moe_total, True)
+            host_pre, host_tail = self._prefix(0.0, 0.0, 0.0, host_layer, host_linear, moe_total, True)
+            gpu_end, stall = layer_pipeline_overlap(host_pre, device_pre, moe_total, demand, prefetch,
+                                                    max(0.0, carried - lead) + expansion)
+            tail = device_tail + host_tail
+        else:
+            gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, max(0.0, carried - lead) + expansion)
         gpu_end += tail
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
         total = host + gpu_end + head
