@@ -61,6 +61,11 @@ def test_layer_pipeline_overlap_by_hand():
     with_loads = layer_pipeline_overlap(host, device, moe, np.array([1.0, 1.0]), np.zeros(2), 0.0)
     without = layer_pipeline_overlap(host, device, moe, np.zeros(2), np.zeros(2), 0.0)
     assert with_loads[0] == pytest.approx(7.2) and without[0] == pytest.approx(6.2) and with_loads[1] == 2.0
+    # the host's own experts (cpu policy) hold the host: the next layer's launches wait for them
+    cpu = layer_pipeline_overlap(np.array([1.0, 1.0]), np.array([0.5, 0.5]), np.array([2.0, 2.0]), np.zeros(2),
+                                 np.zeros(2), 0.0, host_experts_ms=np.array([5.0, 0.0]))
+    # layer 0: routed 1, host experts 1..6, device experts 1..3; layer 1: launched 6..7, routed 7, experts 7..9
+    assert cpu == (pytest.approx(9.0), pytest.approx(0.0))
     # an expansion queued first holds the copy stream
     assert layer_pipeline_overlap(np.array([1.0]), np.array([0.0]), np.array([1.0]), np.array([0.0]),
                                   np.array([0.0]), 4.0) == (pytest.approx(5.0), pytest.approx(3.0))

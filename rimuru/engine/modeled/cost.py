@@ -244,7 +244,8 @@ def layer_pipeline(pre_ms: np.ndarray, moe_ms: np.ndarray, demand_ms: np.ndarray
 
 
 def layer_pipeline_overlap(host_ms: np.ndarray, device_ms: np.ndarray, moe_ms: np.ndarray, demand_ms: np.ndarray,
-                           prefetch_ms: np.ndarray, expansion_ms: float) -> tuple[float, float]:
+                           prefetch_ms: np.ndarray, expansion_ms: float,
+                           host_experts_ms: np.ndarray | None = None) -> tuple[float, float]:
     """Host, compute and copy streams over the MoE layers of an eager step with a routing sync per layer
     (``CostParams.eager_host_overlap``); returns (end, stall waiting for copies).
 
@@ -253,16 +254,19 @@ def layer_pipeline_overlap(host_ms: np.ndarray, device_ms: np.ndarray, moe_ms: n
     no earlier than its last launch. The host then waits for the routing (the sync), queues the layer's demand copies
     (and the next layer's prefetch), launches the experts, which wait for the copies on the device, and goes on to
     the next layer without waiting: the next layer's launches overlap these experts and their copies.
+    ``host_experts_ms[l]``: experts the host computes itself (the ``cpu`` policy's), after the sync, beside the
+    device's: the host launches the next layer only after them.
     """
     host, gpu, copy, stall = 0.0, 0.0, float(expansion_ms), 0.0
     prefetch = np.asarray(prefetch_ms, float).tolist() + [0.0]
-    for layer, (h, d, moe, demand) in enumerate(zip(np.asarray(host_ms, float).tolist(),
-                                                     np.asarray(device_ms, float).tolist(),
-                                                     np.asarray(moe_ms, float).tolist(),
-                                                     np.asarray(demand_ms, float).tolist())):
+    on_host = np.zeros(len(moe_ms)) if host_experts_ms is None else np.asarray(host_experts_ms, float)
+    for layer, (h, d, moe, demand, cpu) in enumerate(zip(np.asarray(host_ms, float).tolist(),
+                                                          np.asarray(device_ms, float).tolist(),
+                                                          np.asarray(moe_ms, float).tolist(),
+                                                          np.asarray(demand_ms, float).tolist(), on_host.tolist())):
         host += h
         routed = max(gpu + d, host)
-        host = routed  # the routing sync
+        host = routed + cpu  # the routing sync, then the host's own experts
         copy = max(copy, routed) + demand
         ready = copy
         copy += prefetch[layer + 1]
@@ -440,8 +444,8 @@ class CostModel:
             device_pre, device_tail = self._prefix(attn_full, attn_lin, dense + layer_gpu_fixed + ar, 0.0, 0.0,
                                                    moe_total, True)
             host_pre, host_tail = self._prefix(0.0, 0.0, 0.0, host_layer, host_linear, moe_total, True)
-            gpu_end, stall = layer_pipeline_overlap(host_pre, device_pre, moe_total, demand, prefetch,
-                                                    max(0.0, carried - lead) + expansion)
+            gpu_end, stall = layer_pipeline_overlap(host_pre, device_pre, moe, demand, prefetch,
+                                                    max(0.0, carried - lead) + expansion, host_experts_ms=cpu)
             tail = device_tail + host_tail
         else:
             gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, max(0.0, carried - lead) + expansion)
