@@ -466,17 +466,27 @@ def tp_band(runs_paths: list[str], fidelity: pd.DataFrame) -> pd.DataFrame:
                     continue
                 band = g if pooled else g[g["policy"] == policy]
                 v = band[m].astype(float)
-                med = float(v.median())
                 modeled = float(row["modeled"].iloc[0])
                 out.append({**dict(zip(keys, setup)), "metric": m, "policies": "pooled" if pooled else policy,
-                            "runs": len(v), "folders": band["folder"].nunique(),
-                            "pooled_median": med, "pooled_min": float(v.min()), "pooled_max": float(v.max()),
-                            "spread_low": float(v.min()) / med - 1, "spread_high": float(v.max()) / med - 1,
+                            "runs": len(v), "folders": band["folder"].nunique(), **pooled_spread(v),
                             "run": f"{folder}/{policy}", "commit": str(row["commit"].iloc[0]), "modeled": modeled,
-                            "rel_error_vs_pooled": modeled / med - 1,
-                            "within_measured_range": bool(v.min() <= modeled <= v.max()),
-                            "goal": GOALS.get(m, float("nan"))})
+                            **against_band(v, modeled, m)})
     return pd.DataFrame(out)
+
+
+def pooled_spread(v: pd.Series) -> dict:
+    """A band's measured values (one set-up's runs pooled): median, min, max and the min's and max's offsets from the
+    median (``tp_band``, ``setup_band``)."""
+    med = float(v.median())
+    return {"pooled_median": med, "pooled_min": float(v.min()), "pooled_max": float(v.max()),
+            "spread_low": float(v.min()) / med - 1, "spread_high": float(v.max()) / med - 1}
+
+
+def against_band(v: pd.Series, modeled: float, metric: str) -> dict:
+    """A replay's ``modeled`` value of ``metric`` against a band's measured values ``v``: its error against their
+    median, whether it lies within their range, and the metric's goal."""
+    return {"rel_error_vs_pooled": modeled / float(v.median()) - 1,
+            "within_measured_range": bool(v.min() <= modeled <= v.max()), "goal": GOALS.get(metric, float("nan"))}
 
 
 SETUP_BAND_METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "forward_steps")
@@ -506,20 +516,15 @@ def setup_band(e2e: pd.DataFrame, fidelity: pd.DataFrame) -> pd.DataFrame:
             if m not in g:
                 continue
             v = g[m].astype(float)
-            med = float(v.median())
             for run, r in g.groupby("run"):
                 row = validate[(validate["run"] == f"{run}/{setup[-1]}/{setup[2]}") & (validate["metric"] == m)]
                 if row.empty:
                     continue
                 modeled = float(row["modeled"].iloc[0])
                 out.append({**dict(zip(SETUP_KEYS, setup)), "metric": m, "runs": len(v), "folders": g["run"].nunique(),
-                            "pooled_median": med, "pooled_min": float(v.min()), "pooled_max": float(v.max()),
-                            "spread_low": float(v.min()) / med - 1, "spread_high": float(v.max()) / med - 1,
-                            "run": run, "run_median": float(r[m].astype(float).median()), "modeled": modeled,
-                            "rel_error_vs_run": float(row["rel_error"].iloc[0]),
-                            "rel_error_vs_pooled": modeled / med - 1,
-                            "within_measured_range": bool(v.min() <= modeled <= v.max()),
-                            "goal": GOALS.get(m, float("nan"))})
+                            **pooled_spread(v), "run": run, "run_median": float(r[m].astype(float).median()),
+                            "modeled": modeled, "rel_error_vs_run": float(row["rel_error"].iloc[0]),
+                            **against_band(v, modeled, m)})
     return pd.DataFrame(out)
 
 

@@ -428,8 +428,6 @@ class CostModel:
             cpu = self.cpu_ms(w.cpu_experts, tokens * self.top_k * w.cpu_share)
         moe_total = np.maximum(moe, cpu)  # host and device experts of a layer run side by side
         layer_gpu_fixed = p.gpu_layer_us * 1e-3
-        pre, tail = self._prefix(attn_full, attn_lin, dense + layer_gpu_fixed + ar, host_layer, host_linear,
-                                 moe_total, w.sync_per_layer)
         demand, prefetch = self.load_ms(w.demand), self.load_ms(w.prefetched)
         expansion = float(self.load_ms(w.expansion_experts))
         if w.overlapped:
@@ -448,6 +446,8 @@ class CostModel:
                                                     max(0.0, carried - lead) + expansion, host_experts_ms=cpu)
             tail = device_tail + host_tail
         else:
+            pre, tail = self._prefix(attn_full, attn_lin, dense + layer_gpu_fixed + ar, host_layer, host_linear,
+                                     moe_total, w.sync_per_layer)
             gpu_end, stall = layer_pipeline(pre, moe_total, demand, prefetch, max(0.0, carried - lead) + expansion)
         gpu_end += tail
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)

@@ -60,9 +60,9 @@ def trace_skip(command: str) -> int:
     """How many requests of its trace a run skipped: ``device_engine.sh``'s ``E2E_TRACE_SKIP=N`` serves the trace from
     request N+1 on through a file named ``..._skipN.jsonl`` (``--trace`` of the recorded command), wave 14's one-GPU
     hybrid call through ``..._fromM.jsonl`` (the trace from request M on: ``tail -n +M``, M - 1 skipped; wave 16's
-    through ``/tmp/traceM.jsonl``),
-    ``e2e_tp_gpu.py`` takes ``--trace-skip N``; either way its prompts are the trace's requests N+1 onward; 0 for a run
-    of the trace's first requests."""
+    through ``/tmp/traceM.jsonl``), ``e2e_tp_gpu.py`` and (since wave 16) ``e2e_gpu.py`` take ``--trace-skip N``,
+    which wins; either way its prompts are the trace's requests N+1 onward; 0 for a run of the trace's first
+    requests."""
     import re
 
     skip = command_arg(command, "--trace-skip")
