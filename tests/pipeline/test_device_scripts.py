@@ -42,3 +42,28 @@ def test_a_hybrid_decode_floor_runs_eager_and_feeds_the_gdn_eager_fit(tmp_path):
     assert np.isfinite(fitted.gdn_eager_layer_ms) and fitted.gdn_eager_layer_ms >= 0
     assert report["segments"] == len(detail) and report["left_out_kv_bound"] == 0
     assert set(report["groups"]) == {"2L fixed 1", "2L fixed 2", "2L static 1", "2L static 2"}
+
+
+def test_the_prefill_floor_measures_one_prefill_step_per_size_and_times_its_host_phases(tmp_path):
+    """prefill_floor_gpu.py on the tiny Qwen3 MoE (CPU): every measured step prefills all its prompts in one step
+    (its timeline row holds every token), in ABBA order over the rounds, the first round marked discarded; the phase
+    wrappers see one schedule, prepare, forward and sampling call per step, and layer_table calls only for the paged
+    policy (one per MoE layer); a bad --runs is a usage error, not a traceback."""
+    script = str(ROOT / "workflow/scripts/prefill_floor_gpu.py")
+    cmd = [sys.executable, script, "--model", "tiny-qwen3-moe", "--layers", "2", "--runs", "static:1GiB,fixed:1GiB",
+           "--tokens", "16,40", "--requests", "4", "--repeats", "3", "--discard", "1", "--device", "cpu",
+           "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    frame = pd.read_csv(tmp_path / "prefill_floor.csv")
+    assert len(frame) == 2 * 3 * 2 and (frame["profiled"] == 0).all()  # no profiler on the CPU
+    assert (frame["prefill_tokens"] == frame["tokens"]).all()
+    for _, run in frame.groupby("policy"):
+        assert run.sort_values(["round", "order"])["tokens"].tolist() == [16, 40, 40, 16, 16, 40]
+        assert run["discarded"].tolist().count(1) == 2
+    for phase in ("schedule", "prepare", "forward_call", "sample"):
+        assert (frame[f"{phase}_calls"] == 1).all() and (frame[f"{phase}_ms"] > 0).all()
+    paged = frame["policy"] == "fixed"
+    assert (frame.loc[paged, "layer_table_calls"] == 2).all() and (frame.loc[~paged, "layer_table_calls"] == 0).all()
+    bad = subprocess.run(cmd[:6] + ["--runs", "static"] + cmd[8:], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "POLICY:BUDGET" in bad.stderr and "Traceback" not in bad.stderr
