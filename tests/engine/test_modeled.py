@@ -69,6 +69,24 @@ def test_layer_pipeline_overlap_by_hand():
     # an expansion queued first holds the copy stream
     assert layer_pipeline_overlap(np.array([1.0]), np.array([0.0]), np.array([1.0]), np.array([0.0]),
                                   np.array([0.0]), 4.0) == (pytest.approx(5.0), pytest.approx(3.0))
+    # host work after each routing sync (CostParams.host_layer_post_share): the copies and experts start after it.
+    # The first case with 0.5 of each layer's host time moved after the sync: layer 0 routed at 0.5, launched 1.0,
+    # copy 1..2, experts 2..4; layer 1: its 0.5 of launches done by 1.5, device work 4..4.5, launched 5.0, experts
+    # 5..7 (0.5 later than with all of it before the sync)
+    post = layer_pipeline_overlap(np.array([0.5, 0.5]), np.array([0.5, 0.5]), np.array([2.0, 2.0]),
+                                  np.array([1.0, 0.0]), np.array([0.0, 0.0]), 0.0, post_sync_ms=0.5)
+    assert post == (pytest.approx(7.0), pytest.approx(1.0))
+    # host-bound, no device work to hide: moving host time after the sync changes nothing (3 ms a layer either way)
+    assert layer_pipeline_overlap(np.array([2.0, 2.0]), np.zeros(2), np.zeros(2), np.zeros(2), np.zeros(2), 0.0,
+                                  post_sync_ms=1.0)[0] == pytest.approx(
+        layer_pipeline_overlap(np.array([3.0, 3.0]), np.zeros(2), np.zeros(2), np.zeros(2), np.zeros(2), 0.0)[0])
+    # copy-bound: each layer's copies start after the post-sync work, so it adds per layer. Layer 0: routed at 0.5,
+    # launched 1.0, copy 1..3, experts 3..3.1; layer 1: routed at 3.1 (after layer 0's experts), launched 3.6, copy
+    # 3.6..5.6, experts 5.6..5.7 (with all host time before the sync: 5.2)
+    assert layer_pipeline_overlap(np.array([0.5, 0.5]), np.zeros(2), np.array([0.1, 0.1]), np.array([2.0, 2.0]),
+                                  np.zeros(2), 0.0, post_sync_ms=0.5) == (pytest.approx(5.7), pytest.approx(4.0))
+    assert layer_pipeline_overlap(np.array([1.0, 1.0]), np.zeros(2), np.array([0.1, 0.1]), np.array([2.0, 2.0]),
+                                  np.zeros(2), 0.0)[0] == pytest.approx(5.2)
 
 
 def test_cost_terms_by_hand(spec):
@@ -105,13 +123,14 @@ def test_allreduce_and_cpu_experts_by_hand(spec):
     assert slow == pytest.approx(4096 * 6 * 768 * 2048 / (10 * 100 * 1e9) * 1e3)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_step_matches_the_vectorised_calibration_form(overlap):
+@pytest.mark.parametrize("overlap,post", [(False, 0.0), (True, 0.0), (True, 0.4)])
+def test_step_matches_the_vectorised_calibration_form(overlap, post):
     """CostModel.step and calibration.predict_steps are one model: same numbers on the same work (either eager
-    pipeline: CostParams.eager_host_overlap)."""
+    pipeline: CostParams.eager_host_overlap; with part of the host's layer time after the routing sync:
+    host_layer_post_share)."""
     spec = ModelSpec.from_pretrained("tiny-qwen3-moe")
     params = CostParams(prefetch_recall=0.5, host_step_ms=1.0, host_seq_us=20.0, gpu_layer_us=15.0, token_us=3.0,
-                        eager_host_overlap=overlap)
+                        eager_host_overlap=overlap, host_layer_post_share=post)
     cost = CostModel(spec, load_gpu("h200"), params)
     layers = spec.num_moe_layers
     q, starts = np.array([1, 1, 1]), np.array([10, 20, 30])
@@ -1419,3 +1438,55 @@ def test_async_admission_an_arrival_during_a_pipelined_step_joins_after_the_next
     assert mean_ttft(True, True) == pytest.approx((10 + 25) / 2)
     assert mean_ttft(True, False) == pytest.approx((10 + 15) / 2)
     assert mean_ttft(False, True) == pytest.approx((10 + 15) / 2)
+
+
+def test_tied_token_fit_gives_paged_steps_the_resident_per_token_term():
+    """fit_decode_floor(tie_token=True): decode-floor segments and serving timelines drawn from the model with one
+    per-token term for paged and resident steps (1.5 us) give that term back as both token_us and
+    resident_token_us, the paged timeline predicted as drawn; the alternation converges; without a static timeline
+    there is nothing to tie to."""
+    from rimuru.engine.modeled.calibration import fit_decode_floor, floor_features, timeline_features
+    from rimuru.engine.modeled.reference import spec_with_layers
+
+    truth = CostParams(token_us=1.5, resident_token_us=1.5, host_seq_us=12.0, resident_seq_us=14.0, host_step_ms=1.0,
+                       host_layer_sync_ms=0.8, host_layer_async_ms=0.5, gpu_layer_us=40.0, prefetch_recall=0.5,
+                       eager_host_overlap=True)
+    base = CostParams(eager_host_overlap=True)
+    rows = []
+    for layers in (4, 48):
+        for policy in ("fixed", "static"):
+            for batch in (1, 4, 16, 64):
+                for order, mode in enumerate(("eager", "graph")):
+                    rows.append({"model": "qwen3-30b-a3b", "layers": layers, "policy": policy, "batch": batch,
+                                 "mode": mode, "order": order, "graphed_steps": 8 if mode == "graph" else 0,
+                                 "experts_touched": layers * min(128, 8 * batch),
+                                 "experts_loaded": 0 if policy == "static" else layers * min(40, 2 * batch),
+                                 "step_ms": 1.0})
+    floor = pd.DataFrame(rows)
+    frames, costs = [], []
+    for layers, f in floor.groupby("layers"):
+        f = f.reset_index(drop=True)
+        cost = CostModel(spec_with_layers("qwen3-30b-a3b", int(layers)), load_gpu("h200"), base)
+        x = floor_features(f, cost)
+        f["step_ms"] = predict_steps(x, cost, truth, sync=x["sync"])
+        frames.append(f)
+        costs.append(cost)
+    cost4 = costs[0]
+    n = 40
+    prefill = np.where(np.arange(n) % 2 == 0, np.linspace(256, 2048, n), 0.0)
+    timelines = []
+    for policy in ("fixed", "static"):
+        frame = _timeline(n, decode=np.full(n, 16.0), context=np.full(n, 4000.0), touched=4 * 100.0,
+                          prefill=prefill, loaded=0 if policy == "static" else 4 * 30)
+        x = timeline_features(frame, cost4, policy)
+        frame["step_ms"] = predict_steps(x, cost4, truth, sync=x["sync"])
+        timelines.append((f"burst/{policy}", frame, cost4, policy))
+    fitted, report = fit_decode_floor(frames, costs, base, timelines, tie_token=True)
+    assert fitted.token_us == fitted.resident_token_us == pytest.approx(1.5, rel=0.05)
+    rounds = report["tied_token_us"]["rounds"]
+    assert rounds[0]["token_us_in"] == 0.0
+    assert abs(rounds[-1]["resident_token_us"] - rounds[-2]["resident_token_us"]) < 1e-3
+    paged = timeline_features(timelines[0][1], cost4, "fixed")
+    assert predict_steps(paged, cost4, fitted, sync=True) == pytest.approx(paged["measured"], rel=0.02)
+    with pytest.raises(ValueError, match="static fit timeline"):
+        fit_decode_floor(frames, costs, base, timelines[:1], tie_token=True)

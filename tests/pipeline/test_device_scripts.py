@@ -40,8 +40,12 @@ def test_a_hybrid_decode_floor_runs_eager_and_feeds_the_gdn_eager_fit(tmp_path):
     cost = CostModel(spec_with_layers("tiny-qwen3.5-moe", 2), load_gpu("h200"), base)
     fitted, report = fit_gdn_eager([(detail, cost)], base, steps_per_segment=4)
     assert np.isfinite(fitted.gdn_eager_layer_ms) and fitted.gdn_eager_layer_ms >= 0
-    assert report["segments"] == len(detail) and report["left_out_kv_bound"] == 0
-    assert set(report["groups"]) == {"2L fixed 1", "2L fixed 2", "2L static 1", "2L static 2"}
+    # the fit keeps the segments without a compile or a stall (a step over 3x its segment's median: wall-clock, so on
+    # a loaded machine a segment may have one)
+    clean = (detail["compiles"] == 0) & (detail["stalls"] == 0)
+    assert report["segments"] == int(clean.sum()) >= 1 and report["left_out_kv_bound"] == 0
+    kept = detail[clean]
+    assert set(report["groups"]) == {f"2L {p} {b}" for p, b in zip(kept["policy"], kept["batch"])}
 
 
 def test_the_prefill_floor_measures_one_prefill_step_per_size_and_times_its_host_phases(tmp_path):
@@ -67,3 +71,7 @@ def test_the_prefill_floor_measures_one_prefill_step_per_size_and_times_its_host
     assert (frame.loc[paged, "layer_table_calls"] == 2).all() and (frame.loc[~paged, "layer_table_calls"] == 0).all()
     bad = subprocess.run(cmd[:6] + ["--runs", "static"] + cmd[8:], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "POLICY:BUDGET" in bad.stderr and "Traceback" not in bad.stderr
+    for name in ("prefill_floor_gpu.py", "decode_floor_gpu.py"):  # a negative probe size is an error, not "off"
+        neg = subprocess.run([sys.executable, str(ROOT / "workflow/scripts" / name), "--out", str(tmp_path / "neg"),
+                              "--step-probe", "-1"], cwd=ROOT, capture_output=True, text=True)
+        assert neg.returncode == 2 and "--step-probe must be >= 0" in neg.stderr

@@ -81,6 +81,8 @@ rule modeled_calibrate:
         async_floor=" ".join(MODELED.get("async_floor", [])),
         fit_loop="--fit-loop" if MODELED.get("fit_loop") else "",
         overlap="--eager-host-overlap" if MODELED.get("eager_host_overlap") else "",
+        tie_token=("--tie-token-us" if MODELED.get("tie_token_us") else "")
+                  + (" --post-sync" if MODELED.get("post_sync") else ""),
         tp=(f"--tp-step {MODELED['tp_fit']['step_tp']} --tp-timelines {MODELED['tp_fit']['timelines']}"
             + (f" --tp-async-timelines {MODELED['tp_fit']['async_timelines']} --tp-async-kernels "
                f"{MODELED['tp_fit']['async_kernels']}" if "async_timelines" in MODELED.get("tp_fit", {}) else "")
@@ -104,7 +106,7 @@ rule modeled_calibrate:
         "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {params.floor} --fit-runs {params.fit} "
         "--routing-fit-runs {params.routing} --routing-prior-fit {params.prior} --fit-timelines {params.timelines} "
         "--async-floor {params.async_floor} "
-        "{params.fit_loop} {params.overlap} {params.tp} --decode-gamma-fit {params.gamma} "
+        "{params.fit_loop} {params.overlap} {params.tie_token} {params.tp} --decode-gamma-fit {params.gamma} "
         "--chunk-law-fit {params.laws} --prefill-gamma-fit {params.prefill} --routing-prior-build {params.priors} "
         "--lengths {params.lengths} "
         "{params.kernels} "

@@ -214,6 +214,8 @@ def main() -> None:
             ap.error(str(exc))
     if args.ab_eager and not ab_variants:
         ap.error("--ab-eager needs --ab-variant")
+    if args.step_probe < 0:
+        ap.error(f"--step-probe must be >= 0 (0: off), got {args.step_probe}")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = Path(args.out)

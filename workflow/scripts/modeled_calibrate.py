@@ -166,6 +166,13 @@ def main() -> None:
     ap.add_argument("--eager-host-overlap", action="store_true",
                     help="fit the eager pipeline in which a layer's host launches overlap the previous layer's experts "
                          "and their copies (CostParams.eager_host_overlap, wave 16); default: host and device serial")
+    ap.add_argument("--tie-token-us", action="store_true",
+                    help="a paged eager step's per-token term is the static fit timeline's (token_us = "
+                         "resident_token_us, calibration.fit_decode_floor tie_token; wave 17's prefill floor); "
+                         "default: token_us free in the joint fit")
+    ap.add_argument("--post-sync", action="store_true",
+                    help="with --eager-host-overlap: fit host_layer_post_share, the share of a layer's host time after "
+                         "its routing sync, before its copies and experts can start (wave 17); default: 0")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -376,7 +383,10 @@ def main() -> None:
         name, layers = parse_run_model(row.iloc[0]["model"])
         timelines.append((f"{run}/{policy}", t_frame, CostModel(spec_with_layers(name, layers), gpu, base), policy))
         data += [data_entry(t_path), data_entry(runs_path, row)]
-    params, steps = fit_decode_floor(frames, floor_costs, base, timelines)
+    if args.post_sync and not args.eager_host_overlap:
+        raise SystemExit("--post-sync needs --eager-host-overlap (it splits that pipeline's host time at the sync)")
+    params, steps = fit_decode_floor(frames, floor_costs, base, timelines, tie_token=args.tie_token_us,
+                                     post_sync=args.post_sync)
     # the serving loop between steps: the fit runs' all-at-once timelines (a Poisson run's gaps include idle time)
     bursts = [t[t["workload"] == "burst"] for _, t, _, _ in timelines]
     loop = fit_loop([t for t in bursts if len(t)]) if any(len(t) for t in bursts) else {}

@@ -234,6 +234,8 @@ def main() -> None:
         ap.error(f"every --tokens value must be at least --requests ({args.requests}) and --requests at least 1")
     if not 0 <= args.discard < args.repeats:
         ap.error("--discard must be at least 0 and below --repeats")
+    if args.step_probe < 0:
+        ap.error(f"--step-probe must be >= 0 (0: off), got {args.step_probe}")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32

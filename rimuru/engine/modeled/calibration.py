@@ -452,9 +452,10 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
         overlapped = np.maximum(device + moe, p.host_layer_async_ms + gdn_host) - moe  # launches overlap the device
         host_l = p.host_layer_sync_ms + tp_layer + gdn_host
         if p.eager_host_overlap:  # cost.layer_pipeline_overlap: launches from the last routing sync on
-            host_t = host_t + host_l
-            gpu_t = np.where(sync, np.maximum(gpu_t + device, host_t), gpu_t + overlapped)
-            host_t = np.where(sync, gpu_t, host_t)  # the routing sync
+            post = p.host_layer_post_share * p.host_layer_sync_ms  # after the sync, before copies and experts
+            host_t = host_t + host_l - post
+            gpu_t = np.where(sync, np.maximum(gpu_t + device, host_t) + post, gpu_t + overlapped)
+            host_t = np.where(sync, gpu_t, host_t)  # the routing sync and the launches after it
         else:
             gpu_t = gpu_t + np.where(sync, device + host_l, overlapped)
         r = p.prefetch_recall if layer > 0 else 0.0
@@ -570,7 +571,9 @@ def load_floor(paths) -> pd.DataFrame:
 
 
 def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: CostParams,
-                     timelines: list[tuple[str, pd.DataFrame, CostModel, str]] = ()) -> tuple[CostParams, dict]:
+                     timelines: list[tuple[str, pd.DataFrame, CostModel, str]] = (),
+                     tie_token: bool = False, tie_rounds: int = 4, free_token: bool = True,
+                     post_sync: bool = False) -> tuple[CostParams, dict]:
     """Host times, fixed per-layer device time, PCIe efficiencies (bulk copies and in-place reads) and the
     predictor's recall from the decode-floor segments (graphed and eager, every policy, one frame per layer
     count): with two layer counts the per-step and per-layer host times are told apart.
@@ -580,12 +583,41 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     and graphed decode), weighted so that those timelines together count as much as the decode-floor segments.
     The static runs' then give ``resident_seq_us`` and ``resident_token_us`` (``fit_resident_host``), every other
     term as fitted: a second stage, so that static steps (no routing sync) do not move the paged policies' shared
-    terms; without a static timeline ``resident_seq_us`` is the static decode-floor segments'."""
+    terms; without a static timeline ``resident_seq_us`` is the static decode-floor segments'.
+
+    ``tie_token`` (wave 17): a paged step's per-token term is the resident one (``token_us`` = ``resident_token_us``,
+    not free in the joint fit): eager prefill steps of 256-4,096 tokens cost ~0.7 us a token with a routing sync and
+    every expert cached, 1.1 without a sync, and nothing visible under copies (``results/reference/engine/
+    prefill_floor_d81984c``), where the free term fitted to 3.8 us on the paged fit timelines. The two stages
+    alternate ``tie_rounds`` times from ``token_us`` = 0, each joint fit (``free_token`` off: ``token_us`` held)
+    taking the static stage's last per-token term.
+
+    ``post_sync`` (wave 17; with ``base.eager_host_overlap``): ``host_layer_post_share`` free too, the share of the
+    per-layer host time spent after the routing sync (before the layer's copies and experts can start): identified
+    where a layer's copies or device work outlast the host's launches (the eager paged segments with misses)."""
+    if post_sync and not base.eager_host_overlap:
+        raise ValueError("post_sync places host time after the routing sync of the overlapping eager pipeline "
+                         "(eager_host_overlap)")
+    if tie_token:
+        if not any(pol == "static" for *_, pol in timelines):
+            raise ValueError("tie_token needs a static fit timeline (the per-token term comes from its steps)")
+        token, rounds = 0.0, []
+        for _ in range(max(1, tie_rounds)):
+            p, report = fit_decode_floor(frames, costs, base.replace(token_us=token), timelines, free_token=False,
+                                         post_sync=post_sync)
+            rounds.append({"token_us_in": token, "resident_token_us": float(p.resident_token_us)})
+            token = float(p.resident_token_us)
+        p = p.replace(token_us=token)
+        report["tied_token_us"] = {"rounds": rounds, "token_us": token}
+        report["values"]["token_us"] = token
+        return p, report
     feats = [floor_features(f, c) for f, c in zip(frames, costs)]
     tfeats = [timeline_features(f, c, pol) for _, f, c, pol in timelines]
     joint = [i for i, (_, _, _, pol) in enumerate(timelines) if pol != "static"]
     resident = [i for i, (_, _, _, pol) in enumerate(timelines) if pol == "static"]
-    free = FLOOR_FREE + (("token_us",) if joint else ())
+    extras = {"token_us": (1.0, 0.0, 100.0), "host_layer_post_share": (0.3, 0.0, 1.0)}  # x0, lower, upper
+    free = (FLOOR_FREE + (("token_us",) if joint and free_token else ())
+            + (("host_layer_post_share",) if post_sync else ()))
     n_floor = sum(len(x["measured"]) for x in feats)
     n_steps = sum(len(tfeats[i]["measured"]) for i in joint)
     weight = np.sqrt(n_floor / n_steps) if n_steps else 0.0
@@ -604,10 +636,10 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
                                     [tfeats[i] for i in joint])]
         return np.concatenate(floor + steps)
 
-    extra = len(free) - len(FLOOR_FREE)  # token_us
-    x0 = [1.0, 1.0, 0.8, 10.0, 0.5, 40.0, 0.9, 0.8, 0.5, 10.0] + [1.0] * extra
-    lo = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.0, 0.0] + [0.0] * extra
-    hi = [60.0, 20.0, 20.0, 500.0, 20.0, 500.0, 1.2, 1.2, 1.0, 500.0] + [100.0] * extra
+    extra = [extras[k] for k in free[len(FLOOR_FREE):]]  # token_us, host_layer_post_share
+    x0 = [1.0, 1.0, 0.8, 10.0, 0.5, 40.0, 0.9, 0.8, 0.5, 10.0] + [e[0] for e in extra]
+    lo = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.0, 0.0] + [e[1] for e in extra]
+    hi = [60.0, 20.0, 20.0, 500.0, 20.0, 500.0, 1.2, 1.2, 1.0, 500.0] + [e[2] for e in extra]
     fit = least_squares(residuals, x0=x0, loss="soft_l1", f_scale=0.1, bounds=(lo, hi))
     p = params(fit.x)
     if resident:

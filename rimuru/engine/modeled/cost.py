@@ -87,6 +87,12 @@ class CostParams:
     # the previous layer's experts (and the copies they wait for) run on the device; the host waits only at the next
     # routing sync (layer_pipeline_overlap). False: a layer's host and device time serial, then its experts, then the
     # next layer's host time (layer_pipeline; the model through wave 15)
+    host_layer_post_share: float = 0.0  # (wave 17) with eager_host_overlap: the share of host_layer_sync_ms the host
+    # spends after the layer's routing sync (the misses' bookkeeping, the copies' and the experts' launches): the
+    # layer's copies and experts start only after it, so it is serial with the device; the rest is the launches
+    # before the sync, which overlap the previous layer's experts. 0: all of it before the sync (wave 16's pipeline).
+    # Measured: a 48-layer eager paged prefill step runs ~2.0 ms a layer once its device work nears the host's
+    # (results/reference/engine/prefill_floor48L_093469c)
     routing_chunk_scale: float = 1.0  # a prefill chunk of q tokens routes like min(q, scale * q ** exponent)
     routing_chunk_exponent: float = 1.0  # independent tokens (RoutingModel.effective_tokens); 1, 1: independent
     routing_prior_tokens: float = 0.0  # a hotset layer worth n tokens is shrunk toward uniform, weight prior/(n+prior)
@@ -245,7 +251,7 @@ def layer_pipeline(pre_ms: np.ndarray, moe_ms: np.ndarray, demand_ms: np.ndarray
 
 def layer_pipeline_overlap(host_ms: np.ndarray, device_ms: np.ndarray, moe_ms: np.ndarray, demand_ms: np.ndarray,
                            prefetch_ms: np.ndarray, expansion_ms: float,
-                           host_experts_ms: np.ndarray | None = None) -> tuple[float, float]:
+                           host_experts_ms: np.ndarray | None = None, post_sync_ms: float = 0.0) -> tuple[float, float]:
     """Host, compute and copy streams over the MoE layers of an eager step with a routing sync per layer
     (``CostParams.eager_host_overlap``); returns (end, stall waiting for copies).
 
@@ -255,7 +261,9 @@ def layer_pipeline_overlap(host_ms: np.ndarray, device_ms: np.ndarray, moe_ms: n
     (and the next layer's prefetch), launches the experts, which wait for the copies on the device, and goes on to
     the next layer without waiting: the next layer's launches overlap these experts and their copies.
     ``host_experts_ms[l]``: experts the host computes itself (the ``cpu`` policy's), after the sync, beside the
-    device's: the host launches the next layer only after them.
+    device's: the host launches the next layer only after them. ``post_sync_ms``: host time after each routing sync
+    before the layer's copies and experts are launched (``CostParams.host_layer_post_share``; ``host_ms`` is then the
+    launches before the sync only): the copies and the experts start after it.
     """
     host, gpu, copy, stall = 0.0, 0.0, float(expansion_ms), 0.0
     prefetch = np.asarray(prefetch_ms, float).tolist() + [0.0]
@@ -265,13 +273,13 @@ def layer_pipeline_overlap(host_ms: np.ndarray, device_ms: np.ndarray, moe_ms: n
                                                           np.asarray(moe_ms, float).tolist(),
                                                           np.asarray(demand_ms, float).tolist(), on_host.tolist())):
         host += h
-        routed = max(gpu + d, host)
-        host = routed + cpu  # the routing sync, then the host's own experts
-        copy = max(copy, routed) + demand
+        launched = max(gpu + d, host) + post_sync_ms  # the routing sync, then the copies' and experts' launches
+        host = launched + cpu  # then the host's own experts
+        copy = max(copy, launched) + demand
         ready = copy
         copy += prefetch[layer + 1]
-        stall += max(0.0, ready - routed)
-        gpu = max(routed, ready) + moe
+        stall += max(0.0, ready - launched)
+        gpu = max(launched, ready) + moe
     return max(host, gpu), stall
 
 
@@ -441,9 +449,12 @@ class CostModel:
         if w.sync_per_layer and p.eager_host_overlap:  # host launches overlap the previous layer's experts
             device_pre, device_tail = self._prefix(attn_full, attn_lin, dense + layer_gpu_fixed + ar, 0.0, 0.0,
                                                    moe_total, True)
+            post = p.host_layer_post_share * p.host_layer_sync_ms  # after each MoE layer's routing sync
             host_pre, host_tail = self._prefix(0.0, 0.0, 0.0, host_layer, host_linear, moe_total, True)
+            host_pre = host_pre - post  # each MoE layer's own host term holds it (a dense layer's has no sync)
             gpu_end, stall = layer_pipeline_overlap(host_pre, device_pre, moe, demand, prefetch,
-                                                    max(0.0, carried - lead) + expansion, host_experts_ms=cpu)
+                                                    max(0.0, carried - lead) + expansion, host_experts_ms=cpu,
+                                                    post_sync_ms=post)
             tail = device_tail + host_tail
         else:
             pre, tail = self._prefix(attn_full, attn_lin, dense + layer_gpu_fixed + ar, host_layer, host_linear,
