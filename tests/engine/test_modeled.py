@@ -1440,18 +1440,13 @@ def test_async_admission_an_arrival_during_a_pipelined_step_joins_after_the_next
     assert mean_ttft(False, True) == pytest.approx((10 + 15) / 2)
 
 
-def test_tied_token_fit_gives_paged_steps_the_resident_per_token_term():
-    """fit_decode_floor(tie_token=True): decode-floor segments and serving timelines drawn from the model with one
-    per-token term for paged and resident steps (1.5 us) give that term back as both token_us and
-    resident_token_us, the paged timeline predicted as drawn; the alternation converges; without a static timeline
-    there is nothing to tie to."""
-    from rimuru.engine.modeled.calibration import fit_decode_floor, floor_features, timeline_features
+def _floor_fit_data(truth: CostParams, base: CostParams):
+    """Decode-floor segments (4 and 48 layers, fixed and static, eager and graphed, batches 1-64) and a 4-layer fixed
+    and static serving timeline (prefill chunks every other step), all drawn from the model with ``truth``:
+    fit_decode_floor's inputs (frames, their cost models, timelines)."""
+    from rimuru.engine.modeled.calibration import floor_features, timeline_features
     from rimuru.engine.modeled.reference import spec_with_layers
 
-    truth = CostParams(token_us=1.5, resident_token_us=1.5, host_seq_us=12.0, resident_seq_us=14.0, host_step_ms=1.0,
-                       host_layer_sync_ms=0.8, host_layer_async_ms=0.5, gpu_layer_us=40.0, prefetch_recall=0.5,
-                       eager_host_overlap=True)
-    base = CostParams(eager_host_overlap=True)
     rows = []
     for layers in (4, 48):
         for policy in ("fixed", "static"):
@@ -1462,31 +1457,69 @@ def test_tied_token_fit_gives_paged_steps_the_resident_per_token_term():
                                  "experts_touched": layers * min(128, 8 * batch),
                                  "experts_loaded": 0 if policy == "static" else layers * min(40, 2 * batch),
                                  "step_ms": 1.0})
-    floor = pd.DataFrame(rows)
     frames, costs = [], []
-    for layers, f in floor.groupby("layers"):
+    for layers, f in pd.DataFrame(rows).groupby("layers"):
         f = f.reset_index(drop=True)
         cost = CostModel(spec_with_layers("qwen3-30b-a3b", int(layers)), load_gpu("h200"), base)
         x = floor_features(f, cost)
         f["step_ms"] = predict_steps(x, cost, truth, sync=x["sync"])
         frames.append(f)
         costs.append(cost)
-    cost4 = costs[0]
     n = 40
     prefill = np.where(np.arange(n) % 2 == 0, np.linspace(256, 2048, n), 0.0)
     timelines = []
     for policy in ("fixed", "static"):
         frame = _timeline(n, decode=np.full(n, 16.0), context=np.full(n, 4000.0), touched=4 * 100.0,
                           prefill=prefill, loaded=0 if policy == "static" else 4 * 30)
-        x = timeline_features(frame, cost4, policy)
-        frame["step_ms"] = predict_steps(x, cost4, truth, sync=x["sync"])
-        timelines.append((f"burst/{policy}", frame, cost4, policy))
+        x = timeline_features(frame, costs[0], policy)
+        frame["step_ms"] = predict_steps(x, costs[0], truth, sync=x["sync"])
+        timelines.append((f"burst/{policy}", frame, costs[0], policy))
+    return frames, costs, timelines
+
+
+FLOOR_TRUTH = CostParams(token_us=1.5, resident_token_us=1.5, host_seq_us=12.0, resident_seq_us=14.0, host_step_ms=1.0,
+                         host_layer_sync_ms=0.8, host_layer_async_ms=0.5, gpu_layer_us=40.0, prefetch_recall=0.5,
+                         pcie_eff=0.95, eager_host_overlap=True)
+
+
+def test_tied_token_fit_gives_paged_steps_the_resident_per_token_term():
+    """fit_decode_floor(tie_token=True): decode-floor segments and serving timelines drawn from the model with one
+    per-token term for paged and resident steps (1.5 us) give that term back as both token_us and
+    resident_token_us, the paged timeline predicted as drawn; the alternation converges; without a static timeline
+    there is nothing to tie to."""
+    from rimuru.engine.modeled.calibration import fit_decode_floor, timeline_features
+
+    base = CostParams(eager_host_overlap=True)
+    frames, costs, timelines = _floor_fit_data(FLOOR_TRUTH, base)
     fitted, report = fit_decode_floor(frames, costs, base, timelines, tie_token=True)
     assert fitted.token_us == fitted.resident_token_us == pytest.approx(1.5, rel=0.05)
     rounds = report["tied_token_us"]["rounds"]
     assert rounds[0]["token_us_in"] == 0.0
     assert abs(rounds[-1]["resident_token_us"] - rounds[-2]["resident_token_us"]) < 1e-3
-    paged = timeline_features(timelines[0][1], cost4, "fixed")
-    assert predict_steps(paged, cost4, fitted, sync=True) == pytest.approx(paged["measured"], rel=0.02)
+    paged = timeline_features(timelines[0][1], costs[0], "fixed")
+    assert predict_steps(paged, costs[0], fitted, sync=True) == pytest.approx(paged["measured"], rel=0.02)
     with pytest.raises(ValueError, match="static fit timeline"):
         fit_decode_floor(frames, costs, base, timelines[:1], tie_token=True)
+
+
+def test_a_held_term_stays_at_its_measured_value_and_the_rest_fit_around_it():
+    """fit_decode_floor(hold=("pcie_eff",)): pcie_eff stays at base's value (a measured input) while every other term
+    is fitted; held at the true value the fit recovers the drawn terms; a term the floor fit does not free cannot be
+    held. pcie_eff_from_h2d: the one-GPU-alone cases' median GB/s over the profile's rate."""
+    from rimuru.engine.modeled.calibration import fit_decode_floor, pcie_eff_from_h2d
+
+    frames, costs, timelines = _floor_fit_data(FLOOR_TRUTH, CostParams(eager_host_overlap=True))
+    base = CostParams(eager_host_overlap=True, pcie_eff=0.95)
+    fitted, report = fit_decode_floor(frames, costs, base, timelines, hold=("pcie_eff",))
+    assert fitted.pcie_eff == 0.95 and report["held"] == {"pcie_eff": 0.95} and "pcie_eff" not in report["free"]
+    assert fitted.host_layer_sync_ms == pytest.approx(0.8, rel=0.05)
+    assert fitted.token_us == pytest.approx(1.5, rel=0.1)
+    with pytest.raises(ValueError, match="hold takes terms"):
+        fit_decode_floor(frames, costs, base, timelines, hold=("hbm_eff",))
+    summary = pd.DataFrame({"case": ["alone_g0_unbound_0", "alone_g0_unbound_1", "alone_g1_n0_node", "both_local"],
+                            "median_gbps": [52.0, 54.0, 53.0, 40.0]})
+    h2d = pcie_eff_from_h2d(summary, load_gpu("h200"))
+    assert h2d["gbps"] == 53.0 and h2d["rows"] == 3 and h2d["range_gbps"] == [52.0, 54.0]
+    assert h2d["pcie_eff"] == pytest.approx(53.0e9 / load_gpu("h200").pcie_h2d_bytes_per_s)
+    with pytest.raises(ValueError, match="no H2D summary row"):
+        pcie_eff_from_h2d(summary, load_gpu("h200"), cases="solo_")

@@ -35,6 +35,7 @@ from rimuru.engine.modeled.calibration import (
     fit_tp_graph,
     floor_check,
     load_floor,
+    pcie_eff_from_h2d,
     prefetch_waste,
     prefill_chunks,
 )
@@ -173,6 +174,10 @@ def main() -> None:
     ap.add_argument("--post-sync", action="store_true",
                     help="with --eager-host-overlap: fit host_layer_post_share, the share of a layer's host time after "
                          "its routing sync, before its copies and experts can start (wave 17); default: 0")
+    ap.add_argument("--pcie-from-h2d", default=None, metavar="SUMMARY_CSV",
+                    help="hold pcie_eff at a measured H2D rate of expert-sized copies instead of fitting it: "
+                         "tp_h2d_diag.py's summary.csv (relative to --reference), its one-GPU-alone cases' median GB/s "
+                         "over the profile's (calibration.pcie_eff_from_h2d; wave 17)")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -385,8 +390,19 @@ def main() -> None:
         data += [data_entry(t_path), data_entry(runs_path, row)]
     if args.post_sync and not args.eager_host_overlap:
         raise SystemExit("--post-sync needs --eager-host-overlap (it splits that pipeline's host time at the sync)")
+    hold, pcie_input = (), {}
+    if args.pcie_from_h2d:
+        h2d_path = ref / args.pcie_from_h2d
+        if not h2d_path.exists():
+            raise SystemExit(f"--pcie-from-h2d: {h2d_path} not found")
+        h2d_frame = pd.read_csv(h2d_path)
+        data.append(data_entry(h2d_path, h2d_frame))
+        pcie_input = pcie_eff_from_h2d(h2d_frame, gpu) | {"source": str(args.pcie_from_h2d)}
+        base, hold = base.replace(pcie_eff=pcie_input["pcie_eff"]), ("pcie_eff",)
     params, steps = fit_decode_floor(frames, floor_costs, base, timelines, tie_token=args.tie_token_us,
-                                     post_sync=args.post_sync)
+                                     post_sync=args.post_sync, hold=hold)
+    if pcie_input:
+        steps["pcie_input"] = pcie_input
     # the serving loop between steps: the fit runs' all-at-once timelines (a Poisson run's gaps include idle time)
     bursts = [t[t["workload"] == "burst"] for _, t, _, _ in timelines]
     loop = fit_loop([t for t in bursts if len(t)]) if any(len(t) for t in bursts) else {}

@@ -505,6 +505,13 @@ def fit_resident_host(p: CostParams, feats: list[dict], costs: list[CostModel]) 
 # ---------------------------------------------------------------------------------------------- decode floor
 FLOOR_FREE = ("host_step_ms", "host_layer_sync_ms", "host_layer_async_ms", "host_seq_us", "host_graph_step_ms",
               "gpu_layer_us", "pcie_eff", "inplace_eff", "prefetch_recall", "resident_seq_us")
+# start, lower and upper bound of each term fit_decode_floor may leave free
+FLOOR_BOUNDS = {"host_step_ms": (1.0, 0.0, 60.0), "host_layer_sync_ms": (1.0, 0.0, 20.0),
+                "host_layer_async_ms": (0.8, 0.0, 20.0), "host_seq_us": (10.0, 0.0, 500.0),
+                "host_graph_step_ms": (0.5, 0.0, 20.0), "gpu_layer_us": (40.0, 0.0, 500.0),
+                "pcie_eff": (0.9, 0.2, 1.2), "inplace_eff": (0.8, 0.2, 1.2), "prefetch_recall": (0.5, 0.0, 1.0),
+                "resident_seq_us": (10.0, 0.0, 500.0), "token_us": (1.0, 0.0, 100.0),
+                "host_layer_post_share": (0.3, 0.0, 1.0)}
 
 
 def floor_features(frame: pd.DataFrame, cost: CostModel, prompt_len: int = 256, steps_per_segment: int = 11,
@@ -570,10 +577,22 @@ def load_floor(paths) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def pcie_eff_from_h2d(summary: pd.DataFrame, gpu: GpuProfile, cases: str = "alone_") -> dict:
+    """``pcie_eff`` as a measured input: the median over ``summary``'s rows whose case starts with ``cases`` (one GPU
+    copying alone) of their median GB/s (``tp_h2d_diag.py``'s ``summary.csv``: expert-sized copies from pinned host
+    memory, CUDA-event timed), over the profile's pinned H2D rate."""
+    rows = summary[summary["case"].str.startswith(cases)]
+    if rows.empty:
+        raise ValueError(f"no H2D summary row whose case starts with {cases!r}")
+    gbps = float(rows["median_gbps"].median())
+    return {"pcie_eff": gbps * 1e9 / gpu.pcie_h2d_bytes_per_s, "gbps": gbps, "rows": len(rows),
+            "range_gbps": [float(rows["median_gbps"].min()), float(rows["median_gbps"].max())]}
+
+
 def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: CostParams,
                      timelines: list[tuple[str, pd.DataFrame, CostModel, str]] = (),
                      tie_token: bool = False, tie_rounds: int = 4, free_token: bool = True,
-                     post_sync: bool = False) -> tuple[CostParams, dict]:
+                     post_sync: bool = False, hold: tuple[str, ...] = ()) -> tuple[CostParams, dict]:
     """Host times, fixed per-layer device time, PCIe efficiencies (bulk copies and in-place reads) and the
     predictor's recall from the decode-floor segments (graphed and eager, every policy, one frame per layer
     count): with two layer counts the per-step and per-layer host times are told apart.
@@ -594,7 +613,13 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
 
     ``post_sync`` (wave 17; with ``base.eager_host_overlap``): ``host_layer_post_share`` free too, the share of the
     per-layer host time spent after the routing sync (before the layer's copies and experts can start): identified
-    where a layer's copies or device work outlast the host's launches (the eager paged segments with misses)."""
+    where a layer's copies or device work outlast the host's launches (the eager paged segments with misses).
+
+    ``hold``: terms kept at ``base``'s values instead of fitted (a measured input, e.g. ``pcie_eff`` from the H2D rate
+    of expert-sized copies: ``pcie_eff_from_h2d``)."""
+    unknown = set(hold) - set(FLOOR_FREE)
+    if unknown:
+        raise ValueError(f"hold takes terms the floor fit frees ({', '.join(FLOOR_FREE)}), got {sorted(unknown)}")
     if post_sync and not base.eager_host_overlap:
         raise ValueError("post_sync places host time after the routing sync of the overlapping eager pipeline "
                          "(eager_host_overlap)")
@@ -604,7 +629,7 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
         token, rounds = 0.0, []
         for _ in range(max(1, tie_rounds)):
             p, report = fit_decode_floor(frames, costs, base.replace(token_us=token), timelines, free_token=False,
-                                         post_sync=post_sync)
+                                         post_sync=post_sync, hold=hold)
             rounds.append({"token_us_in": token, "resident_token_us": float(p.resident_token_us)})
             token = float(p.resident_token_us)
         p = p.replace(token_us=token)
@@ -615,8 +640,7 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     tfeats = [timeline_features(f, c, pol) for _, f, c, pol in timelines]
     joint = [i for i, (_, _, _, pol) in enumerate(timelines) if pol != "static"]
     resident = [i for i, (_, _, _, pol) in enumerate(timelines) if pol == "static"]
-    extras = {"token_us": (1.0, 0.0, 100.0), "host_layer_post_share": (0.3, 0.0, 1.0)}  # x0, lower, upper
-    free = (FLOOR_FREE + (("token_us",) if joint and free_token else ())
+    free = (tuple(k for k in FLOOR_FREE if k not in hold) + (("token_us",) if joint and free_token else ())
             + (("host_layer_post_share",) if post_sync else ()))
     n_floor = sum(len(x["measured"]) for x in feats)
     n_steps = sum(len(tfeats[i]["measured"]) for i in joint)
@@ -636,16 +660,14 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
                                     [tfeats[i] for i in joint])]
         return np.concatenate(floor + steps)
 
-    extra = [extras[k] for k in free[len(FLOOR_FREE):]]  # token_us, host_layer_post_share
-    x0 = [1.0, 1.0, 0.8, 10.0, 0.5, 40.0, 0.9, 0.8, 0.5, 10.0] + [e[0] for e in extra]
-    lo = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.2, 0.0, 0.0] + [e[1] for e in extra]
-    hi = [60.0, 20.0, 20.0, 500.0, 20.0, 500.0, 1.2, 1.2, 1.0, 500.0] + [e[2] for e in extra]
+    x0, lo, hi = (list(v) for v in zip(*(FLOOR_BOUNDS[k] for k in free)))
     fit = least_squares(residuals, x0=x0, loss="soft_l1", f_scale=0.1, bounds=(lo, hi))
     p = params(fit.x)
     if resident:
         p = fit_resident_host(p, [tfeats[i] for i in resident], [timelines[i][2] for i in resident])
         free = free + ("resident_token_us",)
     report = {"free": list(free), "values": {k: float(getattr(p, k)) for k in free},
+              "held": {k: float(getattr(p, k)) for k in hold},
               "rows": int(n_floor), "timeline_steps": int(n_steps), "timeline_weight": float(weight),
               "per_group": {}, "timeline_groups": {}}
     for (name, _, c, _), x in zip(timelines, tfeats):
