@@ -82,7 +82,8 @@ rule modeled_calibrate:
         fit_loop="--fit-loop" if MODELED.get("fit_loop") else "",
         overlap="--eager-host-overlap" if MODELED.get("eager_host_overlap") else "",
         tie_token=("--tie-token-us" if MODELED.get("tie_token_us") else "")
-                  + (" --post-sync" if MODELED.get("post_sync") else ""),
+                  + (" --post-sync" if MODELED.get("post_sync") else "")
+                  + (f" --pcie-from-h2d {MODELED['pcie_from_h2d']}" if MODELED.get("pcie_from_h2d") else ""),
         tp=(f"--tp-step {MODELED['tp_fit']['step_tp']} --tp-timelines {MODELED['tp_fit']['timelines']}"
             + (f" --tp-async-timelines {MODELED['tp_fit']['async_timelines']} --tp-async-kernels "
                f"{MODELED['tp_fit']['async_kernels']}" if "async_timelines" in MODELED.get("tp_fit", {}) else "")
