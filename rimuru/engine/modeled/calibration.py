@@ -612,8 +612,9 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     taking the static stage's last per-token term.
 
     ``post_sync`` (wave 17; with ``base.eager_host_overlap``): ``host_layer_post_share`` free too, the share of the
-    per-layer host time spent after the routing sync (before the layer's copies and experts can start): identified
-    where a layer's copies or device work outlast the host's launches (the eager paged segments with misses).
+    per-layer host time spent after the routing sync (before the layer's copies and experts can start). Only steps
+    whose copies or device work outlast the host's launches can show it; the fit data of record do not identify it
+    (free, it ends where it starts: docs/modeled.md, wave 17), eager prefill floors with copies would.
 
     ``hold``: terms kept at ``base``'s values instead of fitted (a measured input, e.g. ``pcie_eff`` from the H2D rate
     of expert-sized copies: ``pcie_eff_from_h2d``)."""
