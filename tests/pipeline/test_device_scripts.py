@@ -75,3 +75,31 @@ def test_the_prefill_floor_measures_one_prefill_step_per_size_and_times_its_host
         neg = subprocess.run([sys.executable, str(ROOT / "workflow/scripts" / name), "--out", str(tmp_path / "neg"),
                               "--step-probe", "-1"], cwd=ROOT, capture_output=True, text=True)
         assert neg.returncode == 2 and "--step-probe must be >= 0" in neg.stderr
+
+
+def test_the_prefill_floor_leaves_no_wrapper_holding_its_engine():
+    """prefill_floor_gpu.measure wraps the engine's own methods for timing and removes the wrappers when done: the
+    engine is freed once its caller drops it (left in place, the wrappers kept the first engine's device pool alive
+    and a second engine in the same process ran out of memory: results/reference/engine/prefill_floor_d81984c)."""
+    import gc
+    import importlib.util
+    import weakref
+
+    import torch
+
+    from rimuru.engine.llm import LLM
+    from rimuru.models.synthetic_memory import SyntheticCheckpoint
+
+    spec = importlib.util.spec_from_file_location("prefill_floor_gpu", ROOT / "workflow/scripts/prefill_floor_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    ckpt = SyntheticCheckpoint("tiny-qwen3-moe", 0, 0.7, 2).load(torch.device("cpu"), torch.float32)
+    llm = LLM(ckpt, gpu_memory_budget="1GiB", policy="fixed", device="cpu", dtype=torch.float32, max_num_seqs=16,
+              max_num_batched_tokens=64, enforce_eager=True)
+    rows = module.measure(llm, {"policy": "fixed"}, [16], 4, 2, 1, np.random.default_rng(0), False, None)
+    assert len(rows) == 2 and all(r["layer_table_calls"] == 2 for r in rows)
+    assert "_sample" not in vars(llm) and "forward" not in vars(llm.model)  # the class methods again
+    ref = weakref.ref(llm)
+    del llm
+    gc.collect()
+    assert ref() is None

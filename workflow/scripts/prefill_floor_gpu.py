@@ -93,16 +93,22 @@ def _event() -> torch.cuda.Event:
     return ev
 
 
-def instrument(llm: LLM, timer: PhaseTimer) -> None:
+def instrument(llm: LLM, timer: PhaseTimer):
     """Wrap this engine's scheduler, executor, model forward, paged provider and sampling (instance attributes: the
-    library's classes are untouched)."""
+    library's classes are untouched); returns the function that removes the wrappers (each holds its engine's bound
+    method: left in place, they keep the engine and its device pool alive after the caller drops it)."""
     ex = llm._local_executor
-    llm.scheduler.schedule = timer.wrap("schedule", llm.scheduler.schedule)
-    ex.prepare = timer.wrap("prepare", ex.prepare, event_before=True)
-    llm.model.forward = timer.wrap("forward_call", llm.model.forward, event_after=True)
+    wrapped = [(llm.scheduler, "schedule", "schedule", {}), (ex, "prepare", "prepare", {"event_before": True}),
+               (llm.model, "forward", "forward_call", {"event_after": True}), (llm, "_sample", "sample", {})]
     if type(llm.provider).__name__ == "PagedExperts":
-        llm.provider.layer_table = timer.wrap("layer_table", llm.provider.layer_table)
-    llm._sample = timer.wrap("sample", llm._sample)
+        wrapped.append((llm.provider, "layer_table", "layer_table", {}))
+    for obj, attr, phase, kw in wrapped:
+        setattr(obj, attr, timer.wrap(phase, getattr(obj, attr), **kw))
+
+    def restore() -> None:
+        for obj, attr, _, _ in wrapped:
+            delattr(obj, attr)
+    return restore
 
 
 def profiled_device_ms(fn, *args) -> tuple[object, float, float, float]:
@@ -143,7 +149,15 @@ def one_step(llm: LLM, q: int, requests: int, rng: np.random.Generator, tag: str
 def measure(llm: LLM, label: dict, tokens: list[int], requests: int, repeats: int, discard: int,
             rng: np.random.Generator, cuda: bool, probe: StepSpeedProbe | None) -> list[dict]:
     timer = PhaseTimer(cuda)
-    instrument(llm, timer)
+    restore = instrument(llm, timer)
+    try:
+        return _measure(llm, timer, label, tokens, requests, repeats, discard, rng, cuda, probe)
+    finally:
+        restore()
+
+
+def _measure(llm: LLM, timer: PhaseTimer, label: dict, tokens: list[int], requests: int, repeats: int, discard: int,
+             rng: np.random.Generator, cuda: bool, probe: StepSpeedProbe | None) -> list[dict]:
     rows = []
     for r in range(repeats):
         order = tokens if r % 2 == 0 else tokens[::-1]
