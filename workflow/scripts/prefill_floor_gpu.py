@@ -43,6 +43,8 @@ from rimuru.bench.host_probe import StepSpeedProbe  # noqa: E402
 from rimuru.engine.llm import LLM  # noqa: E402
 from rimuru.engine.modeled.reference import e2e_scaled_budget  # noqa: E402
 from rimuru.engine.sampling_params import SamplingParams  # noqa: E402
+from rimuru.engine.timeline import StepRecord  # noqa: E402
+from rimuru.experts.provider import PagedExperts  # noqa: E402
 from rimuru.models.spec import ModelSpec  # noqa: E402
 from rimuru.models.synthetic_memory import SyntheticCheckpoint  # noqa: E402
 from rimuru.provenance import provenance  # noqa: E402
@@ -100,7 +102,7 @@ def instrument(llm: LLM, timer: PhaseTimer):
     ex = llm._local_executor
     wrapped = [(llm.scheduler, "schedule", "schedule", {}), (ex, "prepare", "prepare", {"event_before": True}),
                (llm.model, "forward", "forward_call", {"event_after": True}), (llm, "_sample", "sample", {})]
-    if type(llm.provider).__name__ == "PagedExperts":
+    if isinstance(llm.provider, PagedExperts):
         wrapped.append((llm.provider, "layer_table", "layer_table", {}))
     for obj, attr, phase, kw in wrapped:
         setattr(obj, attr, timer.wrap(phase, getattr(obj, attr), **kw))
@@ -132,18 +134,18 @@ def profiled_device_ms(fn, *args) -> tuple[object, float, float, float]:
     return result, kernels * 1e-3, h2d * 1e-3, other * 1e-3
 
 
-def one_step(llm: LLM, q: int, requests: int, rng: np.random.Generator, tag: str) -> dict:
-    """Prefill ``requests`` prompts totalling ``q`` tokens in one step; the step's timeline row."""
+def one_step(llm: LLM, q: int, requests: int, rng: np.random.Generator, tag: str) -> StepRecord:
+    """Prefill ``requests`` prompts totalling ``q`` tokens in one step; the step's timeline record."""
     lens = [q // requests + (1 if i < q % requests else 0) for i in range(requests)]
     for i, n in enumerate(lens):
         llm.add_request(f"{tag}-{i}", rng.integers(0, llm.spec.vocab_size, n).tolist(),
                         SamplingParams(max_tokens=1, ignore_eos=True))
     first = len(llm.timeline)
     llm.step()
-    row = llm.timeline.frame().iloc[first].to_dict()
+    record = llm.timeline.records[first]
     while llm.has_unfinished_requests():  # max_tokens=1: nothing left unless the step did not hold every prompt
         llm.step()
-    return row
+    return record
 
 
 def measure(llm: LLM, label: dict, tokens: list[int], requests: int, repeats: int, discard: int,
@@ -156,6 +158,19 @@ def measure(llm: LLM, label: dict, tokens: list[int], requests: int, repeats: in
         restore()
 
 
+def _row(label: dict, q: int, requests: int, r: int, order: int, discarded: bool, record: StepRecord,
+         timer: PhaseTimer, **device) -> dict:
+    """One step's CSV row: its timeline record's work and time, the host phases and the device span ``timer`` saw,
+    and ``device`` (the probe, or a profiled step's kernel and copy times; NaN where not measured)."""
+    return {**label, "tokens": q, "requests": requests, "round": r, "order": order, "profiled": int(order < 0),
+            "discarded": int(discarded), "step_ms": record.step_ms, "prefill_tokens": record.prefill_tokens,
+            "experts_touched": record.experts_touched, "experts_loaded": record.experts_loaded,
+            "cached_experts": record.cached_experts, "compiles": record.compiles,
+            **{f"{p}_ms": timer.ms[p] for p in PHASES}, **{f"{p}_calls": timer.calls[p] for p in PHASES},
+            "device_span_ms": timer.device_span_ms(),
+            **{k: device.get(k, float("nan")) for k in ("host_probe_ms", "kernel_ms", "h2d_ms", "other_copy_ms")}}
+
+
 def _measure(llm: LLM, timer: PhaseTimer, label: dict, tokens: list[int], requests: int, repeats: int, discard: int,
              rng: np.random.Generator, cuda: bool, probe: StepSpeedProbe | None) -> list[dict]:
     rows = []
@@ -164,35 +179,19 @@ def _measure(llm: LLM, timer: PhaseTimer, label: dict, tokens: list[int], reques
         for k, q in enumerate(order):
             timer.reset()
             probed = len(probe.rows) if probe else 0
-            row = one_step(llm, q, requests, rng, f"r{r}-{q}")
-            span = timer.device_span_ms()
+            record = one_step(llm, q, requests, rng, f"r{r}-{q}")
             speed = probe.rows[probed][1] if probe and len(probe.rows) > probed else float("nan")
-            rows.append({**label, "tokens": q, "requests": requests, "round": r, "order": k, "profiled": 0,
-                         "discarded": int(r < discard), "step_ms": row["step_ms"],
-                         "prefill_tokens": int(row["prefill_tokens"]), "experts_touched": int(row["experts_touched"]),
-                         "experts_loaded": int(row["experts_loaded"]), "cached_experts": int(row["cached_experts"]),
-                         "compiles": int(row["compiles"]),
-                         **{f"{p}_ms": timer.ms[p] for p in PHASES}, **{f"{p}_calls": timer.calls[p] for p in PHASES},
-                         "device_span_ms": span, "host_probe_ms": speed,
-                         "kernel_ms": float("nan"), "h2d_ms": float("nan"), "other_copy_ms": float("nan")})
+            rows.append(_row(label, q, requests, r, k, r < discard, record, timer, host_probe_ms=speed))
             print(json.dumps({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in rows[-1].items()
                               if k2 in ("policy", "budget", "tokens", "round", "step_ms", "prepare_ms",
                                         "forward_call_ms", "layer_table_ms", "sample_ms", "device_span_ms",
                                         "experts_loaded", "compiles")}), flush=True)
-        if cuda and r >= discard:  # one profiled step of each size per kept round
+        if cuda and r >= discard:  # one profiled step of each size per kept round (order -1)
             for q in order:
                 timer.reset()
-                holder, kernels, h2d, other = profiled_device_ms(one_step, llm, q, requests, rng, f"p{r}-{q}")
-                rows.append({**label, "tokens": q, "requests": requests, "round": r, "order": -1, "profiled": 1,
-                             "discarded": 0, "step_ms": holder["step_ms"],
-                             "prefill_tokens": int(holder["prefill_tokens"]),
-                             "experts_touched": int(holder["experts_touched"]),
-                             "experts_loaded": int(holder["experts_loaded"]),
-                             "cached_experts": int(holder["cached_experts"]), "compiles": int(holder["compiles"]),
-                             **{f"{p}_ms": timer.ms[p] for p in PHASES},
-                             **{f"{p}_calls": timer.calls[p] for p in PHASES},
-                             "device_span_ms": timer.device_span_ms(), "host_probe_ms": float("nan"),
-                             "kernel_ms": kernels, "h2d_ms": h2d, "other_copy_ms": other})
+                record, kernels, h2d, other = profiled_device_ms(one_step, llm, q, requests, rng, f"p{r}-{q}")
+                rows.append(_row(label, q, requests, r, -1, False, record, timer, kernel_ms=kernels, h2d_ms=h2d,
+                                 other_copy_ms=other))
     return rows
 
 
