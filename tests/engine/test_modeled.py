@@ -1523,3 +1523,143 @@ def test_a_held_term_stays_at_its_measured_value_and_the_rest_fit_around_it():
     assert h2d["pcie_eff"] == pytest.approx(53.0e9 / load_gpu("h200").pcie_h2d_bytes_per_s)
     with pytest.raises(ValueError, match="no H2D summary row"):
         pcie_eff_from_h2d(summary, load_gpu("h200"), cases="solo_")
+
+
+def test_admission_and_finish_terms_by_hand(spec):
+    """host_admit_us per request the step admits, in an eager step's host time before its launches; host_finish_us per
+    request it finishes, in an eager step and in a decode-graph replay (which admits nobody); predict_steps agrees."""
+    base = CostModel(spec, GPU, UNIT)
+    terms = CostModel(spec, GPU, UNIT.replace(host_admit_us=40.0, host_finish_us=25.0))
+    layers = spec.num_moe_layers
+    zero = np.zeros(layers)
+    w = StepWork(np.array([100, 30, 1]), np.array([0, 0, 50]), samples=3, touched=np.full(layers, 10), demand=zero,
+                 prefetched=zero, admitted=2, finished=1)
+    assert terms.step(w).total_ms - base.step(w).total_ms == pytest.approx(2 * 0.040 + 0.025)
+    g = StepWork(np.array([1, 1]), np.array([10, 50]), samples=2, touched=np.full(layers, 10), demand=zero,
+                 prefetched=zero, graphed=True, in_place=zero, finished=2)
+    assert terms.step(g).total_ms - base.step(g).total_ms == pytest.approx(2 * 0.025)
+    kv = base.kv_bytes_per_token_layer
+    x = {"tokens": np.array([131.0, 2.0]), "decode": np.array([1.0, 2.0]),
+         "pairs": np.array([100 * 101 / 2 + 30 * 31 / 2 + 51, 11 + 51.0]), "kv_bytes": np.array([312.0, 64.0]) * kv,
+         "touched": np.array([10.0, 10.0]), "loads": np.zeros(2), "in_place": np.zeros(2), "expansions": np.zeros(2),
+         "running": np.array([3.0, 2.0]), "samples": np.array([3.0, 2.0]), "graphed": np.array([False, True]),
+         "admitted": np.array([2.0, 0.0]), "finished": np.array([1.0, 2.0])}
+    p = UNIT.replace(host_admit_us=40.0, host_finish_us=25.0)
+    assert predict_steps(x, terms, p, sync=True) == pytest.approx([terms.step(w).total_ms, terms.step(g).total_ms])
+
+
+def test_timeline_admissions_count_a_bursts_requests_exactly():
+    """calibration.timeline_admissions: from the requests running and waiting after each step, what each step admitted
+    and finished; a preempted request is admitted again; a new repeat starts from nothing."""
+    from rimuru.engine.modeled.calibration import timeline_admissions
+
+    # 5 requests at once: step 1 admits 2, step 2 one, step 3 finishes one and admits one, step 4 preempts one,
+    # step 5 re-admits it and admits the last while one finishes; then a second repeat admits 3 at once
+    frame = pd.DataFrame({"step": [1, 2, 3, 4, 5, 1], "repeat": [0, 0, 0, 0, 0, 1],
+                          "running": [2, 3, 3, 2, 3, 3], "waiting": [3, 2, 1, 2, 0, 0],
+                          "preempted": [0, 0, 0, 1, 0, 0]})
+    admitted, finished = timeline_admissions(frame)
+    assert admitted.tolist() == [2, 1, 1, 0, 2, 3]
+    assert finished.tolist() == [0, 0, 1, 0, 1, 0]
+
+
+def test_modeled_step_counts_admissions_and_finishes():
+    """executor.step_admissions: a chunk from position 0 is an admission (a new or a recomputed request); a sampling
+    chunk whose token is the request's max_tokens-th output, or reaches max_model_len, finishes it."""
+    from rimuru.engine.modeled.executor import step_admissions
+    from rimuru.engine.request import Request
+    from rimuru.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+    def request(prompt: int, outputs: int, max_tokens: int) -> Request:
+        r = Request(f"r{prompt}-{outputs}-{max_tokens}", list(range(prompt)), SamplingParams(max_tokens=max_tokens,
+                                                                                             ignore_eos=True), 0.0)
+        r.output_token_ids = [1] * outputs
+        return r
+
+    new_done = request(10, 0, 1)  # admitted, prefilled whole, its one token: finished
+    new_part = request(12, 0, 4)  # admitted, first chunk of 5: no token
+    last = request(8, 2, 3)  # decoding its third (last) token
+    going = request(9, 1, 10)
+    capped = request(30, 1, 10)  # its next token is the 32nd: max_model_len
+    out = SchedulerOutput((ScheduledChunk(new_done, 0, 10), ScheduledChunk(new_part, 0, 5), ScheduledChunk(last, 9, 1),
+                           ScheduledChunk(going, 9, 1), ScheduledChunk(capped, 30, 1)), 0, ())
+    assert step_admissions(out) == (2, 2)
+    assert step_admissions(out, max_model_len=32) == (2, 3)
+
+
+def test_modeled_run_pays_each_requests_admission_and_finish_once(tmp_path):
+    """A burst replayed with host_admit_us and host_finish_us takes the same steps, and its modeled time grows by
+    exactly one admission and one finish per request (every step's composition is the same: all arrive at once,
+    nothing is preempted)."""
+    calibrated = Path(__file__).resolve().parents[2] / "results/modeled/calibration.json"
+    p = CostParams.load(calibrated).replace(host_admit_us=0.0, host_finish_us=0.0)
+    trace = [TraceRequest(40 + 23 * i % 90, 3 + 5 * i % 17, 0.0) for i in range(12)]
+    runs = []
+    for admit, finish in ((0.0, 0.0), (400.0, 250.0)):
+        path = tmp_path / f"admit_{admit:.0f}.json"
+        p.replace(host_admit_us=admit, host_finish_us=finish).save(path)
+        llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="80GiB", policy="static", hardware="h200",
+                  cost_params=str(path), enforce_eager=True, async_scheduling=False)
+        runs.append((replay(llm, trace), llm.timeline.frame()))
+    (m0, t0), (m1, t1) = runs
+    assert m1["forward_steps"] == m0["forward_steps"] and (t1["tokens"].to_numpy() == t0["tokens"].to_numpy()).all()
+    assert t1["step_ms"].sum() - t0["step_ms"].sum() == pytest.approx(12 * (0.400 + 0.250))
+
+
+def test_admission_terms_are_the_slopes_of_the_schedule_and_finish_phases():
+    """calibration.admission_terms: per (policy, tokens) the slope over the prompt count of the schedule phase
+    (host_admit_us) and of the step after forward and sampling (host_finish_us), the median over groups; discarded and
+    profiled steps left out; one prompt count is no slope."""
+    from rimuru.engine.modeled.calibration import admission_terms
+
+    rows = []
+    for policy, admit, finish in (("fixed", 60.0, 55.0), ("static", 50.0, 45.0), ("elastic", 58.0, 51.0)):
+        for r in (1, 8, 64, 256):
+            for discarded, profiled in ((0, 0), (1, 0), (0, 1)):
+                junk = 99.0 * (discarded or profiled)
+                schedule, prepare, forward, table, sample = 0.1 + admit * r * 1e-3 + junk, 0.3 + 0.02 * r, 5.0, 0.0, 0.2
+                rows.append({"policy": policy, "tokens": 512, "requests": r, "discarded": discarded,
+                             "profiled": profiled, "schedule_ms": schedule, "prepare_ms": prepare,
+                             "forward_call_ms": forward, "layer_table_ms": table, "sample_ms": sample,
+                             "step_ms": schedule + prepare + forward + sample + 0.4 + finish * r * 1e-3})
+    out = admission_terms(pd.DataFrame(rows))
+    assert out["host_admit_us"] == pytest.approx(58.0) and out["host_finish_us"] == pytest.approx(51.0)
+    assert out["groups"]["static 512"]["admit_us"] == pytest.approx(50.0)
+    with pytest.raises(ValueError, match="two or more prompt counts"):
+        admission_terms(pd.DataFrame(rows).query("requests == 8"))
+
+
+def _prefill_floor_rows(truth: CostParams) -> list[tuple[pd.DataFrame, CostModel]]:
+    """prefill_floor_gpu.py rows (4 and 48 layers, fixed with every expert cached and with copies, 1-64 prompts of
+    256-4,096 tokens), their step_ms drawn from the model with ``truth``."""
+    from rimuru.engine.modeled.calibration import prefill_floor_features
+    from rimuru.engine.modeled.reference import spec_with_layers
+
+    out = []
+    for layers in (4, 48):
+        rows = [{"model": "qwen3-30b-a3b", "layers": layers, "policy": "fixed", "budget": budget, "tokens": tokens,
+                 "requests": r, "discarded": 0, "profiled": 0, "experts_touched": layers * min(128, tokens // 4),
+                 "experts_loaded": layers * loads, "step_ms": 1.0}
+                for budget, loads in (("400GiB", 0), ("32GiB", 60)) for tokens in (256, 1024, 4096) for r in (1, 8, 64)]
+        frame = pd.DataFrame(rows)
+        cost = CostModel(spec_with_layers("qwen3-30b-a3b", layers), load_gpu("h200"), truth)
+        x = prefill_floor_features(frame, cost)
+        frame["step_ms"] = predict_steps(x, cost, truth, sync=x["sync"])
+        out.append((frame, cost))
+    return out
+
+
+def test_prefill_floors_in_the_step_fit_identify_the_per_token_and_admission_terms():
+    """fit_decode_floor(prefill=...): prefill floors drawn from the model join the joint fit with token_us and
+    host_admit_us free (host_finish_us as given); the fit recovers both and reports each prefill group."""
+    from rimuru.engine.modeled.calibration import fit_decode_floor
+
+    truth = FLOOR_TRUTH.replace(host_admit_us=55.0, host_finish_us=50.0)
+    base = CostParams(eager_host_overlap=True, host_finish_us=50.0)
+    frames, costs, timelines = _floor_fit_data(truth, base)
+    fitted, report = fit_decode_floor(frames, costs, base, timelines, prefill=_prefill_floor_rows(truth))
+    assert "host_admit_us" in report["free"] and report["prefill_steps"] == 36
+    assert fitted.host_admit_us == pytest.approx(55.0, rel=0.05)
+    assert fitted.token_us == pytest.approx(1.5, rel=0.05) and fitted.host_finish_us == 50.0
+    group = report["prefill_groups"]["48L fixed:32GiB 64x64"]
+    assert group["steps"] == 1 and abs(group["rel_error"]) < 0.01

@@ -18,6 +18,7 @@ import pandas as pd
 from rimuru.engine.modeled.calibration import (
     FitRun,
     PrefillStep,
+    admission_terms,
     fit_attention,
     fit_chunk_law,
     fit_chunk_routing,
@@ -178,6 +179,14 @@ def main() -> None:
                     help="hold pcie_eff at a measured H2D rate of expert-sized copies instead of fitting it: "
                          "tp_h2d_diag.py's summary.csv (relative to --reference), its one-GPU-alone cases' median GB/s "
                          "over the profile's (calibration.pcie_eff_from_h2d; wave 17)")
+    ap.add_argument("--prefill-requests", nargs="*", default=[], metavar="CSV",
+                    help="prefill_floor_gpu.py --requests R files (relative to --reference) at two or more prompt "
+                         "counts: host_admit_us and host_finish_us as measured inputs (calibration.admission_terms; "
+                         "wave 18), in place before the step fit; default: neither term (0)")
+    ap.add_argument("--prefill-floor", nargs="*", default=[], metavar="CSV",
+                    help="prefill_floor_gpu.py files (relative to --reference): their paged policies' kept steps join "
+                         "the joint step fit with token_us free (calibration.fit_decode_floor prefill; wave 18); "
+                         "default: none")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -390,6 +399,19 @@ def main() -> None:
         data += [data_entry(t_path), data_entry(runs_path, row)]
     if args.post_sync and not args.eager_host_overlap:
         raise SystemExit("--post-sync needs --eager-host-overlap (it splits that pipeline's host time at the sync)")
+    admission = {}
+    if args.prefill_requests:
+        frames_r = []
+        for path in args.prefill_requests:
+            if not (ref / path).exists():
+                raise SystemExit(f"--prefill-requests: {ref / path} not found")
+            frames_r.append(pd.read_csv(ref / path))
+            data.append(data_entry(ref / path, frames_r[-1]))
+        try:
+            admission = admission_terms(pd.concat(frames_r, ignore_index=True)) | {"files": args.prefill_requests}
+        except ValueError as exc:
+            raise SystemExit(f"--prefill-requests: {exc}") from None
+        base = base.replace(host_admit_us=admission["host_admit_us"], host_finish_us=admission["host_finish_us"])
     hold, pcie_input = (), {}
     if args.pcie_from_h2d:
         h2d_path = ref / args.pcie_from_h2d
@@ -399,10 +421,21 @@ def main() -> None:
         data.append(data_entry(h2d_path, h2d_frame))
         pcie_input = pcie_eff_from_h2d(h2d_frame, gpu) | {"source": str(args.pcie_from_h2d)}
         base, hold = base.replace(pcie_eff=pcie_input["pcie_eff"]), ("pcie_eff",)
+    prefill_floor = []
+    for path in args.prefill_floor:
+        if not (ref / path).exists():
+            raise SystemExit(f"--prefill-floor: {ref / path} not found")
+        frame = pd.read_csv(ref / path)
+        data.append(data_entry(ref / path, frame))
+        prefill_floor.append(frame[frame["policy"] != "static"])  # a resident step's terms are the second stage's
+    prefill = [(f.reset_index(drop=True), CostModel(spec_with_layers(f["model"].iloc[0], int(layers)), gpu, base))
+               for layers, f in pd.concat(prefill_floor, ignore_index=True).groupby("layers")] if prefill_floor else []
     params, steps = fit_decode_floor(frames, floor_costs, base, timelines, tie_token=args.tie_token_us,
-                                     post_sync=args.post_sync, hold=hold)
+                                     post_sync=args.post_sync, hold=hold, prefill=prefill)
     if pcie_input:
         steps["pcie_input"] = pcie_input
+    if admission:
+        steps["admission_input"] = admission
     # the serving loop between steps: the fit runs' all-at-once timelines (a Poisson run's gaps include idle time)
     bursts = [t[t["workload"] == "burst"] for _, t, _, _ in timelines]
     loop = fit_loop([t for t in bursts if len(t)]) if any(len(t) for t in bursts) else {}

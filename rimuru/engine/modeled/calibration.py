@@ -469,15 +469,16 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     head = roof(cost.lm_head_bytes, cost.lm_head_flops_per_row * x["samples"], p.mma_eff)
     seq_us = np.where(sync, p.seq_us(True), p.seq_us(False))
     token_us = np.where(sync, p.eager_token_us(True), p.eager_token_us(False))
+    admitted, finished = x.get("admitted", 0.0), x.get("finished", 0.0)  # requests admitted, finished (wave 18)
     eager = (p.host_step_ms + seq_us * 1e-3 * x["running"] + token_us * 1e-3 * x["tokens"] + tp_step + gpu_t
-             + head)
+             + head + (p.host_admit_us * admitted + p.host_finish_us * finished) * 1e-3)
     if "graphed" not in x:
         return eager
     in_place = x["in_place"]
     moe_res = np.maximum((x["touched"] - in_place) * cost.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff),
                          x["tokens"] * cost.top_k * cost.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)) * 1e3
     reads = in_place * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.inplace_eff) * 1e3
-    host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"] + tp_step + tp_graph
+    host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"] + tp_step + tp_graph + p.host_finish_us * 1e-3 * finished
     per_layer = attn if not linear.any() else (linear.sum() * gdn + (layers - linear.sum()) * attn) / layers
     device = layers * (per_layer + dense + p.graph_layer_ms() + ar + moe_res + reads) + head
     overlapped = x.get("overlapped", False)  # async scheduling: launched while the step before ran
@@ -511,7 +512,7 @@ FLOOR_BOUNDS = {"host_step_ms": (1.0, 0.0, 60.0), "host_layer_sync_ms": (1.0, 0.
                 "host_graph_step_ms": (0.5, 0.0, 20.0), "gpu_layer_us": (40.0, 0.0, 500.0),
                 "pcie_eff": (0.9, 0.2, 1.2), "inplace_eff": (0.8, 0.2, 1.2), "prefetch_recall": (0.5, 0.0, 1.0),
                 "resident_seq_us": (10.0, 0.0, 500.0), "token_us": (1.0, 0.0, 100.0),
-                "host_layer_post_share": (0.3, 0.0, 1.0)}
+                "host_layer_post_share": (0.3, 0.0, 1.0), "host_admit_us": (60.0, 0.0, 1000.0)}
 
 
 def floor_features(frame: pd.DataFrame, cost: CostModel, prompt_len: int = 256, steps_per_segment: int = 11,
@@ -531,6 +532,49 @@ def floor_features(frame: pd.DataFrame, cost: CostModel, prompt_len: int = 256, 
             "graphed": graphed, "sync": (frame["policy"] != "static").to_numpy(),
             "overlapped": graphed & async_overlap & (frame["mode"] == "graph").to_numpy(),
             "measured": frame["step_ms"].to_numpy(float)}
+
+
+def prefill_floor_features(frame: pd.DataFrame, cost: CostModel) -> dict:
+    """Per kept row of ``prefill_floor_gpu.py`` (one layer count; not discarded, not profiled): one eager step that
+    admits ``requests`` new prompts of ``tokens / requests`` tokens each, prefills them from position 0 and finishes
+    them (``max_tokens=1``), with the step's recorded experts touched and loaded (every load a copy after the layer's
+    routing: nothing expands, nothing is carried into a fresh step)."""
+    f = frame[(frame["discarded"] == 0) & (frame["profiled"] == 0)]
+    layers = cost.num_moe_layers
+    tokens = f["tokens"].to_numpy(float)
+    requests = f["requests"].to_numpy(float)
+    q = tokens / requests
+    n = len(f)
+    return {"tokens": tokens, "decode": np.zeros(n), "pairs": requests * q * (q + 1) / 2,
+            "kv_bytes": 2 * tokens * cost.kv_bytes_per_token_layer,
+            "touched": f["experts_touched"].to_numpy(float) / layers,
+            "loads": f["experts_loaded"].to_numpy(float) / layers, "in_place": np.zeros(n), "expansions": np.zeros(n),
+            "running": requests, "samples": requests, "admitted": requests, "finished": requests,
+            "graphed": np.zeros(n, bool), "sync": (f["policy"] != "static").to_numpy(), "overlapped": np.zeros(n, bool),
+            "chunked": np.ones(n, bool), "measured": f["step_ms"].to_numpy(float),
+            "group": (f["layers"].astype(str) + "L " + f["policy"] + ":" + f["budget"] + " "
+                      + f["requests"].astype(str) + "x" + (f["tokens"] // f["requests"]).astype(str)).to_numpy()}
+
+
+def timeline_admissions(frame: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """Per recorded step: (requests it admitted, requests it finished), from the requests running and waiting after
+    each step (``LLM.timeline`` records both after the step's finishes and admissions). Within one run (consecutive
+    steps of one repeat) a step finishes what left the engine since the step before, and admits what it runs beyond
+    those that ran before and are neither finished nor preempted. Exact when every request arrived before the step
+    (a burst); an arrival between two steps hides a finish as large from both counts (a Poisson run: they are a
+    lower bound). A run's first step admits what it runs and finishes none."""
+    running = frame["running"].to_numpy(np.int64)
+    alive = running + frame["waiting"].to_numpy(np.int64)
+    preempted = frame["preempted"].to_numpy(np.int64) if "preempted" in frame else np.zeros(len(frame), np.int64)
+    same = (frame["step"].diff() == 1).to_numpy().copy()
+    for column in ("repeat", "workload", "policy"):
+        if column in frame:
+            same &= (frame[column] == frame[column].shift(1)).to_numpy()
+    before_alive = np.where(same, np.roll(alive, 1), alive)
+    before_running = np.where(same, np.roll(running, 1), 0)
+    finished = np.maximum(0, before_alive - alive)
+    admitted = np.maximum(0, running - before_running + finished + preempted)
+    return admitted.astype(float), finished.astype(float)
 
 
 def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_tokens: int = 256,
@@ -555,7 +599,9 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
     piped = graphed & (frame["waiting"] == 0).to_numpy() & async_overlap
     consecutive = (frame["step"].diff() == 1).to_numpy()
     overlapped = piped & np.concatenate([[False], piped[:-1]]) & consecutive
-    return {"tokens": tokens, "decode": decode, "pairs": pairs, "overlapped": overlapped, "async_engine": async_overlap,
+    admitted, finished = timeline_admissions(frame)
+    return {"tokens": tokens, "admitted": admitted, "finished": finished, "decode": decode, "pairs": pairs,
+            "overlapped": overlapped, "async_engine": async_overlap,
             "kv_bytes": (context + tokens) * cost.kv_bytes_per_token_layer,
             "touched": frame["experts_touched"].to_numpy(float) / layers, "loads": np.where(graphed, 0.0, loaded),
             "in_place": np.where(graphed, loaded, 0.0), "expansions": expansions, "running": chunks,
@@ -589,10 +635,37 @@ def pcie_eff_from_h2d(summary: pd.DataFrame, gpu: GpuProfile, cases: str = "alon
             "range_gbps": [float(rows["median_gbps"].min()), float(rows["median_gbps"].max())]}
 
 
+def admission_terms(frame: pd.DataFrame) -> dict:
+    """``host_admit_us`` and ``host_finish_us`` as measured inputs, from eager prefill steps that admit ``requests``
+    new prompts, prefill them and finish them in the same step (``prefill_floor_gpu.py --requests R`` with
+    ``max_tokens=1``; kept steps: not discarded, not profiled), at several prompt counts per (policy, tokens): per group
+    the least-squares slope over the prompt count of the step's ``schedule`` phase (admission: the scheduler takes the
+    request and its KV pages) and of what follows the forward and the sampling (its output and its finish: the step
+    less schedule, prepare, forward call, layer tables and sampling); each term is the median of the groups' slopes,
+    in us a request. Preparing a request's inputs and its share of the forward call stay per scheduled request
+    (``host_seq_us``, fitted)."""
+    f = frame[(frame["discarded"] == 0) & (frame["profiled"] == 0)]
+    rest = f["step_ms"] - f[["schedule_ms", "prepare_ms", "forward_call_ms", "layer_table_ms", "sample_ms"]].sum(axis=1)
+    f = f.assign(rest_ms=rest)
+    groups = {}
+    for (policy, tokens), g in f.groupby(["policy", "tokens"]):
+        if g["requests"].nunique() < 2:
+            continue
+        slope = {c: float(np.polyfit(g["requests"], g[c], 1)[0]) * 1e3 for c in ("schedule_ms", "rest_ms", "step_ms")}
+        groups[f"{policy} {int(tokens)}"] = {"steps": len(g), "requests": sorted(map(int, g["requests"].unique())),
+                                             "admit_us": slope["schedule_ms"], "finish_us": slope["rest_ms"],
+                                             "step_us_per_request": slope["step_ms"]}
+    if not groups:
+        raise ValueError("admission_terms needs kept prefill steps at two or more prompt counts per (policy, tokens)")
+    return {"host_admit_us": float(np.median([g["admit_us"] for g in groups.values()])),
+            "host_finish_us": float(np.median([g["finish_us"] for g in groups.values()])), "groups": groups}
+
+
 def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: CostParams,
                      timelines: list[tuple[str, pd.DataFrame, CostModel, str]] = (),
                      tie_token: bool = False, tie_rounds: int = 4, free_token: bool = True,
-                     post_sync: bool = False, hold: tuple[str, ...] = ()) -> tuple[CostParams, dict]:
+                     post_sync: bool = False, hold: tuple[str, ...] = (),
+                     prefill: list[tuple[pd.DataFrame, CostModel]] = ()) -> tuple[CostParams, dict]:
     """Host times, fixed per-layer device time, PCIe efficiencies (bulk copies and in-place reads) and the
     predictor's recall from the decode-floor segments (graphed and eager, every policy, one frame per layer
     count): with two layer counts the per-step and per-layer host times are told apart.
@@ -616,9 +689,16 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     whose copies or device work outlast the host's launches can show it; the fit data of record do not identify it
     (free, it ends where it starts: docs/modeled.md, wave 17), eager prefill floors with copies would.
 
+    ``prefill`` (wave 18; (``prefill_floor_gpu.py`` rows of one layer count, its cost model) each): eager prefill
+    steps of chosen sizes, prompt counts and caches (``prefill_floor_features``) join the joint fit, weighted so that
+    together they count as much as the decode-floor segments: they separate the per-token term from the per-request
+    and copy terms, which the one paged fit timeline does not (docs/modeled.md, wave 17). With them ``token_us`` and
+    ``host_admit_us`` are free (a step of ``R`` new prompts admits, schedules and finishes ``R``: ``host_finish_us``
+    stays ``base``'s, a measured input, ``admission_terms``; ``host_seq_us`` is pinned by the decode steps).
+
     ``hold``: terms kept at ``base``'s values instead of fitted (a measured input, e.g. ``pcie_eff`` from the H2D rate
     of expert-sized copies: ``pcie_eff_from_h2d``)."""
-    unknown = set(hold) - set(FLOOR_FREE)
+    unknown = set(hold) - set(FLOOR_FREE) - {"host_admit_us"}
     if unknown:
         raise ValueError(f"hold takes terms the floor fit frees ({', '.join(FLOOR_FREE)}), got {sorted(unknown)}")
     if post_sync and not base.eager_host_overlap:
@@ -630,7 +710,7 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
         token, rounds = 0.0, []
         for _ in range(max(1, tie_rounds)):
             p, report = fit_decode_floor(frames, costs, base.replace(token_us=token), timelines, free_token=False,
-                                         post_sync=post_sync, hold=hold)
+                                         post_sync=post_sync, hold=hold, prefill=prefill)
             rounds.append({"token_us_in": token, "resident_token_us": float(p.resident_token_us)})
             token = float(p.resident_token_us)
         p = p.replace(token_us=token)
@@ -643,9 +723,14 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     resident = [i for i, (_, _, _, pol) in enumerate(timelines) if pol == "static"]
     free = (tuple(k for k in FLOOR_FREE if k not in hold) + (("token_us",) if joint and free_token else ())
             + (("host_layer_post_share",) if post_sync else ()))
+    pfeats = [(prefill_floor_features(f, c), c) for f, c in prefill]
+    free = free + (("token_us",) if pfeats and free_token and "token_us" not in free else ()) + (
+        ("host_admit_us",) if pfeats and "host_admit_us" not in hold else ())
     n_floor = sum(len(x["measured"]) for x in feats)
     n_steps = sum(len(tfeats[i]["measured"]) for i in joint)
     weight = np.sqrt(n_floor / n_steps) if n_steps else 0.0
+    n_prefill = sum(len(x["measured"]) for x, _ in pfeats)
+    p_weight = np.sqrt(n_floor / n_prefill) if n_prefill else 0.0
 
     def params(theta) -> CostParams:
         return base.replace(**dict(zip(free, map(float, theta))))
@@ -659,7 +744,8 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
         steps = [weight * (pred - x["measured"]) / x["measured"]
                  for pred, x in zip(predict(p, [tfeats[i] for i in joint], [timelines[i][2] for i in joint]),
                                     [tfeats[i] for i in joint])]
-        return np.concatenate(floor + steps)
+        pre = [p_weight * (predict_steps(x, c, p, sync=x["sync"]) - x["measured"]) / x["measured"] for x, c in pfeats]
+        return np.concatenate(floor + steps + pre)
 
     x0, lo, hi = (list(v) for v in zip(*(FLOOR_BOUNDS[k] for k in free)))
     fit = least_squares(residuals, x0=x0, loss="soft_l1", f_scale=0.1, bounds=(lo, hi))
@@ -670,7 +756,15 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     report = {"free": list(free), "values": {k: float(getattr(p, k)) for k in free},
               "held": {k: float(getattr(p, k)) for k in hold},
               "rows": int(n_floor), "timeline_steps": int(n_steps), "timeline_weight": float(weight),
-              "per_group": {}, "timeline_groups": {}}
+              "prefill_steps": int(n_prefill), "prefill_weight": float(p_weight),
+              "per_group": {}, "timeline_groups": {}, "prefill_groups": {}}
+    for x, c in pfeats:
+        pred = predict_steps(x, c, p, sync=x["sync"])
+        for group in dict.fromkeys(x["group"]):
+            idx = x["group"] == group
+            measured, modeled = float(np.median(x["measured"][idx])), float(np.median(pred[idx]))
+            report["prefill_groups"][group] = {"steps": int(idx.sum()), "measured_ms": measured, "modeled_ms": modeled,
+                                               "rel_error": modeled / measured - 1}
     for (name, _, c, _), x in zip(timelines, tfeats):
         pred = predict_steps(x, c, p, sync=x["sync"])
         for kind in sorted(set(x["kind"])):

@@ -32,7 +32,7 @@ DECODE_KERNEL_TERMS = ("graph_layer_us", "inplace_eff", "host_graph_step_ms")
 HOST_TERMS = ("host_step_ms", "host_seq_us", "token_us", "host_layer_sync_ms", "host_layer_async_ms",
               "host_graph_step_ms", "resident_token_us", "resident_seq_us", "loop_step_us", "loop_seq_us",
               "loop_eager_us", "tp_step_ms", "tp_layer_ms", "tp_step_async_ms", "tp_layer_async_ms",
-              "tp_graph_async_ms", "gdn_eager_layer_ms")
+              "tp_graph_async_ms", "gdn_eager_layer_ms", "host_admit_us", "host_finish_us")
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,12 @@ class CostParams:
     gpu_layer_us: float = 40.0  # device time per layer that no roofline term covers (small kernels)
     host_step_ms: float = 3.0  # schedule, prepare inputs, sample, update: once per step
     host_seq_us: float = 10.0  # per scheduled request
+    host_admit_us: float = 0.0  # (wave 18) per request admitted in the step (its first chunk: start 0; a preempted
+    # request recomputed is admitted again): the scheduler's admission (its KV pages) and its first inputs, before
+    # the launches. 0: not modeled (the calibrations through wave 17)
+    host_finish_us: float = 0.0  # (wave 18) per request the step finishes: its last output and its finish (KV pages
+    # freed), after the device work. Both measured on eager prefill steps that admit and finish 1-256 prompts
+    # (results/reference/engine/prefill_requests_a7111e4; calibration.admission_terms)
     token_us: float = 0.0  # eager step, per computed token: work no roofline or per-request term covers (input
     # preparation and routing bookkeeping that grow with a prefill chunk, the MoE's per-token gather/scatter)
     host_layer_sync_ms: float = 2.0  # per layer with a routing sync (paged experts): host and device serial
@@ -206,6 +212,8 @@ class StepWork:
     # on the copy stream while this step's host work runs, ahead of this step's copies
     overlapped: bool = False  # graphed and launched while the step before it ran (async scheduling): its host
     # work hides behind the device, the step takes max(host, device) instead of host + device
+    admitted: int = 0  # requests whose first chunk the step computes (CostParams.host_admit_us)
+    finished: int = 0  # requests the step finishes (CostParams.host_finish_us)
 
     @property
     def tokens(self) -> int:
@@ -406,7 +414,7 @@ class CostModel:
         attention = attn_full * self.full_layers + attn_lin * self.linear_layers
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
         host = (p.host_graph_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens) + self.tp_step_ms
-                + self.tp_graph_ms)
+                + self.tp_graph_ms + p.host_finish_us * 1e-3 * w.finished)
         # copies the eager step before queued at its end (its next-step prefetch) hold the PCIe link the in-place
         # reads need: their time, less the host work before the replay, adds to the device's (the measured
         # Poisson runs at d9f9d41: 9-10 ms over the two graphed steps after a large prefill)
@@ -440,8 +448,10 @@ class CostModel:
         expansion = float(self.load_ms(w.expansion_experts))
         if w.overlapped:
             raise ValueError("only a decode-graph replay overlaps the step before it (async scheduling)")
-        scheduling = p.host_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens)
-        host = scheduling + p.eager_token_us(w.sync_per_layer) * 1e-3 * tokens + self.tp_step_ms
+        scheduling = (p.host_step_ms + p.seq_us(w.sync_per_layer) * 1e-3 * len(w.q_lens)
+                      + p.host_admit_us * 1e-3 * w.admitted)
+        host = (scheduling + p.eager_token_us(w.sync_per_layer) * 1e-3 * tokens + self.tp_step_ms
+                + p.host_finish_us * 1e-3 * w.finished)
         carried = float(self.load_ms(w.carried_experts))  # queued before this step's host work, which hides it
         # up to the first launch: scheduling and per-request preparation (the per-token term is bookkeeping that
         # grows with a chunk during its layers, e.g. the MoE's gather/scatter: it does not precede the device)

@@ -43,6 +43,22 @@ def pipelined(async_scheduling: bool, graphed: bool, waiting: int, compacted: bo
     return async_scheduling and graphed and waiting == 0 and not compacted
 
 
+def step_admissions(out: SchedulerOutput, max_model_len: int = 0) -> tuple[int, int]:
+    """(requests whose first chunk ``out`` computes: admitted, or recomputed after a preemption; requests its sampled
+    tokens finish by length: the ``max_tokens``-th output or the ``max_model_len``-th token, 0: no length cap), the
+    counts ``CostParams.host_admit_us`` and ``host_finish_us`` take. Modeled outputs are never a stop token
+    (``ignore_eos``), so length is the only finish."""
+    admitted = finished = 0
+    for chunk in out.chunks:
+        admitted += chunk.start == 0
+        if chunk.samples:
+            request = chunk.request
+            known = request.num_tokens + 1  # the sampled token
+            finished += (len(request.output_token_ids) + request.num_pending + 1 >= request.params.max_tokens
+                         or (max_model_len > 0 and known >= max_model_len))
+    return admitted, finished
+
+
 class ModeledExecutor:
     def __init__(self, cost: CostModel | None, routing: RoutingModel, cache: ExpertCache, loader: ExpertLoader,
                  clock: VirtualClock, *, experts_mode: str, prefetch: bool, fixed_step_ms: float | None = None,
@@ -147,10 +163,11 @@ class ModeledExecutor:
         if self.fixed_step_ms is not None:
             step_ms = self.fixed_step_ms
         else:
+            admitted, finished = step_admissions(out, self.max_model_len)
             self.last = self.cost.step(StepWork(q, starts, samples, on_device, demand, prefetched, cpu_experts,
                                                 cpu_share, expansions, sync_per_layer=self.mode != "resident",
                                                 graphed=graphed, in_place=in_place, overlapped=overlapped,
-                                                carried_experts=carried))
+                                                carried_experts=carried, admitted=admitted, finished=finished))
             step_ms = self.last.total_ms
             for k in _FIELDS:
                 self.totals[k] = self.totals.get(k, 0.0) + float(getattr(self.last, k))
