@@ -1663,3 +1663,16 @@ def test_prefill_floors_in_the_step_fit_identify_the_per_token_and_admission_ter
     assert fitted.token_us == pytest.approx(1.5, rel=0.05) and fitted.host_finish_us == 50.0
     group = report["prefill_groups"]["48L fixed:32GiB 64x64"]
     assert group["steps"] == 1 and abs(group["rel_error"]) < 0.01
+
+
+def test_replay_adds_an_instruments_time_after_every_step():
+    """replay(between_steps_ms=): a burst's steps are the same and its modeled duration grows by that time per step
+    (e2e_gpu.py --step-probe's probe after each step call, wave 18); a negative time is an error."""
+    trace = [TraceRequest(40 + 23 * i % 90, 3 + 5 * i % 17, 0.0) for i in range(12)]
+    kw = dict(executor="modeled", gpu_memory_budget="80GiB", policy="static", hardware="h200")
+    plain, probed = replay(LLM("qwen3-30b-a3b", **kw), trace), replay(LLM("qwen3-30b-a3b", **kw), trace,
+                                                                       between_steps_ms=0.6)
+    assert probed["forward_steps"] == plain["forward_steps"]
+    assert probed["duration_s"] - plain["duration_s"] == pytest.approx(plain["forward_steps"] * 0.6e-3)
+    with pytest.raises(ValueError, match="between_steps_ms"):
+        replay(LLM("qwen3-30b-a3b", **kw), trace, between_steps_ms=-1.0)

@@ -137,3 +137,16 @@ def test_a_tp_runs_arrivals_are_the_serving_scripts_draws():
     assert np.array_equal(drawn, np.asarray(arrival_times(ArrivalSpec(kind="poisson", rate=8.0), 200, 0), float))
     assert np.all(np.diff(drawn) >= 0) and 15 < drawn[-1] < 35  # 200 requests at 8/s: ~25 s
     assert not np.array_equal(drawn, modeled_tp_check.tp_arrivals(200, 8.0, 1))
+
+
+def test_step_probe_is_the_runs_median_probe_or_nothing(fidelity, tmp_path):
+    """step_probe_ms: the median host_probe_ms of the policy's and workload's timeline rows (e2e_gpu.py --step-probe);
+    0 for a folder whose timelines have no probe column, or no probed row of that run."""
+    t = pd.DataFrame({"policy": ["fixed"] * 3 + ["elastic"] * 2 + ["fixed"], "workload": ["burst"] * 5 + ["poisson"],
+                      "host_probe_ms": [0.5, 0.7, 0.6, 0.3, float("nan"), 9.0]})
+    t.to_csv(tmp_path / "timelines.csv.gz", index=False)
+    assert fidelity.step_probe_ms(tmp_path, "fixed", "burst") == pytest.approx(0.6)
+    assert fidelity.step_probe_ms(tmp_path, "elastic", "burst") == pytest.approx(0.3)
+    assert fidelity.step_probe_ms(tmp_path, "static", "burst") == 0.0
+    t.drop(columns="host_probe_ms").to_csv(tmp_path / "timelines.csv.gz", index=False)
+    assert fidelity.step_probe_ms(tmp_path, "fixed", "burst") == 0.0

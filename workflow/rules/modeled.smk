@@ -29,6 +29,7 @@ def calibration_inputs(w):
             + [f"{REF}/{k.rsplit(':', 1)[0].rsplit('/', 1)[0]}/timelines_{k.rsplit(':', 1)[0].rsplit('/', 1)[1]}.csv.gz"
                for k in MODELED["fit_timelines"]]
             + [f"{REF}/{f}" for f in MODELED.get("async_floor", [])]
+            + [f"{REF}/{f}" for f in MODELED.get("prefill_requests", []) + MODELED.get("prefill_floor", [])]
             + [f"{REF}/{d}/{f}" for d in MODELED.get("routing_prior_fit", []) for f in ("hotset.json", "e2e.csv")]
             + ([f"{REF}/{MODELED['tp_fit']['step_tp']}"] if "tp_fit" in MODELED else [])
             + [f for folder in tp_fit_folders() for f in tp_run_files(folder)]
@@ -83,7 +84,10 @@ rule modeled_calibrate:
         overlap="--eager-host-overlap" if MODELED.get("eager_host_overlap") else "",
         tie_token=("--tie-token-us" if MODELED.get("tie_token_us") else "")
                   + (" --post-sync" if MODELED.get("post_sync") else "")
-                  + (f" --pcie-from-h2d {MODELED['pcie_from_h2d']}" if MODELED.get("pcie_from_h2d") else ""),
+                  + (f" --pcie-from-h2d {MODELED['pcie_from_h2d']}" if MODELED.get("pcie_from_h2d") else "")
+                  + (f" --prefill-requests {' '.join(MODELED['prefill_requests'])}"
+                     if MODELED.get("prefill_requests") else "")
+                  + (f" --prefill-floor {' '.join(MODELED['prefill_floor'])}" if MODELED.get("prefill_floor") else ""),
         tp=(f"--tp-step {MODELED['tp_fit']['step_tp']} --tp-timelines {MODELED['tp_fit']['timelines']}"
             + (f" --tp-async-timelines {MODELED['tp_fit']['async_timelines']} --tp-async-kernels "
                f"{MODELED['tp_fit']['async_kernels']}" if "async_timelines" in MODELED.get("tp_fit", {}) else "")

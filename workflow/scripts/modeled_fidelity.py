@@ -333,11 +333,12 @@ def main() -> None:
                  zip(run_lengths["prompt_len"][:n], outputs[:n], draw_arrivals(args.arrivals, n, rate, seed))]
         warm = int(command_arg(command, "--warmup-requests", 0))
         before = list(zip(run_lengths["prompt_len"][:warm].astype(int), outputs[:warm].astype(int)))
-        metrics = replay_with_warmup(llm, before, trace)
+        probe = step_probe_ms(Path(row["hotset"]).parent, label, workload)  # the run's step probe, if it had one
+        metrics = replay_with_warmup(llm, before, trace, probe)
         if workload == "poisson" and not row["routing_profile"]:  # the replay's own draw-to-draw spread
             for k in range(args.seed_spread + 1):
                 draw = metrics if k == 0 else replay_with_warmup(LLM(small, seed=seed + k, **engine_options),
-                                                                 before, trace)
+                                                                 before, trace, probe)
                 for m in SEED_METRICS:
                     med = float(group[m].astype(float).median())
                     seed_rows.append({"run": key, "engine_seed": seed + k, "metric": m, "measured": med,
@@ -364,7 +365,8 @@ def main() -> None:
                          "decode_gamma_profile": gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[0],
                          "chunk_law": law_folder.get(str(Path(row["hotset"])), ("", None))[0],
                          "prefill_gamma": llm.config.modeled_prefill_gamma,
-                         "routing_prior": prior_folder.get(str(Path(row["hotset"])), ("", None))[0]})
+                         "routing_prior": prior_folder.get(str(Path(row["hotset"])), ("", None))[0],
+                         "step_probe_ms": probe})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
         llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
         print(f"{key} (cap {feat['graph_cap']}, {len(group)} measured): " + ", ".join(
@@ -409,18 +411,33 @@ TP_BAND_METRICS = ("output_throughput", "mean_ttft_ms")
 POOL_POLICIES_WITHIN = 0.02  # tp_band pools a set-up's policies where their replays differ by at most this
 
 
-def replay_with_warmup(llm: LLM, before: list[tuple[int, int]], trace: list[TraceRequest]) -> dict:
+def replay_with_warmup(llm: LLM, before: list[tuple[int, int]], trace: list[TraceRequest],
+                       probe_ms: float = 0.0) -> dict:
     """The run's discarded pass (``before``: prompt and output lengths, all at once, before its clock started), then
-    the timed ``trace``: ``replay``'s metrics plus the timed pass's decode-graph steps."""
+    the timed ``trace`` (with ``probe_ms`` after every step: ``replay``'s ``between_steps_ms``): ``replay``'s metrics
+    plus the timed pass's decode-graph steps."""
     if before:
         run_batch(llm, before, "warmup-")
     graph_before = llm.executor.graph_steps
-    metrics = replay(llm, trace)
+    metrics = replay(llm, trace, between_steps_ms=probe_ms)
     metrics["cuda_graph_steps"] = llm.executor.graph_steps - graph_before
     return metrics
 
 
 SEED_METRICS = ("output_throughput", "mean_ttft_ms", "forward_steps")
+
+
+def step_probe_ms(folder: Path, policy: str, workload: str) -> float:
+    """The median ``host_probe_ms`` of a measured run's steps (``policy`` / ``workload`` rows of the folder's
+    timelines): e2e_gpu.py --step-probe ran the probe on the engine thread after every step call, outside the step;
+    the replay adds it after each of its steps (wave 18). 0 for a run without the probe."""
+    frames = [pd.read_csv(p) for p in sorted(folder.glob("timelines*.csv.gz"))]
+    frames = [f for f in frames if "host_probe_ms" in f]
+    if not frames:
+        return 0.0
+    t = pd.concat(frames, ignore_index=True)
+    t = t[(t["policy"] == policy) & (t["workload"] == workload)]["host_probe_ms"].dropna()
+    return float(t.median()) if len(t) else 0.0
 
 
 def seed_spread(draws: pd.DataFrame) -> pd.DataFrame:

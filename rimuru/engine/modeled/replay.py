@@ -67,8 +67,12 @@ def run_batch(llm, batch: Sequence[tuple[int, int]], tag: str) -> None:
 
 
 def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tuple[int, int]]] = (),
-           progress_every: int = 0, async_admission: bool = False) -> dict:
+           progress_every: int = 0, async_admission: bool = False, between_steps_ms: float = 0.0) -> dict:
     """Serve ``trace`` on ``llm`` (``executor="modeled"``); returns metrics + counters.
+
+    ``between_steps_ms``: an instrument's time after every step call of the measured run, outside ``LLM.step`` (e.g.
+    ``rimuru.bench.host_probe.StepSpeedProbe``, which e2e_gpu.py --step-probe runs on the engine thread after each
+    step: wave 18), added to the clock after each step as the serving loop's time is; 0: none.
 
     ``before``: batches run to completion first (what a measured run did before its clock started, e.g.
     warm-up requests: they leave the elastic cache at another size); counters exclude them.
@@ -80,6 +84,8 @@ def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tupl
     step n+1. False (the default): every arrival due by a step's end joins the next step. Tried in wave 12 on every
     fidelity replay and not kept: it moved the 48-layer Poisson TTFT 5-9 points toward the measured but their forward
     steps 1.5 points away, and a 4-layer Poisson TTFT past 8% (docs/modeled.md, wave 12)."""
+    if not between_steps_ms >= 0:
+        raise ValueError(f"between_steps_ms must be >= 0, got {between_steps_ms}")
     clock = llm.clock
     if not clock.virtual:
         raise ValueError("replay drives the virtual clock of a modeled engine (executor='modeled')")
@@ -124,7 +130,7 @@ def replay(llm, trace: Sequence[TraceRequest], *, before: Sequence[Sequence[tupl
                 rec.success, rec.output_tokens = True, len(out.output_token_ids)
                 rec.ttft, rec.latency = times[0] - rec.start_time, times[-1] - rec.start_time
                 rec.itl = list(np.diff(times))
-        clock.advance(loop_ms(llm, len(outputs), graphed))
+        clock.advance(loop_ms(llm, len(outputs), graphed) + between_steps_ms / 1e3)
         steps += 1
         if progress_every and steps % progress_every == 0:
             s = llm.stats()
