@@ -185,8 +185,8 @@ def main() -> None:
                          "wave 18), in place before the step fit; default: neither term (0)")
     ap.add_argument("--prefill-floor", nargs="*", default=[], metavar="CSV",
                     help="prefill_floor_gpu.py files (relative to --reference): their paged policies' kept steps join "
-                         "the joint step fit with token_us free (calibration.fit_decode_floor prefill; wave 18); "
-                         "default: none")
+                         "the joint step fit with token_us and host_admit_us free (calibration.fit_decode_floor "
+                         "prefill; wave 18; tried and not kept); default: none")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

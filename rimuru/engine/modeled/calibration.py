@@ -537,8 +537,10 @@ def floor_features(frame: pd.DataFrame, cost: CostModel, prompt_len: int = 256, 
 def prefill_floor_features(frame: pd.DataFrame, cost: CostModel) -> dict:
     """Per kept row of ``prefill_floor_gpu.py`` (one layer count; not discarded, not profiled): one eager step that
     admits ``requests`` new prompts of ``tokens / requests`` tokens each, prefills them from position 0 and finishes
-    them (``max_tokens=1``), with the step's recorded experts touched and loaded (every load a copy after the layer's
-    routing: nothing expands, nothing is carried into a fresh step)."""
+    them (``max_tokens=1``), with the step's recorded experts touched and loaded, every load taken as a copy after its
+    layer's routing (nothing expands). Not separated: a step whose first layer touched most experts also copies that
+    layer's misses at its end for the next step (``prefetch_next_step``), recorded among its loads and run partly
+    after it (docs/modeled.md, wave 18)."""
     f = frame[(frame["discarded"] == 0) & (frame["profiled"] == 0)]
     layers = cost.num_moe_layers
     tokens = f["tokens"].to_numpy(float)
