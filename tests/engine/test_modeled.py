@@ -1627,6 +1627,8 @@ def test_admission_terms_are_the_slopes_of_the_schedule_and_finish_phases():
     assert out["groups"]["static 512"]["admit_us"] == pytest.approx(50.0)
     with pytest.raises(ValueError, match="two or more prompt counts"):
         admission_terms(pd.DataFrame(rows).query("requests == 8"))
+    with pytest.raises(ValueError, match="no column .*schedule_ms"):
+        admission_terms(pd.DataFrame(rows).drop(columns="schedule_ms"))
 
 
 def _prefill_floor_rows(truth: CostParams) -> list[tuple[pd.DataFrame, CostModel]]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 from rimuru.engine.modeled.calibration import (
+    PREFILL_FLOOR_COLUMNS,
     FitRun,
     PrefillStep,
     admission_terms,
@@ -426,6 +427,10 @@ def main() -> None:
         if not (ref / path).exists():
             raise SystemExit(f"--prefill-floor: {ref / path} not found")
         frame = pd.read_csv(ref / path)
+        missing = sorted(set(PREFILL_FLOOR_COLUMNS) - set(frame.columns))
+        if missing:
+            raise SystemExit(f"--prefill-floor {path}: not a prefill_floor_gpu.py file "
+                             f"(no column {', '.join(missing)})")
         data.append(data_entry(ref / path, frame))
         prefill_floor.append(frame[frame["policy"] != "static"])  # a resident step's terms are the second stage's
     prefill = [(f.reset_index(drop=True), CostModel(spec_with_layers(f["model"].iloc[0], int(layers)), gpu, base))

@@ -637,6 +637,13 @@ def pcie_eff_from_h2d(summary: pd.DataFrame, gpu: GpuProfile, cases: str = "alon
             "range_gbps": [float(rows["median_gbps"].min()), float(rows["median_gbps"].max())]}
 
 
+# the columns of prefill_floor_gpu.py that admission_terms and prefill_floor_features read
+PREFILL_FLOOR_COLUMNS = ("model", "layers", "policy", "budget", "tokens", "requests", "discarded", "profiled",
+                         "step_ms", "experts_touched", "experts_loaded")
+ADMISSION_COLUMNS = ("policy", "tokens", "requests", "discarded", "profiled", "step_ms", "schedule_ms", "prepare_ms",
+                     "forward_call_ms", "layer_table_ms", "sample_ms")
+
+
 def admission_terms(frame: pd.DataFrame) -> dict:
     """``host_admit_us`` and ``host_finish_us`` as measured inputs, from eager prefill steps that admit ``requests``
     new prompts, prefill them and finish them in the same step (``prefill_floor_gpu.py --requests R`` with
@@ -646,6 +653,9 @@ def admission_terms(frame: pd.DataFrame) -> dict:
     less schedule, prepare, forward call, layer tables and sampling); each term is the median of the groups' slopes,
     in us a request. Preparing a request's inputs and its share of the forward call stay per scheduled request
     (``host_seq_us``, fitted)."""
+    missing = sorted(set(ADMISSION_COLUMNS) - set(frame.columns))
+    if missing:
+        raise ValueError(f"not prefill_floor_gpu.py rows: no column {', '.join(missing)}")
     f = frame[(frame["discarded"] == 0) & (frame["profiled"] == 0)]
     rest = f["step_ms"] - f[["schedule_ms", "prepare_ms", "forward_call_ms", "layer_table_ms", "sample_ms"]].sum(axis=1)
     f = f.assign(rest_ms=rest)
