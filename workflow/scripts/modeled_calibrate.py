@@ -67,6 +67,16 @@ def data_entry(path: Path, frame: pd.DataFrame | None = None) -> dict:
     return entry
 
 
+def reference_csv(ref: Path, path: str, option: str, data: list) -> pd.DataFrame:
+    """The CSV ``path`` under ``ref`` that ``option`` names, its provenance appended to ``data``; a usage error if it is
+    not there."""
+    if not (ref / path).exists():
+        raise SystemExit(f"{option}: {ref / path} not found")
+    frame = pd.read_csv(ref / path)
+    data.append(data_entry(ref / path, frame))
+    return frame
+
+
 def read_tp_timelines(folder: Path, option: str, gpu, params, data: list, by_repeat: bool = False) -> list:
     """The TP serving runs of ``folder`` (e2e_tp_gpu.py's ``e2e_runs.csv`` and ``timeline.csv(.gz)``) as the TP fits
     take them: (timeline, cost model at the run's model and TP degree, policy), one per policy or, ``by_repeat``, per
@@ -402,12 +412,7 @@ def main() -> None:
         raise SystemExit("--post-sync needs --eager-host-overlap (it splits that pipeline's host time at the sync)")
     admission = {}
     if args.prefill_requests:
-        frames_r = []
-        for path in args.prefill_requests:
-            if not (ref / path).exists():
-                raise SystemExit(f"--prefill-requests: {ref / path} not found")
-            frames_r.append(pd.read_csv(ref / path))
-            data.append(data_entry(ref / path, frames_r[-1]))
+        frames_r = [reference_csv(ref, path, "--prefill-requests", data) for path in args.prefill_requests]
         try:
             admission = admission_terms(pd.concat(frames_r, ignore_index=True)) | {"files": args.prefill_requests}
         except ValueError as exc:
@@ -415,23 +420,16 @@ def main() -> None:
         base = base.replace(host_admit_us=admission["host_admit_us"], host_finish_us=admission["host_finish_us"])
     hold, pcie_input = (), {}
     if args.pcie_from_h2d:
-        h2d_path = ref / args.pcie_from_h2d
-        if not h2d_path.exists():
-            raise SystemExit(f"--pcie-from-h2d: {h2d_path} not found")
-        h2d_frame = pd.read_csv(h2d_path)
-        data.append(data_entry(h2d_path, h2d_frame))
+        h2d_frame = reference_csv(ref, args.pcie_from_h2d, "--pcie-from-h2d", data)
         pcie_input = pcie_eff_from_h2d(h2d_frame, gpu) | {"source": str(args.pcie_from_h2d)}
         base, hold = base.replace(pcie_eff=pcie_input["pcie_eff"]), ("pcie_eff",)
     prefill_floor = []
     for path in args.prefill_floor:
-        if not (ref / path).exists():
-            raise SystemExit(f"--prefill-floor: {ref / path} not found")
-        frame = pd.read_csv(ref / path)
+        frame = reference_csv(ref, path, "--prefill-floor", data)
         missing = sorted(set(PREFILL_FLOOR_COLUMNS) - set(frame.columns))
         if missing:
             raise SystemExit(f"--prefill-floor {path}: not a prefill_floor_gpu.py file "
                              f"(no column {', '.join(missing)})")
-        data.append(data_entry(ref / path, frame))
         prefill_floor.append(frame[frame["policy"] != "static"])  # a resident step's terms are the second stage's
     prefill = [(f.reset_index(drop=True), CostModel(spec_with_layers(f["model"].iloc[0], int(layers)), gpu, base))
                for layers, f in pd.concat(prefill_floor, ignore_index=True).groupby("layers")] if prefill_floor else []

@@ -428,16 +428,22 @@ SEED_METRICS = ("output_throughput", "mean_ttft_ms", "forward_steps")
 
 
 def step_probe_ms(folder: Path, policy: str, workload: str) -> float:
-    """The median ``host_probe_ms`` of a measured run's steps (``policy`` / ``workload`` rows of the folder's
-    timelines): e2e_gpu.py --step-probe ran the probe on the engine thread after every step call, outside the step;
-    the replay adds it after each of its steps (wave 18). 0 for a run without the probe."""
-    frames = [pd.read_csv(p) for p in sorted(folder.glob("timelines*.csv.gz"))]
-    frames = [f for f in frames if "host_probe_ms" in f]
-    if not frames:
-        return 0.0
-    t = pd.concat(frames, ignore_index=True)
-    t = t[(t["policy"] == policy) & (t["workload"] == workload)]["host_probe_ms"].dropna()
-    return float(t.median()) if len(t) else 0.0
+    """The median ``host_probe_ms`` of a measured run's steps (rows of the folder's timelines whose label, as
+    ``buffer_labels`` gives it, is ``policy`` and whose workload is ``workload``): e2e_gpu.py --step-probe ran the probe
+    on the engine thread after every step call, outside the step; the replay adds it after each of its steps (wave
+    18). 0 for a run without the probe. Only timeline files with the probe's column are read, and only the columns
+    used."""
+    probes = []
+    for path in sorted(folder.glob("timelines*.csv.gz")):
+        columns = pd.read_csv(path, nrows=0).columns
+        if "host_probe_ms" not in columns:
+            continue
+        used = [c for c in ("policy", "workload", "loading_buffers", "gc_idle_collect", "host_probe_ms")
+                if c in columns]
+        t = buffer_labels(pd.read_csv(path, usecols=used))
+        probes.append(t.loc[(t["policy"] == policy) & (t["workload"] == workload), "host_probe_ms"].dropna())
+    probe = pd.concat(probes) if probes else pd.Series(dtype=float)
+    return float(probe.median()) if len(probe) else 0.0
 
 
 def seed_spread(draws: pd.DataFrame) -> pd.DataFrame:

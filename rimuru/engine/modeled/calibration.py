@@ -710,7 +710,7 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
 
     ``hold``: terms kept at ``base``'s values instead of fitted (a measured input, e.g. ``pcie_eff`` from the H2D rate
     of expert-sized copies: ``pcie_eff_from_h2d``)."""
-    unknown = set(hold) - set(FLOOR_FREE) - {"host_admit_us"}
+    unknown = set(hold) - set(FLOOR_FREE)
     if unknown:
         raise ValueError(f"hold takes terms the floor fit frees ({', '.join(FLOOR_FREE)}), got {sorted(unknown)}")
     if post_sync and not base.eager_host_overlap:
@@ -733,11 +733,9 @@ def fit_decode_floor(frames: list[pd.DataFrame], costs: list[CostModel], base: C
     tfeats = [timeline_features(f, c, pol) for _, f, c, pol in timelines]
     joint = [i for i, (_, _, _, pol) in enumerate(timelines) if pol != "static"]
     resident = [i for i, (_, _, _, pol) in enumerate(timelines) if pol == "static"]
-    free = (tuple(k for k in FLOOR_FREE if k not in hold) + (("token_us",) if joint and free_token else ())
-            + (("host_layer_post_share",) if post_sync else ()))
     pfeats = [(prefill_floor_features(f, c), c) for f, c in prefill]
-    free = free + (("token_us",) if pfeats and free_token and "token_us" not in free else ()) + (
-        ("host_admit_us",) if pfeats and "host_admit_us" not in hold else ())
+    free = (tuple(k for k in FLOOR_FREE if k not in hold) + (("token_us",) if (joint or pfeats) and free_token else ())
+            + (("host_layer_post_share",) if post_sync else ()) + (("host_admit_us",) if pfeats else ()))
     n_floor = sum(len(x["measured"]) for x in feats)
     n_steps = sum(len(tfeats[i]["measured"]) for i in joint)
     weight = np.sqrt(n_floor / n_steps) if n_steps else 0.0
