@@ -38,6 +38,26 @@ def test_labels_follow_the_runs_engine(fidelity):
         fidelity.buffer_labels(pd.DataFrame({"policy": ["fixed"], "loading_buffers": ["huge"]}))
 
 
+def test_a_split_run_is_labelled_and_replayed_with_its_own_kv_reserve(fidelity):
+    """e2e_gpu.py --runs fixed+splitNN (wave 19): the run's expert cache starts with NN% of the free pages, so its
+    engine's kv_reserve is 1 - NN/100 whatever --kv-reserve says; a run without a split (empty column, or no column)
+    keeps the command's kv_reserve (e2e_gpu.py's default 0.1 where the command has none)."""
+    frame = pd.DataFrame({"policy": ["fixed", "fixed", "elastic"], "loading_buffers": ["layer", "layer", "sized"],
+                          "gc_idle_collect": [True, True, True], "split": [0.3, float("nan"), 0.5]})
+    labels = fidelity.buffer_labels(frame)["policy"].tolist()
+    assert labels == ["fixed+split30", "fixed", "elastic+sized+split50"]
+    assert fidelity.engine_policy(labels[2]) == ("elastic", "sized")
+    cmd = "e2e_gpu.py --layers 4 --kv-reserve 0.2"
+    assert fidelity.run_kv_reserve("fixed+split30", cmd) == pytest.approx(0.7)
+    assert fidelity.run_kv_reserve("fixed", cmd) == pytest.approx(0.2)
+    assert fidelity.run_kv_reserve("fixed", "e2e_gpu.py --layers 4") == pytest.approx(0.1)
+    assert fidelity.buffer_labels(pd.DataFrame({"policy": ["fixed"], "split": [0.07]}))["policy"].tolist() == [
+        "fixed+split07"]
+    for bad in ("fixed+split5", "fixed+split00", "fixed+split30+split50", "static+split50", "fixed+split100"):
+        with pytest.raises(SystemExit, match="splitNN"):
+            fidelity.parse_engine(bad)
+
+
 def test_a_tp_runs_h2d_rate_is_its_slowest_ranks_probe():
     sys.path.insert(0, str(SCRIPTS))
     try:

@@ -26,9 +26,11 @@ import argparse
 import contextlib
 import gc
 import json
+import re
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 import torch
@@ -75,21 +77,40 @@ def host_profile(llm: LLM, trace: list[dict], steps: int) -> None:
 
 
 ENGINE_OPTIONS = ("sized", "gcauto")  # --runs' suffixes: sized loading buffers; Python's automatic GC (no idle collect)
+# and splitNN (any two digits, 01-99): the engine's expert cache takes NN% of the pool's free expert pages at start
+# (kv_reserve = 1 - NN/100 instead of --kv-reserve): the fixed policy's split of the modeled splits
+# (workflow/rules/modeled.smk split_name), measured (wave 19)
 
 
-def parse_engine(engine: str) -> tuple[str, str, bool]:
-    """``POLICY[+sized][+gcauto]`` -> (policy, loading_buffers, gc_idle_collect); a clear error for anything else."""
+class EngineRun(NamedTuple):
+    """One ``--runs`` engine: its policy, loading buffers, idle collection, and its split (None: ``--kv-reserve``)."""
+    policy: str
+    buffers: str
+    gc_idle: bool
+    split: float | None = None
+
+    def kv_reserve(self, default: float) -> float:
+        """The engine's kv_reserve: the split's complement, else ``default`` (``--kv-reserve``)."""
+        return default if self.split is None else round(1.0 - self.split, 6)
+
+
+def parse_engine(engine: str) -> EngineRun:
+    """``POLICY[+sized][+gcauto][+splitNN]`` -> its ``EngineRun``; a clear error for anything else."""
     policy, *options = engine.split("+")
-    unknown = [o for o in options if o not in ENGINE_OPTIONS]
-    if unknown or not policy:
-        raise SystemExit(f"--runs: {engine!r}: expected POLICY[+sized][+gcauto], got options {unknown}")
-    return policy, "sized" if "sized" in options else "layer", "gcauto" not in options
+    splits = [o for o in options if re.fullmatch(r"split\d\d", o) and o != "split00"]
+    unknown = [o for o in options if o not in ENGINE_OPTIONS and o not in splits]
+    if unknown or not policy or len(splits) > 1 or (splits and policy == "static"):
+        raise SystemExit(f"--runs: {engine!r}: expected POLICY[+sized][+gcauto][+splitNN] (NN 01-99, one split, "
+                         f"a paged policy), got options {options}")
+    split = int(splits[0].removeprefix("split")) / 100 if splits else None
+    return EngineRun(policy, "sized" if "sized" in options else "layer", "gcauto" not in options, split)
 
 
-def run_engine(policy: str, buffers: str, gc_idle: bool = True) -> str:
+def run_engine(policy: str, buffers: str, gc_idle: bool = True, split: float | None = None) -> str:
     """A run's engine label in ``--runs``' spelling: the policy, ``+sized`` with sized loading buffers, ``+gcauto``
-    with Python's automatic collection instead of the engine's idle collection."""
-    return policy + ("" if buffers == "layer" else f"+{buffers}") + ("" if gc_idle else "+gcauto")
+    with Python's automatic collection instead of the engine's idle collection, ``+splitNN`` with its own split."""
+    return (policy + ("" if buffers == "layer" else f"+{buffers}") + ("" if gc_idle else "+gcauto")
+            + ("" if split is None or split != split else f"+split{round(100 * split):02d}"))
 
 
 def main() -> None:
@@ -110,9 +131,11 @@ def main() -> None:
                          "runs a burst and a shorter Poisson A/B over one model and hotset")
     ap.add_argument("--max-output", type=int, default=0, help="cap each request's output length (0: the trace's)")
     ap.add_argument("--runs", default="elastic:burst,fixed:burst,elastic:poisson,fixed:poisson,static:burst",
-                    help="POLICY[+sized][+gcauto]:WORKLOAD,...; +sized: EngineConfig.loading_buffers='sized' (default "
-                         "layer); +gcauto: gc_idle_collect=False (Python's automatic collection): e.g. "
-                         "elastic:poisson,elastic+gcauto:poisson")
+                    help="POLICY[+sized][+gcauto][+splitNN]:WORKLOAD,...; +sized: EngineConfig.loading_buffers='sized' "
+                         "(default layer); +gcauto: gc_idle_collect=False (Python's automatic collection); +splitNN: "
+                         "the expert cache starts with NN%% of the pool's free expert pages (kv_reserve 1 - NN/100, "
+                         "instead of --kv-reserve): e.g. elastic:poisson,elastic+gcauto:poisson or "
+                         "fixed+split50:burst")
     ap.add_argument("--out", required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
@@ -175,7 +198,7 @@ def main() -> None:
     runs = args.runs.split(",")
     for run in runs:  # every run's spelling checked before the model is built
         if run.count(":") != 1 or run.split(":")[1] not in ("burst", "poisson"):
-            raise SystemExit(f"--runs: {run!r}: expected POLICY[+sized][+gcauto]:burst|poisson")
+            raise SystemExit(f"--runs: {run!r}: expected POLICY[+sized][+gcauto][+splitNN]:burst|poisson")
         parse_engine(run.split(":")[0])
     # A B B A ... within each workload, the workloads one after the other in --runs order (a cut call keeps the first
     # workload's A/B whole)
@@ -186,16 +209,17 @@ def main() -> None:
         budget_full = parse_bytes(args.static_budget if policy == "static" else args.budget)
         return budget_full, e2e_scaled_budget(full, ckpt.spec, budget_full, policy, dtype)
 
-    def build(policy: str, buffers: str, gc_idle: bool, budget: int) -> LLM:
-        return LLM(ckpt, gpu_memory_budget=budget, policy=policy, kv_reserve=args.kv_reserve,
+    def build(run: EngineRun, budget: int) -> LLM:
+        policy, buffers, gc_idle = run.policy, run.buffers, run.gc_idle
+        return LLM(ckpt, gpu_memory_budget=budget, policy=policy, kv_reserve=run.kv_reserve(args.kv_reserve),
                    hotset=str(hotset_path), seed=args.seed, device=args.device, dtype=dtype,
                    enforce_eager=args.enforce_eager, loading_buffers=buffers, gc_idle_collect=gc_idle)
 
     if args.discard_engine:  # nothing of it is recorded
         t1 = time.perf_counter()
         first = schedule[0][0].split(":")[0]
-        policy, buffers, gc_idle = parse_engine(first)
-        llm = build(policy, buffers, gc_idle, budgets(policy)[1])
+        spec = parse_engine(first)
+        llm = build(spec, budgets(spec.policy)[1])
         llm.warmup_or_eager()
         serve(llm, trace[: max(args.warmup_requests, 1)], None, args.seed)
         llm.close()
@@ -205,9 +229,10 @@ def main() -> None:
         print(f"discarded engine ({first}): {time.perf_counter() - t1:.1f} s", flush=True)
     for order, (run, repeat) in enumerate(schedule):
         engine, workload = run.split(":")
-        policy, buffers, gc_idle = parse_engine(engine)
+        spec = parse_engine(engine)
+        policy, buffers, gc_idle, split = spec
         budget_full, budget = budgets(policy)
-        llm = build(policy, buffers, gc_idle, budget)
+        llm = build(spec, budget)
         # warm-up: compile every kernel variant and capture the decode graphs, then a discarded pass of the same
         # workload's first requests; its steps are dropped from the record
         info = llm.warmup_or_eager()  # a failed capture must not cost the whole device call: serve eager, say so
@@ -242,21 +267,24 @@ def main() -> None:
         frame.to_csv(out / f"timeline_{engine}_{workload}_r{repeat}.csv", index=False)
         # every run's per-step timeline in one file (the modeled executor calibrates on it)
         frame.assign(policy=policy, workload=workload, repeat=repeat, order=order, loading_buffers=buffers,
-                     gc_idle_collect=gc_idle).to_csv(
+                     gc_idle_collect=gc_idle, split=split).to_csv(
             out / "timelines.csv", mode="a", header=not rows, index=False)
-        floors.append({"policy": policy, "loading_buffers": buffers, "gc_idle_collect": gc_idle, "workload": workload,
+        floors.append({"policy": policy, "loading_buffers": buffers, "gc_idle_collect": gc_idle, "split": split,
+                       "workload": workload,
                        "repeat": repeat,
                        "order": order,
                        **floor_summary(decode_floor(frame, llm.spec))})
         flagged = stall_mask(frame).to_numpy()
         stalls = int(flagged.sum())
         gc_rows = [pauses.rows_hit(0), pauses.rows_hit(1)]  # frame row i is timeline position i (cleared above)
-        gc_runs = [{"policy": policy, "loading_buffers": buffers, "gc_idle_collect": gc_idle, "workload": workload,
+        gc_runs = [{"policy": policy, "loading_buffers": buffers, "gc_idle_collect": gc_idle, "split": split,
+                    "workload": workload,
                     "repeat": repeat,
                     "order": order, **vars(c), "flagged": bool(c.rows_to > c.rows_from >= 0
                                                                and flagged[c.rows_from:c.rows_to].any())}
                    for c in pauses.collections]
-        pd.DataFrame(gc_runs, columns=["policy", "loading_buffers", "gc_idle_collect", "workload", "repeat", "order",
+        pd.DataFrame(gc_runs, columns=["policy", "loading_buffers", "gc_idle_collect", "split", "workload", "repeat",
+                                       "order",
                                        "generation",
                                        "pause_ms", "collected", "in_step", "step", "rows_from", "rows_to",
                                        "flagged"]).to_csv(out / "gc_collections.csv", mode="a", header=not rows,
@@ -266,7 +294,8 @@ def main() -> None:
         inside = [gc_summary[f"gen{g}_in_step"] for g in range(3)]
         rows.append({
             "model": f"{args.model} ({args.layers}/{full.num_layers} layers, skew {args.skew}{cap})", "policy": policy,
-            "loading_buffers": buffers, "gc_idle_collect": gc_idle, "budget_gib": budget_full / 2**30,
+            "loading_buffers": buffers, "gc_idle_collect": gc_idle, "split": split,
+            "kv_reserve": spec.kv_reserve(args.kv_reserve), "budget_gib": budget_full / 2**30,
             "scaled_budget_gib": round(budget / 2**30, 3), "workload": workload,
             "request_rate": rate if rate else float("inf"), "num_requests": len(served),
             "request_throughput": metrics["request_throughput"], "output_throughput": metrics["output_throughput"],
@@ -299,7 +328,7 @@ def main() -> None:
             "stalls_with_gc1": int(sum(flagged[i] for i in gc_rows[1] if i < len(flagged))),
             **provenance(),
         })
-        print(json.dumps({k: rows[-1][k] for k in ("policy", "loading_buffers", "gc_idle_collect", "workload",
+        print(json.dumps({k: rows[-1][k] for k in ("policy", "loading_buffers", "gc_idle_collect", "split", "workload",
                                                      "repeat", "order",
                                                      "request_throughput",
                                                      "output_throughput", "mean_ttft_ms", "mean_tpot_ms",
@@ -310,8 +339,8 @@ def main() -> None:
         print(json.dumps(floors[-1]), flush=True)
         pd.DataFrame(rows).to_csv(out / "e2e.csv", index=False)
         pd.DataFrame(floors).to_csv(out / "step_floor.csv", index=False)
-        summary = summarize([{**r, "variant": f"{run_engine(r['policy'], r['loading_buffers'], r['gc_idle_collect'])}"
-                                               f":{r['workload']}",
+        summary = summarize([{**r, "variant": run_engine(r["policy"], r["loading_buffers"], r["gc_idle_collect"],
+                                                         r["split"]) + f":{r['workload']}",
                               "duration": r["duration_s"]}
                              for r in rows])  # per policy:workload: median, min-max spread, stalls, compiles
         (out / "ab_summary.json").write_text(json.dumps(summary, indent=1) + "\n")

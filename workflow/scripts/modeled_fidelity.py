@@ -110,15 +110,17 @@ def folder_run(ref: Path) -> str:
 
 def buffer_labels(frame: pd.DataFrame) -> pd.DataFrame:
     """An e2e.csv or timeline frame with its ``policy`` as e2e_gpu.py's ``--runs`` names the run's engine
-    (``e2e_gpu.run_engine``: ``POLICY[+sized][+gcauto]``) where the frame has ``loading_buffers`` /
-    ``gc_idle_collect`` columns (runs of several engines share a folder, e.g. buffers_6500491); unchanged without them
-    (every run before them: whole-layer buffers, no idle collection)."""
-    if "loading_buffers" not in frame and "gc_idle_collect" not in frame:
+    (``e2e_gpu.run_engine``: ``POLICY[+sized][+gcauto][+splitNN]``) where the frame has ``loading_buffers`` /
+    ``gc_idle_collect`` / ``split`` columns (runs of several engines share a folder, e.g. buffers_6500491); unchanged
+    without them (every run before them: whole-layer buffers, no idle collection, the command's kv_reserve)."""
+    if not {"loading_buffers", "gc_idle_collect", "split"} & set(frame.columns):
         return frame
     buffers = frame["loading_buffers"] if "loading_buffers" in frame else pd.Series("layer", index=frame.index)
     gc_idle = (frame["gc_idle_collect"].astype(str).str.lower().isin(["true", "1"]) if "gc_idle_collect" in frame
                else pd.Series(True, index=frame.index))
-    labels = [run_engine(p, b, bool(g)) for p, b, g in zip(frame["policy"].astype(str), buffers.astype(str), gc_idle)]
+    split = frame["split"].astype(float) if "split" in frame else pd.Series(np.nan, index=frame.index)
+    labels = [run_engine(p, b, bool(g), None if np.isnan(f) else float(f))
+              for p, b, g, f in zip(frame["policy"].astype(str), buffers.astype(str), gc_idle, split)]
     for label in set(labels):
         parse_engine(label)  # a clear error for an engine e2e_gpu.py does not name (e.g. loading_buffers 'foo')
     return frame.assign(policy=labels)
@@ -127,9 +129,15 @@ def buffer_labels(frame: pd.DataFrame) -> pd.DataFrame:
 def engine_policy(label: str) -> tuple[str, str]:
     """A run's engine label (``buffer_labels``) -> (the engine's policy, its loading_buffers). ``+gcauto`` (Python's
     automatic collection instead of the idle collection) replays the same: the modeled engine's step time has no
-    collector term."""
-    policy, buffers, _ = parse_engine(label)
-    return policy, buffers
+    collector term; ``+splitNN`` sets the engine's kv_reserve (``run_kv_reserve``)."""
+    run = parse_engine(label)
+    return run.policy, run.buffers
+
+
+def run_kv_reserve(label: str, command: str) -> float:
+    """The kv_reserve a measured run's engine had: its split's complement (``+splitNN``, wave 19), else its command's
+    ``--kv-reserve`` (e2e_gpu.py's default 0.1)."""
+    return parse_engine(label).kv_reserve(float(command_arg(command, "--kv-reserve", 0.1)))
 
 
 def fit_names(keys: list[str], root: str = "results/reference") -> set[str]:
@@ -297,7 +305,7 @@ def main() -> None:
         full, small = ModelSpec.from_pretrained(name), spec_with_layers(name, layers)
         budget = e2e_scaled_budget(full, small, parse_bytes(f"{row['budget_gib']}GiB"), policy)
         command = row["command"]
-        kv_reserve = float(command_arg(command, "--kv-reserve", 0.1))
+        kv_reserve = run_kv_reserve(label, command)
         seed = int(command_arg(command, "--seed", 0))
 
         engine_options = dict(
