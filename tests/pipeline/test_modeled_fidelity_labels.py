@@ -58,6 +58,12 @@ def test_a_split_run_is_labelled_and_replayed_with_its_own_kv_reserve(fidelity):
             fidelity.parse_engine(bad)
 
 
+def test_runs_keep_a_numeric_looking_commit_as_text(fidelity, tmp_path):
+    pd.DataFrame({"policy": ["fixed", "fixed"], "commit": ["99659e4", "0184826"]}).to_csv(tmp_path / "e2e.csv",
+                                                                                          index=False)
+    assert fidelity.read_runs(tmp_path / "e2e.csv")["commit"].tolist() == ["99659e4", "0184826"]
+
+
 def test_a_tp_runs_h2d_rate_is_its_slowest_ranks_probe():
     sys.path.insert(0, str(SCRIPTS))
     try:

@@ -216,6 +216,25 @@ rule modeled_routing_split:
         "--out-csv {output.csv} --out-md {output.md} > {log} 2>&1"
 
 
+# elastic against fixed splits, measured on the H200, beside the replays of the same runs (wave 19)
+SPLITS_H200 = [f"{REF}/{d}" for d in MODELED.get("splits_h200", [])]
+
+
+rule modeled_splits_h200:
+    input:
+        fidelity="results/modeled/fidelity.csv",
+        runs=[f"{d}/e2e.csv" for d in SPLITS_H200],
+    output:
+        csv="results/modeled/splits_h200.csv",
+        md="results/modeled/splits_h200.md",
+    log: "results/logs/modeled/splits_h200.log"
+    params: folders=" ".join(SPLITS_H200)
+    shell:
+        CPU + "results/logs/modeled/cpu/splits_h200.json -- "
+        "{PY} {SCRIPTS}/splits_h200.py --folders {params.folders} --fidelity {input.fidelity} "
+        "--out-csv {output.csv} --out-md {output.md} > {log} 2>&1"
+
+
 # ---- the paper's configurations at full scale (MODELED) -----------------------------------------------
 PAPER = MODELED["paper"]
 SPLITS = MODELED["splits"]
@@ -364,5 +383,6 @@ rule modeled_all:
         rules.modeled_fidelity.output,
         rules.modeled_tp_steps.output,
         rules.modeled_routing_split.output if ROUTING_SPLITS else [],
+        rules.modeled_splits_h200.output if SPLITS_H200 else [],
         rules.modeled_paper_tables.output,
         rules.modeled_case_eol_tables.output,

@@ -108,6 +108,11 @@ def folder_run(ref: Path) -> str:
     return ref.name if ref.parent.name == "e2e" else f"{ref.parent.name}_{ref.name}"
 
 
+def read_runs(path: Path) -> pd.DataFrame:
+    """An e2e.csv, its ``commit`` column as text (a short hash such as ``99659e4`` would otherwise read as a number)."""
+    return pd.read_csv(path, dtype={"commit": str})
+
+
 def buffer_labels(frame: pd.DataFrame) -> pd.DataFrame:
     """An e2e.csv or timeline frame with its ``policy`` as e2e_gpu.py's ``--runs`` names the run's engine
     (``e2e_gpu.run_engine``: ``POLICY[+sized][+gcauto][+splitNN]``) where the frame has ``loading_buffers`` /
@@ -210,7 +215,7 @@ def main() -> None:
     args = ap.parse_args()
     frames = []
     for ref in map(Path, args.reference):
-        frame = buffer_labels(pd.read_csv(ref / "e2e.csv"))
+        frame = buffer_labels(read_runs(ref / "e2e.csv"))
         if "run" not in frame:  # one run per folder (e.g. e2e/static_c56c229): the folder names it
             frame.insert(0, "run", folder_run(ref))
         frames.append(frame.assign(hotset=str(ref / "hotset.json"), routing_profile=""))
@@ -596,7 +601,7 @@ def measured_timelines(references: list[str], tp_runs: list[str]) -> list[tuple[
     of the e2e folders (``timelines*.csv.gz``) and of the TP runs' folders (``timeline.csv(.gz)``)."""
     out = []
     for ref in map(Path, references):
-        runs = pd.read_csv(ref / "e2e.csv")
+        runs = read_runs(ref / "e2e.csv")
         for path in sorted(ref.glob("timelines*.csv.gz")):
             trace_run = path.name.removeprefix("timelines").removeprefix("_").removesuffix(".csv.gz")
             out.append((trace_run if "run" in runs else folder_run(ref), buffer_labels(pd.read_csv(path)),
@@ -706,7 +711,7 @@ def serving_steps(references: list[str], fit: list[str], cost_params: str, hardw
     out = []
     buckets = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
     for ref in map(Path, references):
-        runs = buffer_labels(pd.read_csv(ref / "e2e.csv"))
+        runs = buffer_labels(read_runs(ref / "e2e.csv"))
         for path in sorted(ref.glob("timelines*.csv.gz")):
             trace_run = path.name.removeprefix("timelines").removeprefix("_").removesuffix(".csv.gz")
             run = trace_run if "run" in runs else folder_run(ref)  # as fidelity.csv names it
