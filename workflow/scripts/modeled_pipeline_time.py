@@ -23,7 +23,7 @@ import pandas as pd
 from rimuru.provenance import provenance
 
 STAGES = {"lengths": 0, "calibrate": 1, "fidelity": 2, "tp_steps": 2, "routing_split": 2, "paper": 2, "splits": 2,
-          "case": 2, "eol": 2, "paper_tables": 3, "case_eol_tables": 3}
+          "case": 2, "eol": 2, "paper_tables": 3, "case_eol_tables": 3, "splits_h200": 3}
 
 
 def lpt_makespan(times: list[float], cores: int) -> float:
