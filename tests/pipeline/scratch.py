@@ -23,6 +23,19 @@ qwen3-30b-a3b (4/48 layers),elastic,32,burst,inf,200,3.5,700.0,120.0,400.0,30.0,
 """
 
 
+def script_module(name: str):
+    """``workflow/scripts/<name>.py`` imported as the pipeline runs it (its folder first on ``sys.path`` while it
+    imports, for its sibling modules: ``common``, ``e2e_gpu``, ...)."""
+    import importlib
+
+    scripts = str(ROOT / "workflow" / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(scripts)
+
+
 def workflow_copy(tmp_path_factory, name: str) -> Path:
     """The Snakefile, rules, scripts, configs and bundled specs copied into a fresh folder; skips the test when
     the venv has no snakemake."""

@@ -9,17 +9,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tests.pipeline.scratch import script_module
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "workflow" / "scripts"
 
 
 @pytest.fixture(scope="module")
 def fidelity():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import modeled_fidelity
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return modeled_fidelity
+    return script_module("modeled_fidelity")
 
 
 def test_labels_follow_the_runs_engine(fidelity):

@@ -10,17 +10,14 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from tests.pipeline.scratch import script_module
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "workflow" / "scripts"
 
 
 @pytest.fixture(scope="module")
 def splits():
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import splits_h200
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    return splits_h200
+    return script_module("splits_h200")
 
 
 def write_folder(path: Path, rows: list[dict]) -> None:
