@@ -618,22 +618,23 @@ class LLM:
         output.error = f"{type(exc).__name__}: {exc}"
         return output
 
-    def _io_counters(self) -> tuple[int, int, int]:
-        """(expert bytes over PCIe, experts loaded or read in place, experts touched) so far; graphed decode
-        steps read misses in place from pinned host memory instead of loading them."""
+    def _io_counters(self) -> tuple[int, int, int, int]:
+        """(expert bytes over PCIe, experts loaded or read in place, experts touched, next-step prefetches) so far;
+        graphed decode steps read misses in place from pinned host memory instead of loading them."""
+        carried = self.loader.experts_carried
         if self.graphs is None:
-            return self.loader.bytes_loaded, self.loader.experts_loaded, self.provider.experts_touched
+            return self.loader.bytes_loaded, self.loader.experts_loaded, self.provider.experts_touched, carried
         graphed = self.graphs.experts
         in_place = graphed.experts_missed
         return (self.loader.bytes_loaded + in_place * self.loader.expert_bytes, self.loader.experts_loaded + in_place,
-                self.provider.experts_touched + graphed.experts_touched)
+                self.provider.experts_touched + graphed.experts_touched, carried)
 
     def _output(self, req: Request, new: list[int], finished: bool) -> RequestOutput:
         return RequestOutput(req.request_id, req.prompt_token_ids, req.output_token_ids, new, finished,
                              req.finish_reason if finished else None, None, req.arrival_time, req.first_token_time,
                              req.token_times, num_output_tokens=len(req.output_token_ids))
 
-    def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int], decode: int,
+    def _record(self, out, t0: float, change: int, loaded_before: tuple[int, int, int, int], decode: int,
                 compiles: int = 0, graphed: bool = False, number: int | None = None, moved: int = 0) -> None:
         now = self.clock.now()
         loaded = self._io_counters()
@@ -648,7 +649,8 @@ class LLM:
             context_tokens=sum(c.start + c.num_tokens for c in out.chunks),
             experts_touched=loaded[2] - loaded_before[2], expert_bytes_loaded=loaded[0] - loaded_before[0],
             experts_loaded=loaded[1] - loaded_before[1], r_b=out.kv_short_l2, adjust=change,
-            preempted=len(out.preempted), compiles=compiles, cuda_graph=int(graphed), kv_pages_moved=moved))
+            preempted=len(out.preempted), compiles=compiles, cuda_graph=int(graphed), kv_pages_moved=moved,
+            experts_carried=loaded[3] - loaded_before[3]))
 
     def timeline_seconds(self) -> float:
         """Now on the timeline's axis (``StepRecord.time_s``: seconds of ``clock`` since the engine was built)."""

@@ -43,6 +43,8 @@ class StepRecord:
     compiles: int = 0  # Triton JIT compilations during the step (0 after a complete warm-up)
     cuda_graph: int = 0  # 1: the step was one CUDA-graph replay
     kv_pages_moved: int = 0  # KV pages compaction moved before the step (rimuru.memory.compaction)
+    experts_carried: int = 0  # of experts_loaded: copies queued at the step's end for the next step's first MoE
+    # layer (the next-step prefetch, ExpertLoader.prefetch_next_step; wave 19)
 
 
 STEP_DTYPE = np.dtype([(f.name, np.float64 if f.type == "float" else np.int64)

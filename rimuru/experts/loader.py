@@ -74,6 +74,7 @@ class ExpertLoader:
                              if host_weights is not None else virtual_shape[2])
         self.bytes_loaded = 0
         self.experts_loaded = 0
+        self.experts_carried = 0  # of experts_loaded: next-step prefetches (prefetch_next_step), summed over steps
         self._buffer_free: list[torch.cuda.Event | None] = [None, None]  # last reader of each buffer done
         self._prefetched: list[dict[int, int]] = [{}, {}]  # buffer -> {expert: slot}
         # per-layer host staging for page-table uploads; a layer's row is rewritten only in the next step,
@@ -124,10 +125,12 @@ class ExpertLoader:
         return taken
 
     # ------------------------------------------------------------------ copies
-    def account_loads(self, experts: int) -> None:
-        """Count loads a modeled executor decided (it copies nothing)."""
+    def account_loads(self, experts: int, carried: bool = False) -> None:
+        """Count loads a modeled executor decided (it copies nothing); ``carried``: a next-step prefetch's
+        (``prefetch_next_step``)."""
         self.bytes_loaded += experts * self.expert_bytes
         self.experts_loaded += experts
+        self.experts_carried += experts if carried else 0
 
     def _copy(self, layer: int, expert: int, pages: np.ndarray) -> None:
         if self.host is None:
@@ -188,6 +191,14 @@ class ExpertLoader:
         assigned.clear()
         misses = predicted[cache_row[predicted, 0] < 0]
         self._fill(layer, misses[: len(self.buffers[layer % 2])], assigned)
+
+    def prefetch_next_step(self, predicted: np.ndarray, cache_row: np.ndarray) -> None:
+        """At a step's end, start loading the next step's first MoE layer's predicted, non-resident experts into its
+        buffer (``prefetch`` of layer 0), counted in ``experts_carried`` as well: the copies a step queues for the
+        next one, which run while the host finishes this step and schedules that one (timeline ``experts_carried``)."""
+        before = self.experts_loaded
+        self.prefetch(0, predicted, cache_row)
+        self.experts_carried += self.experts_loaded - before
 
     def layer_table(self, layer: int, touched: np.ndarray, cache_row: np.ndarray) -> torch.Tensor:
         """Page table [E, 3] for ``layer``: cache pages, buffer pages for touched misses.

@@ -114,7 +114,7 @@ class PagedExperts:
                 and prefetch_next_step(len(first), self.num_experts, self._next_in_place)):
             # the last layer's compute is queued (its buffer's event recorded): the next step's first layer
             # gets this step's misses of that layer in its buffer, behind this step's loads on the copy stream
-            self.loader.prefetch(0, first, self.cache.page_table[0])
+            self.loader.prefetch_next_step(first, self.cache.page_table[0])
             self._first_touched = None
 
     def expect_next_step(self, in_place: bool) -> None:

@@ -970,6 +970,56 @@ def test_carried_copies_hide_behind_the_next_steps_host_time(spec):
     assert 40 * copy - 5.0 - 0.1 < grown < 40 * copy - 5.0
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_carried_copies_in_the_vectorised_form_match_the_step(spec, overlap):
+    """predict_steps (the fits' form) charges the copies the step before queued (x["carried"], wave 19) as
+    CostModel.step does: on the copy stream ahead of the step's own, less the host's scheduling before the first
+    launch; on a graph replay, on the link its in-place reads need, less the host work before the replay."""
+    params = UNIT.replace(host_step_ms=2.0, host_seq_us=100.0, host_graph_step_ms=0.5, eager_host_overlap=overlap)
+    cost = CostModel(spec, GPU, params)
+    layers = spec.num_moe_layers
+    zero = np.zeros(layers)
+    q, starts = np.array([1, 1]), np.array([10, 20])
+    eager = [cost.step(StepWork(q, starts, samples=2, touched=np.full(layers, 10),
+                                demand=np.array([5] + [0] * (layers - 1)), prefetched=zero,
+                                carried_experts=c)).total_ms for c in (0, 40)]
+    graph = [cost.step(StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=zero, prefetched=zero,
+                                graphed=True, in_place=np.ones(layers), carried_experts=c)).total_ms for c in (0, 40)]
+    assert eager[1] > eager[0] and graph[1] > graph[0]  # 40 copies (7.6 ms) outlast the host work before them
+    n = 4
+    x = {"tokens": np.full(n, 2.0), "decode": np.full(n, 2.0), "pairs": np.full(n, 32.0),
+         "kv_bytes": np.full(n, 34.0) * cost.kv_bytes_per_token_layer, "touched": np.full(n, 10.0),
+         "loads": np.array([5 / layers, 5 / layers, 0.0, 0.0]), "in_place": np.array([0.0, 0.0, 1.0, 1.0]),
+         "expansions": np.zeros(n), "running": np.full(n, 2.0), "samples": np.full(n, 2.0),
+         "graphed": np.array([False, False, True, True]), "carried": np.array([0.0, 40.0, 0.0, 40.0])}
+    # the eager rows' loads are spread evenly over the layers (a timeline records a step's total): compare each
+    # with CostModel.step fed the same spread
+    spread = [cost.step(StepWork(q, starts, samples=2, touched=np.full(layers, 10), demand=np.full(layers, 5 / layers),
+                                 prefetched=zero, carried_experts=c)).total_ms for c in (0, 40)]
+    assert predict_steps(x, cost, params, sync=True) == pytest.approx(spread + graph)
+
+
+def test_timeline_features_move_a_next_step_prefetch_to_the_step_it_serves(spec):
+    """A timeline's experts_carried (wave 19): the copies a step queued at its end leave its own loads and start
+    the next step's copy stream (x["carried"]), if that step came right after it; a timeline without the column
+    reads as before (no carried copies)."""
+    from rimuru.engine.modeled.calibration import timeline_features
+
+    cost = CostModel(spec, GPU, UNIT)
+    layers = spec.num_moe_layers
+    frame = pd.DataFrame({"step": [1, 2, 3, 5], "step_ms": [10.0] * 4, "tokens": [64, 2, 2, 2],
+                          "prefill_tokens": [64, 0, 0, 0], "decode_tokens": [0, 2, 2, 2], "running": [2] * 4,
+                          "waiting": [0] * 4, "context_tokens": [0, 66, 68, 70],
+                          "experts_touched": [100 * layers, 10 * layers, 10 * layers, 10 * layers],
+                          "experts_loaded": [3 * layers + 30, 2 * layers, 2 * layers + 7, 2 * layers],
+                          "experts_carried": [30, 0, 7, 0], "adjust": [0] * 4, "cuda_graph": [0] * 4})
+    x = timeline_features(frame, cost, "fixed")
+    assert x["loads"].tolist() == [3.0, 2.0, 2.0, 2.0]
+    assert x["carried"].tolist() == [0.0, 30.0, 0.0, 0.0]  # step 5 does not follow step 3: nothing carried into it
+    old = timeline_features(frame.drop(columns="experts_carried"), cost, "fixed")
+    assert old["carried"].tolist() == [0.0] * 4 and old["loads"][0] == 3.0 + 30 / layers
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_modeled_next_step_prefetch_follows_the_engine(on):
     """After an eager step whose first MoE layer touched >= 3/4 of its experts, the modeled engine copies that
@@ -984,12 +1034,13 @@ def test_modeled_next_step_prefetch_follows_the_engine(on):
     loads = llm.loader.experts_loaded
     llm.step()  # a 2048-token prefill chunk: its first layer touches nearly every expert
     assert ex.last is not None
+    carried = int(llm.timeline.frame()["experts_carried"].iloc[-1])  # the step's record (wave 19)
     if on:
         assert ex._carried is not None and 0 < ex._carried_new <= llm.loader.capacity
-        assert ex._carried_new == int(ex._carried.sum())
+        assert ex._carried_new == int(ex._carried.sum()) == carried == llm.loader.experts_carried
         assert llm.loader.experts_loaded - loads >= ex._carried_new
     else:
-        assert ex._carried is None and ex._carried_new == 0
+        assert ex._carried is None and ex._carried_new == 0 and carried == 0
     assert prefetch_next_step(96, 128) and not prefetch_next_step(95, 128)
 
 

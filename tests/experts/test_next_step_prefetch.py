@@ -36,6 +36,8 @@ def test_a_large_eager_step_prefetches_the_next_steps_first_layer_misses():
     misses = sorted(int(e) for e in np.flatnonzero(llm.cache.page_table[0, :, 0] < 0))
     assert loaded[-1] == (0, [], misses), "the end of the step did not prefetch layer 0's misses"
     assert sorted(loader._prefetched[0]) == misses
+    # counted apart from the step's own loads, in the loader and on the step's timeline row (wave 19)
+    assert loader.experts_carried == len(misses) == int(llm.timeline.frame()["experts_carried"].iloc[-1])
     loaded.clear()
     llm.step()  # the next step's layer 0 finds them in its buffer: nothing of them is loaded again
     before_layer1 = loaded[: next(i for i, entry in enumerate(loaded) if entry[0] == 1)]

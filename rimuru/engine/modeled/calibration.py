@@ -445,7 +445,13 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     layers = cost.num_moe_layers
     gpu_t = np.zeros_like(x["tokens"])
     host_t = np.zeros_like(x["tokens"])  # eager_host_overlap: the host's clock (rows with a routing sync)
-    copy_t = load(x["expansions"])
+    admitted, finished = x.get("admitted", 0.0), x.get("finished", 0.0)  # requests admitted, finished (wave 18)
+    seq_us = np.where(sync, p.seq_us(True), p.seq_us(False))
+    # the copies the step before queued at its end (x["carried"]) hold the copy stream from the step's start: the
+    # host's scheduling before the first launch hides them (CostModel.step's lead)
+    carried = load(np.asarray(x.get("carried", 0.0), float))
+    lead = p.host_step_ms + seq_us * 1e-3 * x["running"] + p.host_admit_us * 1e-3 * admitted + tp_step
+    copy_t = load(x["expansions"]) + np.maximum(0.0, carried - lead)
     for layer in range(layers):
         device = (gdn if linear[layer] else attn) + dense + p.gpu_layer_us * 1e-3 + ar
         gdn_host = p.gdn_eager_layer_ms if linear[layer] else 0.0  # a GDN layer's launches
@@ -467,9 +473,7 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     if p.eager_host_overlap:
         gpu_t = np.where(sync, np.maximum(gpu_t, host_t), gpu_t)
     head = roof(cost.lm_head_bytes, cost.lm_head_flops_per_row * x["samples"], p.mma_eff)
-    seq_us = np.where(sync, p.seq_us(True), p.seq_us(False))
     token_us = np.where(sync, p.eager_token_us(True), p.eager_token_us(False))
-    admitted, finished = x.get("admitted", 0.0), x.get("finished", 0.0)  # requests admitted, finished (wave 18)
     eager = (p.host_step_ms + seq_us * 1e-3 * x["running"] + token_us * 1e-3 * x["tokens"] + tp_step + gpu_t
              + head + (p.host_admit_us * admitted + p.host_finish_us * finished) * 1e-3)
     if "graphed" not in x:
@@ -480,8 +484,10 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
     reads = in_place * cost.expert_bytes / (g.pcie_h2d_bytes_per_s * p.inplace_eff) * 1e3
     host = p.host_graph_step_ms + seq_us * 1e-3 * x["running"] + tp_step + tp_graph + p.host_finish_us * 1e-3 * finished
     per_layer = attn if not linear.any() else (linear.sum() * gdn + (layers - linear.sum()) * attn) / layers
-    device = layers * (per_layer + dense + p.graph_layer_ms() + ar + moe_res + reads) + head
     overlapped = x.get("overlapped", False)  # async scheduling: launched while the step before ran
+    # carried copies hold the link the in-place reads need, less the host work before the replay (CostModel)
+    device = (layers * (per_layer + dense + p.graph_layer_ms() + ar + moe_res + reads) + head
+              + np.maximum(0.0, carried - np.where(overlapped, 0.0, host)))
     graphed = np.where(overlapped, np.maximum(host, device), host + device)
     return np.where(x["graphed"], graphed, eager)
 
@@ -583,9 +589,11 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
                       async_overlap: bool = False) -> dict:
     """Per-step work of a measured e2e timeline (``LLM.timeline``: one row per forward step, ``step_ms`` the whole
     ``LLM.step``). Graphed steps read their recorded misses in place; an eager step's recorded loads are its
-    expansions (``adjust`` > 0, queued first) and the per-layer misses. Not recorded, so estimated: the number of
-    prefill chunks (``prefill_tokens / chunk_tokens``, rounded up; they add per-request host time) and their
-    attention pairs (chunks of up to ``chunk_tokens`` from position 0: a small term at these lengths). With
+    expansions (``adjust`` > 0, queued first), the per-layer misses and, where the timeline has the column, the
+    next-step prefetch it queued at its end (``experts_carried``: the next step's ``carried`` copies instead). Not
+    recorded, so estimated: the number of prefill chunks (``prefill_tokens / chunk_tokens``, rounded up; they add
+    per-request host time) and their attention pairs (chunks of up to ``chunk_tokens`` from position 0: a small term
+    at these lengths). With
     ``async_overlap`` (the run's engine overlapped async-scheduled steps) a graphed step with nothing waiting right
     after another such step is overlapped (``rimuru.engine.modeled.executor.pipelined``)."""
     layers = cost.num_moe_layers
@@ -595,7 +603,12 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
     decode = frame["decode_tokens"].to_numpy(float)
     context = frame["context_tokens"].to_numpy(float)
     expansions = np.where(graphed, 0.0, frame["adjust"].clip(lower=0).to_numpy(float))
-    loaded = (frame["experts_loaded"].to_numpy(float) - expansions) / layers
+    # the next-step prefetch (timelines since wave 19): copies a step queued at its end for the next step's first
+    # layer, counted in its experts_loaded; they start the next step's copy stream, as the modeled executor has them
+    queued = frame["experts_carried"].to_numpy(float) if "experts_carried" in frame else np.zeros(len(frame))
+    follows = np.concatenate([[False], (frame["step"].diff() == 1).to_numpy()[1:]])
+    carried = np.where(follows, np.concatenate([[0.0], queued[:-1]]), 0.0)
+    loaded = (frame["experts_loaded"].to_numpy(float) - expansions - queued) / layers
     chunks = decode + np.ceil(prefill / chunk_tokens)
     pairs = (context - prefill) + prefill * (np.minimum(prefill, chunk_tokens) + 1) / 2
     piped = graphed & (frame["waiting"] == 0).to_numpy() & async_overlap
@@ -603,6 +616,7 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
     overlapped = piped & np.concatenate([[False], piped[:-1]]) & consecutive
     admitted, finished = timeline_admissions(frame)
     return {"tokens": tokens, "admitted": admitted, "finished": finished, "decode": decode, "pairs": pairs,
+            "carried": carried,
             "overlapped": overlapped, "async_engine": async_overlap,
             "kv_bytes": (context + tokens) * cost.kv_bytes_per_token_layer,
             "touched": frame["experts_touched"].to_numpy(float) / layers, "loads": np.where(graphed, 0.0, loaded),

@@ -185,7 +185,7 @@ class ModeledExecutor:
         self._carried = np.zeros(len(first), dtype=bool)
         self._carried[ids] = True
         self._carried_new = len(ids)
-        self.loader.account_loads(len(ids))
+        self.loader.account_loads(len(ids), carried=True)
 
     def _split_loads(self, misses: np.ndarray, resident: np.ndarray, touched: np.ndarray):
         """Demand loads and predicted loads per layer (predictions for layer l are made in layer l - 1)."""
