@@ -593,9 +593,8 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
     next-step prefetch it queued at its end (``experts_carried``: the next step's ``carried`` copies instead). Not
     recorded, so estimated: the number of prefill chunks (``prefill_tokens / chunk_tokens``, rounded up; they add
     per-request host time) and their attention pairs (chunks of up to ``chunk_tokens`` from position 0: a small term
-    at these lengths). With
-    ``async_overlap`` (the run's engine overlapped async-scheduled steps) a graphed step with nothing waiting right
-    after another such step is overlapped (``rimuru.engine.modeled.executor.pipelined``)."""
+    at these lengths). With ``async_overlap`` (the run's engine overlapped async-scheduled steps) a graphed step with
+    nothing waiting right after another such step is overlapped (``rimuru.engine.modeled.executor.pipelined``)."""
     layers = cost.num_moe_layers
     graphed = (frame["cuda_graph"] == 1).to_numpy()
     tokens = frame["tokens"].to_numpy(float)
