@@ -474,8 +474,7 @@ def predict_steps(x: dict[str, np.ndarray], cost: CostModel, p: CostParams, sync
         gpu_t = np.where(sync, np.maximum(gpu_t, host_t), gpu_t)
     head = roof(cost.lm_head_bytes, cost.lm_head_flops_per_row * x["samples"], p.mma_eff)
     token_us = np.where(sync, p.eager_token_us(True), p.eager_token_us(False))
-    eager = (p.host_step_ms + seq_us * 1e-3 * x["running"] + token_us * 1e-3 * x["tokens"] + tp_step + gpu_t
-             + head + (p.host_admit_us * admitted + p.host_finish_us * finished) * 1e-3)
+    eager = lead + token_us * 1e-3 * x["tokens"] + p.host_finish_us * 1e-3 * finished + gpu_t + head
     if "graphed" not in x:
         return eager
     in_place = x["in_place"]
@@ -605,13 +604,12 @@ def timeline_features(frame: pd.DataFrame, cost: CostModel, policy: str, chunk_t
     # the next-step prefetch (timelines since wave 19): copies a step queued at its end for the next step's first
     # layer, counted in its experts_loaded; they start the next step's copy stream, as the modeled executor has them
     queued = frame["experts_carried"].to_numpy(float) if "experts_carried" in frame else np.zeros(len(frame))
-    follows = np.concatenate([[False], (frame["step"].diff() == 1).to_numpy()[1:]])
-    carried = np.where(follows, np.concatenate([[0.0], queued[:-1]]), 0.0)
+    consecutive = (frame["step"].diff() == 1).to_numpy()  # the step right after the row before
+    carried = np.where(consecutive, np.concatenate([[0.0], queued[:-1]]), 0.0)
     loaded = (frame["experts_loaded"].to_numpy(float) - expansions - queued) / layers
     chunks = decode + np.ceil(prefill / chunk_tokens)
     pairs = (context - prefill) + prefill * (np.minimum(prefill, chunk_tokens) + 1) / 2
     piped = graphed & (frame["waiting"] == 0).to_numpy() & async_overlap
-    consecutive = (frame["step"].diff() == 1).to_numpy()
     overlapped = piped & np.concatenate([[False], piped[:-1]]) & consecutive
     admitted, finished = timeline_admissions(frame)
     return {"tokens": tokens, "admitted": admitted, "finished": finished, "decode": decode, "pairs": pairs,
