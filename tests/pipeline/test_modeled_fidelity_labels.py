@@ -171,5 +171,9 @@ def test_step_probe_is_the_runs_median_probe_or_nothing(fidelity, tmp_path):
     assert fidelity.step_probe_ms(tmp_path, "fixed", "burst") == pytest.approx(0.6)
     assert fidelity.step_probe_ms(tmp_path, "elastic", "burst") == pytest.approx(0.3)
     assert fidelity.step_probe_ms(tmp_path, "static", "burst") == 0.0
+    # a split run's probe is its own, not the default fixed run's (the label reads the split column too)
+    t.assign(split=[float("nan")] * 5 + [0.5]).to_csv(tmp_path / "timelines.csv.gz", index=False)
+    assert fidelity.step_probe_ms(tmp_path, "fixed+split50", "poisson") == pytest.approx(9.0)
+    assert fidelity.step_probe_ms(tmp_path, "fixed", "poisson") == 0.0
     t.drop(columns="host_probe_ms").to_csv(tmp_path / "timelines.csv.gz", index=False)
     assert fidelity.step_probe_ms(tmp_path, "fixed", "burst") == 0.0

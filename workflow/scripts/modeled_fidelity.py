@@ -113,12 +113,16 @@ def read_runs(path: Path) -> pd.DataFrame:
     return pd.read_csv(path, dtype={"commit": str})
 
 
+# the columns that name a run's engine beside its policy (e2e_gpu.run_engine's options), where a folder has them
+ENGINE_COLUMNS = ("loading_buffers", "gc_idle_collect", "split")
+
+
 def buffer_labels(frame: pd.DataFrame) -> pd.DataFrame:
     """An e2e.csv or timeline frame with its ``policy`` as e2e_gpu.py's ``--runs`` names the run's engine
     (``e2e_gpu.run_engine``: ``POLICY[+sized][+gcauto][+splitNN]``) where the frame has ``loading_buffers`` /
     ``gc_idle_collect`` / ``split`` columns (runs of several engines share a folder, e.g. buffers_6500491); unchanged
     without them (every run before them: whole-layer buffers, no idle collection, the command's kv_reserve)."""
-    if not {"loading_buffers", "gc_idle_collect", "split"} & set(frame.columns):
+    if not set(ENGINE_COLUMNS) & set(frame.columns):
         return frame
     buffers = frame["loading_buffers"] if "loading_buffers" in frame else pd.Series("layer", index=frame.index)
     gc_idle = (frame["gc_idle_collect"].astype(str).str.lower().isin(["true", "1"]) if "gc_idle_collect" in frame
@@ -451,8 +455,7 @@ def step_probe_ms(folder: Path, policy: str, workload: str) -> float:
         columns = pd.read_csv(path, nrows=0).columns
         if "host_probe_ms" not in columns:
             continue
-        used = [c for c in ("policy", "workload", "loading_buffers", "gc_idle_collect", "host_probe_ms")
-                if c in columns]
+        used = [c for c in ("policy", "workload", *ENGINE_COLUMNS, "host_probe_ms") if c in columns]
         t = buffer_labels(pd.read_csv(path, usecols=used))
         probes.append(t.loc[(t["policy"] == policy) & (t["workload"] == workload), "host_probe_ms"].dropna())
     probe = pd.concat(probes) if probes else pd.Series(dtype=float)
