@@ -93,6 +93,8 @@ MODELED_OPTIONS = (
     ModeledOption("modeled_chunk_law", _chunk_law, "a prefill chunk law (scale > 0, exponent in (0, 1])"),
     ModeledOption("modeled_decode_kernels", _int_at_least(0), "the wave (a non-negative integer) of the decode "
                   "kernels modeled"),
+    ModeledOption("modeled_engine_terms", _int_at_least(0), "the wave (a non-negative integer) of the engine whose "
+                  "host and copy terms are modeled"),
     ModeledOption("modeled_routing_prior", _routing_prior, "(prior tokens >= 0, a reference curve summing to 1)"),
     ModeledOption("modeled_h2d_gbps", _positive_number, "a positive host-to-device rate in GB/s"),
     ModeledOption("modeled_decode_gamma", _positive_number, "a positive exponent of the decode routing", unset=1.0),
@@ -145,6 +147,9 @@ class EngineConfig:
     modeled_decode_kernels: int | None = None  # modeled: the wave of the decode kernels the modeled engine launches
     # (4: wave 4's, 5: wave5, 7: fast): its decode-graph replays take the terms the calibration fitted on decode floors
     # measured with those kernels (CostParams.decode_kernels); None: the calibration's base terms
+    modeled_engine_terms: int | None = None  # modeled: the wave of the engine modeled: its eager steps take the host
+    # and copy terms the calibration fitted on that engine's serving steps (CostParams.engine_terms); None or 0: the
+    # calibration's base terms
     modeled_h2d_gbps: float | None = None  # modeled: the pinned host-to-device rate (GB/s) of expert copies and
     # in-place reads instead of the hardware profile's: a rate measured for one run (e.g. a TP rank's probe, whose rate
     # varied between engine processes); None: the profile's

@@ -1051,14 +1051,15 @@ def test_engine_features_of_a_measured_commit_listed_or_default():
 
     listed = {"graph_cap": {"old": 8}, "async_scheduling": {"old": 0}, "next_step_prefetch": {"old": 0},
               "kv_compaction": {"old": 0}, "short_lookahead": {"old": 0}, "expand_headroom": {"old": 0},
-              "prefetch_before_graphs": {"old": 1}, "running_lookahead": {"old": 0}, "decode_kernels": {"old": 4}}
+              "prefetch_before_graphs": {"old": 1}, "running_lookahead": {"old": 0}, "decode_kernels": {"old": 4},
+              "engine_terms": {"old": 0}}
     default = {"graph_cap": 16, "async_scheduling": 1, "next_step_prefetch": 1, "kv_compaction": 1,
                "short_lookahead": 1, "expand_headroom": 1, "prefetch_before_graphs": 0, "running_lookahead": 1,
-               "decode_kernels": 7}
+               "decode_kernels": 7, "engine_terms": 20}
     assert engine_features("old", listed, default) == {"graph_cap": 8, "async_scheduling": 0, "next_step_prefetch": 0,
                                                       "kv_compaction": 0, "short_lookahead": 0, "expand_headroom": 0,
                                                       "prefetch_before_graphs": 1, "running_lookahead": 0,
-                                                      "decode_kernels": 4}
+                                                      "decode_kernels": 4, "engine_terms": 0}
     assert engine_features("new", listed, default) == default
     with pytest.raises(ValueError, match="graph_cap for commit new"):
         engine_features("new", listed, None)
@@ -1204,6 +1205,116 @@ def test_fit_decode_kernels_recovers_each_waves_terms():
     assert report["median_abs_rel_error"] < 1e-4 < report["base_median_abs_rel_error"]
     with pytest.raises(ValueError, match="no graphed decode-floor segment"):
         fit_decode_kernels(frame, cost, base, {"baseline": 4})
+
+
+def test_engine_terms_per_engine_wave():
+    """A run of the base engine (no wave, or 0) keeps the base terms; a fitted wave takes its eager-step host and copy
+    terms and nothing else; a wave without terms is an error naming the fitted ones ('missing' to the fidelity
+    replay), and a term that is not an engine term is refused. The modeled executor of a run takes its wave's terms."""
+    from rimuru.engine.modeled.cost import ENGINE_TERMS, CostParams
+
+    p = CostParams(token_us=3.0, pcie_eff=1.0, host_seq_us=10.0, gpu_layer_us=50.0,
+                   engine_terms={"20": {"token_us": 0.5, "pcie_eff": 0.96, "host_layer_post_share": 0.5}})
+    assert p.with_engine_terms(None) is p and p.with_engine_terms(0) is p
+    q = p.with_engine_terms(20)
+    assert (q.token_us, q.pcie_eff, q.host_layer_post_share, q.host_seq_us, q.gpu_layer_us) == (0.5, 0.96, 0.5, 10.0,
+                                                                                              50.0)
+    assert [p.engine_term_source(w) for w in (None, 0, 20, 19)] == ["base", "base", "wave 20", "missing"]
+    with pytest.raises(ValueError, match=r"wave 19 \(fitted: 20\)"):
+        p.with_engine_terms(19)
+    with pytest.raises(ValueError, match="not engine terms"):
+        p.replace(engine_terms={"20": {"graph_layer_us": 1.0}}).with_engine_terms(20)
+    assert "gpu_layer_us" not in ENGINE_TERMS and "pcie_eff" in ENGINE_TERMS
+    # a configuration the wave's fit data did not serve keeps the base terms, and says so
+    scoped = p.replace(engine_terms_scope={"20": {"tp": [1], "hybrid": False}})
+    assert scoped.with_engine_terms(20).token_us == 0.5
+    assert scoped.with_engine_terms(20, tp=2) is scoped and scoped.with_engine_terms(20, hybrid=True) is scoped
+    assert [scoped.engine_term_source(20, tp, hybrid) for tp, hybrid in ((1, False), (2, False), (1, True))] == [
+        "wave 20", "base: outside wave 20", "base: outside wave 20"]
+
+
+def test_the_modeled_engine_replays_with_its_engine_terms(tmp_path):
+    """EngineConfig.modeled_engine_terms picks the cost parameters of the modeled executor: the same requests take
+    longer on the virtual clock with a slower per-step host term of that wave, and exactly as long at wave 0 or where
+    the wave's fit data served another configuration (a hybrid model's)."""
+    from rimuru.engine.modeled.cost import CostParams
+
+    path = tmp_path / "cal.json"
+    CostParams(engine_terms={"20": {"host_step_ms": 5.0}}).save(path)
+
+    def clock(**kw) -> float:
+        llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="24GiB", policy="fixed", cost_params=str(path),
+                  **kw)
+        for i in range(2):
+            llm.add_request(f"r{i}", [0] * 40, SamplingParams(max_tokens=3, ignore_eos=True))
+        while llm.has_unfinished_requests():
+            llm.step()
+        return llm.clock.now()
+
+    base = clock()
+    assert clock(modeled_engine_terms=0) == base
+    assert clock(modeled_engine_terms=20) > base
+    with pytest.raises(ValueError, match="no engine terms fitted for wave 7"):
+        clock(modeled_engine_terms=7)
+    CostParams(engine_terms={"20": {"host_step_ms": 5.0}},
+               engine_terms_scope={"20": {"tp": [1], "hybrid": True}}).save(path)
+    assert clock(modeled_engine_terms=20) == base
+
+
+def _engine_timeline(layers: int, rng) -> tuple[pd.DataFrame, CostModel]:
+    """A serving pass of ``layers`` MoE layers as ``LLM.timeline`` records it: one-prompt prefill steps (16-600 tokens,
+    copy-heavy), mixed steps, eager decode at 17-120 running with misses, graph replays at 1-12 running with in-place
+    reads; ``step_ms`` 0 for the test to fill."""
+    from rimuru.engine.modeled.reference import spec_with_layers
+
+    cost = CostModel(spec_with_layers("qwen3-30b-a3b", layers), GPU, UNIT)
+    kinds = ["prefill"] * 12 + ["mixed"] * 12 + ["eager"] * 24 + ["graph"] * 24
+    rows = []
+    for i, kind in enumerate(kinds):
+        prefill = int(rng.integers(16, 600)) if kind in ("prefill", "mixed") else 0
+        decode = {"prefill": 0, "mixed": int(rng.integers(1, 8)), "eager": int(rng.integers(17, 120)),
+                  "graph": int(rng.integers(1, 12))}[kind]
+        touched = min(128, 8 + prefill // 4 + decode) * layers
+        # prefill and mixed steps copy-bound, eager decode host-bound (few misses), graph replays reading in place
+        loaded = {"prefill": int(rng.integers(10, 40)), "mixed": int(rng.integers(10, 40)),
+                  "eager": int(rng.integers(0, 3)), "graph": int(rng.integers(0, 6))}[kind] * layers
+        rows.append({"step": i, "repeat": 0, "tokens": prefill + decode, "prefill_tokens": prefill,
+                     "decode_tokens": decode, "context_tokens": 300 * max(decode, 1), "adjust": 0,
+                     "experts_loaded": loaded, "experts_touched": touched, "experts_carried": 0,
+                     "cuda_graph": int(kind == "graph"), "waiting": 0, "running": max(decode, 1), "step_ms": 0.0})
+    return pd.DataFrame(rows), cost
+
+
+def test_fit_engine_terms_recovers_one_engines_terms():
+    """Serving passes of 4 and 48 layers timed by the cost model itself with known engine terms (the per-step,
+    per-request, per-token and per-layer host terms, the share after the routing sync, the copy rate) give those
+    terms back from the base calibration's; every step kind of each pass is reported, and a bad term list is an
+    error."""
+    from rimuru.engine.modeled.calibration import fit_engine_terms, predict_steps, timeline_features
+    from rimuru.engine.modeled.cost import ENGINE_TERMS
+
+    rng = np.random.default_rng(0)
+    base = CostParams(hbm_eff=0.9, mma_eff=0.4, attn_eff=0.3, gpu_layer_us=50.0, prefetch_recall=0.1,
+                      host_graph_step_ms=0.5, eager_host_overlap=True)
+    truth = {"host_step_ms": 0.8, "host_seq_us": 7.0, "token_us": 0.5, "host_layer_sync_ms": 1.3,
+             "host_layer_post_share": 0.5, "pcie_eff": 0.96}
+    passes = []
+    for layers in (4, 48):
+        frame, cost = _engine_timeline(layers, rng)
+        x = timeline_features(frame, cost, "fixed")
+        frame["step_ms"] = predict_steps(x, cost, base.replace(**truth), sync=x["sync"])
+        passes.append((f"{layers}L", frame, cost, "fixed"))
+    terms, report = fit_engine_terms(passes, base, ENGINE_TERMS, None, async_overlap=False)
+    assert terms == pytest.approx(truth, rel=1e-3)
+    assert report["at_bound"] == [] and report["steps"] == 144
+    assert report["scope"] == {"tp": [1], "hybrid": False}
+    assert {g.split(" ", 1)[1] for g in report["groups"]} == {"prefill", "mixed", "decode eager", "decode graph"}
+    assert max(abs(g["rel_error"]) for g in report["groups"].values()) < 1e-4
+    assert max(abs(g["base_rel_error"]) for g in report["groups"].values()) > 0.05
+    with pytest.raises(ValueError, match="engine terms are"):
+        fit_engine_terms(passes, base, ("gpu_layer_us",), None, async_overlap=False)
+    with pytest.raises(ValueError, match="eager_host_overlap"):
+        fit_engine_terms(passes, base.replace(eager_host_overlap=False), ENGINE_TERMS, None, async_overlap=False)
 
 
 def test_modeled_decode_kernels_option_is_checked():

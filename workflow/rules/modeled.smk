@@ -49,7 +49,18 @@ def calibration_inputs(w):
                if MODELED.get("chunk_law_fit") else [])
             + [f"{REF}/{f}" for f in MODELED.get("decode_kernels_fit", {}).get("floors", [])]
             + [f"{REF}/{d}/{f}" for dirs in MODELED.get("routing_prior_build", {}).values() for d in dirs
-               for f in ("hotset.json", "e2e.csv")])
+               for f in ("hotset.json", "e2e.csv")]
+            + [f"{REF}/{d}/{f}" for d in MODELED.get("engine_terms_fit", {}).get("timelines", [])
+               for f in ("timelines.csv.gz", "e2e.csv")])
+
+
+def engine_terms_option():
+    """modeled_calibrate.py's options of the engine-terms fit (config modeled.engine_terms_fit; none: not fitted)."""
+    fit = MODELED.get("engine_terms_fit")
+    if not fit:
+        return ""
+    return (f"--engine-terms-fit {fit['wave']}={'+'.join(fit['timelines'])} --engine-terms-free {' '.join(fit['free'])} "
+            f"--engine-terms-kernels {fit['decode_kernels']} --engine-terms-async {int(fit['async_scheduling'])}")
 
 
 FIDELITY = MODELED["fidelity"]
@@ -105,6 +116,7 @@ rule modeled_calibrate:
         kernels=(f"--decode-kernels-fit {' '.join(MODELED['decode_kernels_fit']['floors'])} --decode-kernels-waves "
                  + " ".join(f"{v}={w}" for v, w in MODELED["decode_kernels_fit"]["waves"].items())
                  + f" --decode-kernels-base {MODELED['decode_kernels_base']}" if MODELED.get("decode_kernels_fit") else ""),
+        engine_terms=engine_terms_option(),
     log: "results/logs/modeled/calibrate.log"
     shell:
         CPU + "results/logs/modeled/cpu/calibrate.json -- "
@@ -114,7 +126,7 @@ rule modeled_calibrate:
         "{params.fit_loop} {params.overlap} {params.tie_token} {params.tp} --decode-gamma-fit {params.gamma} "
         "--chunk-law-fit {params.laws} --prefill-gamma-fit {params.prefill} --routing-prior-build {params.priors} "
         "--lengths {params.lengths} "
-        "{params.kernels} "
+        "{params.kernels} {params.engine_terms} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
 
 
@@ -156,6 +168,7 @@ rule modeled_fidelity:
         before_graphs=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("prefetch_before_graphs", {}).items()),
         running=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("running_lookahead", {}).items()),
         kernels=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("decode_kernels", {}).items()),
+        engine_terms=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("engine_terms", {}).items()),
         engine_default=" ".join(f"{k}={int(n)}" for k, n in FIDELITY.get("engine_default", {}).items()),
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
         gamma=" ".join(f"{folder}={profile}" for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
@@ -172,7 +185,7 @@ rule modeled_fidelity:
         "--next-step-prefetch {params.next_step} --kv-compaction {params.compaction} "
         "--short-lookahead {params.lookahead} --expand-headroom {params.headroom} "
         "--prefetch-before-graphs {params.before_graphs} --running-lookahead {params.running} "
-        "--decode-kernels {params.kernels} "
+        "--decode-kernels {params.kernels} --engine-terms {params.engine_terms} "
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
         "--decode-gamma {params.gamma} {params.tp_gamma} --chunk-law {params.laws} --routing-prior {params.priors} "

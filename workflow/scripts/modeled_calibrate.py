@@ -26,6 +26,7 @@ from rimuru.engine.modeled.calibration import (
     fit_decode_floor,
     fit_decode_gamma,
     fit_decode_kernels,
+    fit_engine_terms,
     fit_gdn_eager,
     fit_gdn_prefill,
     fit_loop,
@@ -198,6 +199,17 @@ def main() -> None:
                     help="prefill_floor_gpu.py files (relative to --reference): their paged policies' kept steps join "
                          "the joint step fit with token_us and host_admit_us free (calibration.fit_decode_floor "
                          "prefill; wave 18; tried and not kept); default: none")
+    ap.add_argument("--engine-terms-fit", default="", metavar="WAVE=DIR+DIR",
+                    help="one engine's eager-step host and copy terms (calibration.fit_engine_terms; "
+                         "CostParams.engine_terms[WAVE]) fitted, last, on every pass of the paged policies in these "
+                         "e2e folders (relative to --reference: timelines.csv.gz and e2e.csv), runs measured with that "
+                         "engine; default: none (every run replays with the base terms)")
+    ap.add_argument("--engine-terms-free", nargs="*", default=[],
+                    help="the terms --engine-terms-fit fits (of ENGINE_TERMS; every other term as fitted before)")
+    ap.add_argument("--engine-terms-kernels", type=int, default=None,
+                    help="the decode-kernel wave that engine launched (its graph replays' terms)")
+    ap.add_argument("--engine-terms-async", type=int, choices=(0, 1), default=1,
+                    help="whether that engine's async scheduling overlapped its graph replays (1)")
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -514,6 +526,34 @@ def main() -> None:
         h_timelines = read_tp_timelines(ref / args.gdn_timelines, "--gdn-timelines", gpu, params, data, by_repeat=True)
         params, gdn = fit_gdn_prefill(h_timelines, params)
         gdn["input"] = args.gdn_timelines
+    engine_fit = {}
+    if args.engine_terms_fit:  # last: the engine's terms sit on every other term of the calibration
+        wave, _, folders = args.engine_terms_fit.partition("=")
+        if not wave.isdigit() or int(wave) == 0 or not folders or not args.engine_terms_free:
+            raise SystemExit(f"--engine-terms-fit takes WAVE=DIR+DIR (WAVE a positive integer) with "
+                             f"--engine-terms-free TERM..., got {args.engine_terms_fit!r}")
+        e_timelines = []
+        for folder in folders.split("+"):
+            t_path, runs_path = ref / folder / "timelines.csv.gz", ref / folder / "e2e.csv"
+            if not t_path.exists() or not runs_path.exists():
+                raise SystemExit(f"--engine-terms-fit {folder}: no timelines.csv.gz or e2e.csv in {ref / folder}")
+            t_all, runs_e = pd.read_csv(t_path), pd.read_csv(runs_path, dtype={"commit": str})
+            data += [data_entry(t_path), data_entry(runs_path, runs_e)]
+            cost = CostModel(spec_with_layers(*parse_run_model(runs_e["model"].iloc[0])), gpu, params)
+            by = [c for c in ("policy", "split", "workload", "repeat") if c in t_all]
+            for _, t in t_all[t_all["policy"] != "static"].groupby(by, dropna=False):
+                split = t["split"].iloc[0] if "split" in t else float("nan")
+                label = str(t["policy"].iloc[0]) + ("" if pd.isna(split) else f"+split{round(float(split) * 100):02d}")
+                name = f"{folder}/{label}/{t['workload'].iloc[0]}/{t['repeat'].iloc[0]}"
+                e_timelines.append((name, t.reset_index(drop=True), cost, str(t["policy"].iloc[0])))
+        try:
+            terms, engine_fit = fit_engine_terms(e_timelines, params, tuple(args.engine_terms_free),
+                                                 args.engine_terms_kernels, bool(args.engine_terms_async))
+        except ValueError as exc:
+            raise SystemExit(f"--engine-terms-fit: {exc}") from None
+        engine_fit |= {"wave": int(wave), "input": folders.split("+")}
+        params = params.replace(engine_terms={str(int(wave)): terms},
+                                engine_terms_scope={str(int(wave)): engine_fit["scope"]})
     checks = {}
     for path in args.async_floor:
         frame = pd.read_csv(ref / path)
@@ -525,7 +565,7 @@ def main() -> None:
     params = params.replace(fitted={"tp_fit": tp, "tp_fit_inputs": [args.tp_step, args.tp_timelines],
                                     "tp_async_fit": tp_async,
                                     "tp_graph_fit": tp_graph, "gdn_prefill_fit": gdn,
-                                    "gdn_eager_fit": gdn_eager,
+                                    "gdn_eager_fit": gdn_eager, "engine_terms_fit": engine_fit,
                                     "loop_fit": loop, "loop_applied": bool(loop and args.fit_loop),
                                     "async_floor_check": checks,
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
@@ -580,6 +620,13 @@ def main() -> None:
         for name, g in r["groups"].items():
             print(f"  {name}: measured {g['measured_ms']:.3f} ms, base terms {g['modeled_base_ms']:.3f}, fitted "
                   f"{g['modeled_ms']:.3f} ({g['rel_error']:+.1%})")
+    if engine_fit:
+        print(f"engine terms, wave {engine_fit['wave']} ({engine_fit['steps']} steps of {len(engine_fit['passes'])} "
+              f"passes; at a bound: {', '.join(engine_fit['at_bound']) or 'none'}):",
+              {k: round(v, 4) for k, v in engine_fit["terms"].items()})
+        for name, g in engine_fit["groups"].items():
+            print(f"  {name}: {g['steps']} steps, measured {g['measured_ms_sum'] / 1e3:.2f} s, base terms "
+                  f"{g['base_rel_error']:+.1%}, fitted {g['rel_error']:+.1%}")
     print("serving loop:", {k: round(v, 3) for k, v in loop.items()}, "applied" if args.fit_loop else "not applied")
     if tp:
         print(f"TP: tp_step_ms {tp['tp_step_ms']:.3f} ({tp['tp_step_segments']} segments), tp_layer_ms "

@@ -82,6 +82,9 @@ FEATURE_OPTIONS = {
                             "02c534e, 5: wave5 before f7b685e, 7: fast): its graph replays take the terms fitted on "
                             "that wave's decode floors (calibration decode_kernels; the base terms where none is "
                             "fitted, said in the row's kernel_terms)"),
+    "engine_terms": ("*", "COMMIT=WAVE: the wave of the engine whose eager-step host and copy terms the measured "
+                          "commit replays with (calibration engine_terms, fitted on that engine's serving steps; 0: "
+                          "the base terms, as where none is fitted, said in the row's engine_term_source)"),
 }
 
 
@@ -232,7 +235,7 @@ def main() -> None:
                                         routing_profile=profile))
     e2e = pd.concat(frames, ignore_index=True)
     lengths = pd.read_csv(args.lengths)
-    valued = ("graph_cap", "decode_kernels")  # features with a value, not a switch
+    valued = ("graph_cap", "decode_kernels", "engine_terms")  # features with a value, not a switch
     maps = {feature: {c: n if feature in valued else bool(n)
                       for c, n in graph_caps(getattr(args, feature), feature_option(feature)).items()}
             for feature in ENGINE_FEATURES}
@@ -245,6 +248,13 @@ def main() -> None:
         (``CostParams.decode_kernel_terms``): a wave without fitted terms replays with the base terms."""
         terms = calibration.decode_kernel_terms(wave)
         return (None if terms in ("base", "missing") else wave), terms
+
+    def engine_terms_option(wave: int, tp: int = 1, hybrid: bool = False) -> tuple[int | None, str]:
+        """The engine's modeled_engine_terms for a commit of engine wave ``wave``, and which terms a run of it at
+        tensor-parallel size ``tp`` (of a hybrid model or not) replays with (``CostParams.engine_term_source``): a
+        wave without fitted terms replays with the base terms, as a configuration outside its fit data does."""
+        source = calibration.engine_term_source(wave, tp, hybrid)
+        return (None if source in ("base", "missing") else wave), source
 
     def gamma_of(profile: str) -> float:
         if not profile:
@@ -270,6 +280,9 @@ def main() -> None:
         for key in law["runs"]:
             folder, _, policy = key.rpartition(":")
             fit.add(f"{folder_run(Path('results/reference') / folder)}/{policy}")
+    for folder in calibration.fitted.get("engine_terms_fit", {}).get("input", []):  # an engine's own terms' fit runs
+        ref = Path("results/reference") / folder
+        fit |= {f"{folder_run(ref)}/{label}" for label in buffer_labels(read_runs(ref / "e2e.csv"))["policy"]}
     law_folder = {}
     for item in args.chunk_law:
         folder, _, name = item.partition("=")
@@ -325,6 +338,7 @@ def main() -> None:
             short_lookahead=feat["short_lookahead"], expand_headroom=feat["expand_headroom"],
             prefetch_before_graphs=feat["prefetch_before_graphs"], running_lookahead=feat["running_lookahead"],
             modeled_decode_kernels=kernels_option(feat["decode_kernels"])[0],
+            modeled_engine_terms=engine_terms_option(feat["engine_terms"], 1, small.is_hybrid)[0],
             modeled_routing_profile=row["routing_profile"] or None,
             modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1],
             modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1],
@@ -376,6 +390,8 @@ def main() -> None:
                          "prefetch_before_graphs": feat["prefetch_before_graphs"],
                          "running_lookahead": feat["running_lookahead"], "decode_kernels": feat["decode_kernels"],
                          "kernel_terms": kernels_option(feat["decode_kernels"])[1],
+                         "engine_terms": feat["engine_terms"],
+                         "engine_term_source": engine_terms_option(feat["engine_terms"], 1, small.is_hybrid)[1],
                          "async_overlap": feat["async_scheduling"], "commit": commit, "hotset_prompts": cal,
                          "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": min(cal, n) / n,
                          "decode_gamma": llm.config.modeled_decode_gamma,
@@ -400,7 +416,7 @@ def main() -> None:
             raise SystemExit(f"--tp-runs takes fit=PATH or validate=PATH, got {item!r}")
         for r in tp_rows(path, args.tp_trace, args.tp_hotset, args.cost_params, args.hardware, split,
                          engine=tp_engine, timelines=timelines, decode_gamma=gamma_of(args.tp_decode_gamma),
-                         kernels=kernels_option, h2d=True):
+                         kernels=kernels_option, h2d=True, engine_terms=engine_terms_option):
             rows.append(r | {"goal": GOALS.get(r["metric"], float("nan")), "async_overlap": bool(r["async_scheduling"]),
                              "decode_gamma_profile": args.tp_decode_gamma})
     frame = pd.DataFrame(rows)
@@ -419,7 +435,8 @@ def main() -> None:
     pairs = policy_pairs(tp_paths, timelines)
     pairs.to_csv(Path(args.out_csv).with_name("fidelity_policy_pairs.csv"), index=False)
     serving = serving_steps(args.reference, fit, args.cost_params, args.hardware, maps["async_scheduling"],
-                            kernels=lambda commit: kernels_option(maps["decode_kernels"][commit])[0])
+                            kernels=lambda commit: kernels_option(maps["decode_kernels"][commit])[0],
+                            engine_terms=lambda commit: engine_terms_option(maps["engine_terms"][commit])[0])
     serving.to_csv(Path(args.out_csv).with_name("fidelity_steps.csv"), index=False)
     figure(frame, floor_steps(args.decode_floor, args.cost_params, args.hardware), serving, args.figure)
 
@@ -704,12 +721,13 @@ def policy_pairs(tp_runs: list[str], timelines: Path) -> pd.DataFrame:
 
 
 def serving_steps(references: list[str], fit: list[str], cost_params: str, hardware: str,
-                  overlap: dict[str, bool], kernels=None) -> pd.DataFrame:
+                  overlap: dict[str, bool], kernels=None, engine_terms=None) -> pd.DataFrame:
     """The cost model fed each measured serving step's recorded work (calibration.timeline_features) against the
     step's measured time, as medians and sums per (run, step kind, resize: the adjuster shrank or expanded the cache
     in the step or not, running-request bucket): the step-time model alone, without the routing model or the
     replay. ``split`` as in fidelity.csv (``fit``: the fitted timeline). ``kernels``: a measured commit -> the
-    engine's modeled_decode_kernels (the replay's; None: the base terms)."""
+    engine's modeled_decode_kernels (the replay's; None: the base terms); ``engine_terms`` likewise its
+    modeled_engine_terms."""
     base, gpu = CostParams.load(cost_params), load_gpu(hardware)
     out = []
     buckets = [0, 1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -726,8 +744,10 @@ def serving_steps(references: list[str], fit: list[str], cost_params: str, hardw
                     continue
                 name, layers = parse_run_model(rows["model"].iloc[0])
                 commit = str(rows["commit"].iloc[0])
-                params = base.with_decode_kernels(kernels(commit) if kernels is not None else None)
-                cost = CostModel(spec_with_layers(name, layers), gpu, params)
+                spec = spec_with_layers(name, layers)
+                params = base.with_decode_kernels(kernels(commit) if kernels is not None else None).with_engine_terms(
+                    engine_terms(commit) if engine_terms is not None else None, 1, spec.is_hybrid)
+                cost = CostModel(spec, gpu, params)
                 t = t.reset_index(drop=True)
                 x = timeline_features(t, cost, engine_policy(policy)[0],
                                       async_overlap=overlap.get(str(rows["commit"].iloc[0]), False))

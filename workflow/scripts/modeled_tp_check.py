@@ -31,7 +31,7 @@ METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "forward_steps",
 # (a98ef5f), the one-step-ahead R_b (9a2935b) and the expansion headroom (03fa546); KV compaction never acts at TP > 1
 EARLY_TP_ENGINE = {"graph_cap": 16, "async_scheduling": 0, "next_step_prefetch": 0, "kv_compaction": 0,
                    "short_lookahead": 0, "expand_headroom": 0, "prefetch_before_graphs": 1, "running_lookahead": 0,
-                   "decode_kernels": 4}
+                   "decode_kernels": 4, "engine_terms": 0}
 
 
 H2D_COLUMNS = ("h2d_gbps_rank0", "h2d_gbps_rank1")  # e2e_tp_gpu.py: each rank's probe of its pinned H2D rate
@@ -45,9 +45,11 @@ def run_h2d_gbps(row) -> float | None:
 
 
 def replay_tp(spec, policy: str, group: pd.DataFrame, tp: int, features: dict, wave: int | None, hotset: str,
-              hardware: str, cost_params: str, decode_gamma: float, requests: list, h2d_gbps: float | None):
+              hardware: str, cost_params: str, decode_gamma: float, requests: list, h2d_gbps: float | None,
+              engine_wave: int | None = None):
     """One modeled replay of a TP run's set-up (its per-rank budget, engine and trace; the discarded pass where it had
-    one) at the profile's host-to-device rate or ``h2d_gbps``: (its metrics, the engine)."""
+    one) at the profile's host-to-device rate or ``h2d_gbps``: (its metrics, the engine). ``wave``: the engine's
+    modeled_decode_kernels, ``engine_wave`` its modeled_engine_terms (None: the base terms)."""
     llm = LLM(spec, executor="modeled", policy=policy, kv_reserve=0.1,
               gpu_memory_budget=int(float(group["scaled_budget_gib"].iloc[0]) * 2**30), hotset=hotset,
               hardware=hardware, cost_params=cost_params, tensor_parallel_size=tp, seed=0,
@@ -57,7 +59,7 @@ def replay_tp(spec, policy: str, group: pd.DataFrame, tp: int, features: dict, w
               expand_headroom=bool(features["expand_headroom"]),
               prefetch_before_graphs=bool(features["prefetch_before_graphs"]),
               running_lookahead=bool(features["running_lookahead"]), modeled_decode_gamma=decode_gamma,
-              modeled_decode_kernels=wave, modeled_h2d_gbps=h2d_gbps)
+              modeled_decode_kernels=wave, modeled_engine_terms=engine_wave, modeled_h2d_gbps=h2d_gbps)
     initial = llm.memory_report["initial_cache_experts"]
     if initial != int(group["initial_cache_experts"].iloc[0]):
         raise SystemExit(f"{policy}: modeled pool holds {initial} initial experts, measured "
@@ -81,7 +83,7 @@ def tp_arrivals(n: int, rate: float, seed: int) -> np.ndarray:
 
 def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hardware: str, split: str,
             metrics=METRICS, engine=None, timelines: Path | None = None, decode_gamma: float = 1.0,
-            kernels=None, h2d: bool = False) -> list[dict]:
+            kernels=None, h2d: bool = False, engine_terms=None) -> list[dict]:
     """One row per (run, metric) of the TP runs of ``runs_path`` replayed in modeled mode (all at once, or Poisson
     arrivals as e2e_tp_gpu.py drew them: ``tp_arrivals``; a Poisson run's discarded pass replays the same arrivals).
     ``engine``: the measured commit -> its engine features (``rimuru.engine.modeled.reference.engine_features``;
@@ -89,8 +91,9 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
     (``tp<N>_<runs folder>_<policy>_<workload>.csv``). ``decode_gamma``: ``hotset``'s decode tempering
     (fitted.decode_gamma; 1: the profile as measured; a run with its own hotset replays it as measured). ``kernels``:
     a decode-kernel wave -> (the engine's modeled_decode_kernels, which terms those are) (None: the base terms for
-    every run). ``h2d``: also replay each measured repeat with its own probed host-to-device rate (``run_h2d_gbps``)
-    where the runs have one, as rows
+    every run). ``engine_terms``: (an engine wave, the TP size, hybrid or not) -> (the engine's modeled_engine_terms,
+    which terms those are) (None: the base terms for every run). ``h2d``: also replay each measured repeat with its
+    own probed host-to-device rate (``run_h2d_gbps``) where the runs have one, as rows
     ``RUN h2d:probe`` (modeled: the median of those replays): the model given that measured input, beside the replay
     at the profile's rate."""
     runs = pd.read_csv(runs_path, dtype={"commit": str})
@@ -118,10 +121,13 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
         if set(features) != set(ENGINE_FEATURES):
             raise SystemExit(f"{runs_path}: the engine of {commit} needs {', '.join(ENGINE_FEATURES)}")
         wave, terms = kernels(features["decode_kernels"]) if kernels is not None else (None, "base")
+        hybrid = spec_with_layers(name, layers).is_hybrid
+        engine_wave, engine_source = (engine_terms(features["engine_terms"], tp, hybrid) if engine_terms is not None
+                                      else (None, "base"))
 
         setup = dict(spec=spec_with_layers(name, layers), policy=policy, group=g, tp=tp, features=features, wave=wave,
                      hotset=run_hotset, hardware=hardware, cost_params=cost_params, decode_gamma=gamma,
-                     requests=requests)
+                     requests=requests, engine_wave=engine_wave)
         result, llm = replay_tp(**setup, h2d_gbps=None)
         run = f"tp{tp}_{Path(runs_path).parent.name}"
         if timelines is not None:
@@ -141,6 +147,7 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
                              "measured_max": float(measured.max()), "repeats": len(measured),
                              "modeled": modeled[m], "rel_error": (modeled[m] - med) / med, "tp": tp,
                              "commit": commit, "decode_gamma": gamma, "kernel_terms": terms,
+                             "engine_term_source": engine_source,
                              "h2d_input": source, "h2d_gbps": (float(np.median(rates)) if source == "probe" else
                                                                float(load_gpu(hardware).pcie_h2d_bytes_per_s) / 1e9),
                              **features})

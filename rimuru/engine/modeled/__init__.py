@@ -37,6 +37,9 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
     params = CostParams.load(config.cost_params) if config.cost_params else CostParams()
     # the graph-replay terms of the decode kernels this engine launches (fitted on floors measured with them)
     params = params.with_decode_kernels(config.modeled_decode_kernels)
+    # the eager-step host and copy terms of the engine modeled (fitted on that engine's serving steps, where they
+    # served this configuration)
+    params = params.with_engine_terms(config.modeled_engine_terms, config.tensor_parallel_size, llm.spec.is_hybrid)
     params = params.with_host_slowdown(config.modeled_host_slowdown)  # a slower (or faster) host than the fit data's
     from rimuru.experts.hotset import Hotset
 

@@ -37,6 +37,10 @@ Four fits, each on the data that identifies its terms:
    launches in an eager step, on hybrid decode floors (every segment eager: a hybrid has no decode graphs), then the
    chunked path's fixed time per GDN layer in a step with a prefill chunk, on a hybrid serving run's clean chunked
    steps, with the first in place (docs/modeled.md, calibration items 12 and 13).
+8. **One engine's own host and copy terms** (``fit_engine_terms``, last): an eager step's host terms and the copy
+   rate fitted on the serving steps of runs measured with one engine (wave 20: the current engine, whose timelines
+   record the next-step prefetch's copies), every other term as fitted, kept apart from the base terms
+   (``CostParams.engine_terms``) and replayed only for the runs of that engine (docs/modeled.md, calibration item 14).
 
 Fit 3 re-fits ``gpu_layer_us`` on whole steps (fits 1 and 2's fixed times are its starting point).
 """
@@ -49,7 +53,7 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import least_squares
 
-from rimuru.engine.modeled.cost import CostModel, CostParams
+from rimuru.engine.modeled.cost import ENGINE_TERMS, CostModel, CostParams
 from rimuru.engine.modeled.hardware import GpuProfile
 from rimuru.engine.modeled.routing import RoutingModel, effective_profile_tokens, shrink_to_uniform
 from rimuru.experts.hotset import order_rank
@@ -872,6 +876,77 @@ def fit_decode_kernels(frame: pd.DataFrame, cost: CostModel, p: CostParams, wave
 
 
 # ---------------------------------------------------------------------------------------------- serving loop
+def fit_engine_terms(timelines: list[tuple[str, pd.DataFrame, CostModel, str]], p: CostParams, free: tuple[str, ...],
+                     kernels_wave: int | None, async_overlap: bool) -> tuple[dict, dict]:
+    """One engine's eager-step host and copy terms (``free``, of ``ENGINE_TERMS``) from its serving steps, every other
+    term as ``p`` (the base calibration) has it: ``timelines`` are (name, one pass's steps, its cost model, its
+    policy) of runs measured with the engine, which launched decode kernels of wave ``kernels_wave`` and overlapped
+    its graph replays when ``async_overlap``. Each step is fed its recorded work (``timeline_features``: a timeline
+    with ``experts_carried`` moves the next-step prefetch's copies to the step they serve), and the relative errors
+    go through a soft-L1 loss (``fit_decode_floor``'s). Each step kind of each pass (prefill, mixed, eager decode,
+    graph replay) weighs alike, whatever its count: a 48-layer Poisson pass has a dozen one-prompt prefill steps
+    against a 4-layer pass's thousands of graph replays, and those few steps are the ones the copy rate and the host
+    time after a routing sync show in. Every free term starts at ``FLOOR_BOUNDS``' start and stays in its bounds.
+    Returns ({term: value}, a report: the fit's inputs, its ``scope`` (the tensor-parallel sizes and whether a hybrid
+    model: ``CostParams.engine_terms_scope``), and per pass and kind the measured and modeled sums before (base terms)
+    and after)."""
+    unknown = set(free) - set(ENGINE_TERMS)
+    if unknown or not free:
+        raise ValueError(f"engine terms are {', '.join(ENGINE_TERMS)}; got {sorted(free)}")
+    if not timelines:
+        raise ValueError("fit_engine_terms needs at least one serving timeline")
+    if "host_layer_post_share" in free and not p.eager_host_overlap:
+        raise ValueError("host_layer_post_share needs the eager pipeline with host overlap (eager_host_overlap)")
+    hybrid = {bool(cost.linear_layer_mask().any()) for _, _, cost, _ in timelines}
+    if len(hybrid) > 1:
+        raise ValueError("the passes mix hybrid and plain models (one engine scope per fit)")
+    scope = {"tp": sorted({int(cost.tp) for _, _, cost, _ in timelines}), "hybrid": hybrid.pop()}
+    base = p.with_decode_kernels(kernels_wave)
+    feats = [(name, timeline_features(frame, cost, policy, async_overlap=async_overlap), cost, policy)
+             for name, frame, cost, policy in timelines]
+    weights = []
+    for _, x, _, _ in feats:
+        w = np.zeros(len(x["measured"]))
+        for kind in np.unique(x["kind"]):
+            rows = x["kind"] == kind
+            w[rows] = 1.0 / np.sqrt(rows.sum())
+        weights.append(w)
+
+    def params(theta) -> CostParams:
+        return base.replace(**dict(zip(free, map(float, theta))))
+
+    def residuals(theta) -> np.ndarray:
+        q = params(theta)
+        return np.concatenate([w * (predict_steps(x, c, q, sync=x["sync"]) / x["measured"] - 1)
+                               for (_, x, c, _), w in zip(feats, weights)])
+
+    start = [FLOOR_BOUNDS[k][0] for k in free]
+    lower, upper = [FLOOR_BOUNDS[k][1] for k in free], [FLOOR_BOUNDS[k][2] for k in free]
+    result = least_squares(residuals, start, bounds=(lower, upper), loss="soft_l1", f_scale=0.1)
+    terms = dict(zip(free, map(float, result.x)))
+    fitted = params(result.x)
+    groups = {}
+    for (name, x, c, _) in feats:
+        before = predict_steps(x, c, base, sync=x["sync"])
+        after = predict_steps(x, c, fitted, sync=x["sync"])
+        for kind in np.unique(x["kind"]):
+            rows = x["kind"] == kind
+            measured = float(x["measured"][rows].sum())
+            groups[f"{name} {kind}"] = {
+                "steps": int(rows.sum()), "measured_ms_sum": measured,
+                "base_ms_sum": float(before[rows].sum()), "modeled_ms_sum": float(after[rows].sum()),
+                "base_rel_error": float(before[rows].sum()) / measured - 1,
+                "rel_error": float(after[rows].sum()) / measured - 1,
+                "median_abs_rel_error": float(np.median(np.abs(after[rows] / x["measured"][rows] - 1)))}
+    report = {"terms": terms, "scope": scope, "free": list(free), "start": dict(zip(free, start)),
+              "kernels_wave": kernels_wave,
+              "async_overlap": async_overlap, "steps": int(sum(len(x["measured"]) for _, x, _, _ in feats)),
+              "passes": [name for name, _, _, _ in feats], "weights": "each step kind of each pass alike",
+              "at_bound": [k for k, v, lo, hi in zip(free, result.x, lower, upper) if v <= lo + 1e-9 or v >= hi - 1e-9],
+              "groups": groups}
+    return terms, report
+
+
 def loop_gaps(timeline: pd.DataFrame, max_gap_ms: float = 5.0) -> pd.DataFrame:
     """Per pair of consecutive steps of one measured run (``time_s`` is a step's end, ``step_ms`` its length): the
     time between the end of one step and the start of the next, outside ``LLM.step`` (the serving loop), beside

@@ -27,6 +27,10 @@ from rimuru.models.spec import LINEAR_ATTENTION, ModelSpec
 # the terms of a decode-graph replay that follow its kernels (CostParams.decode_kernels): the fixed device time per
 # layer, the in-place reads' PCIe efficiency and the replay's host time
 DECODE_KERNEL_TERMS = ("graph_layer_us", "inplace_eff", "host_graph_step_ms")
+# the terms of an eager step's host work and expert copies that follow the engine's code (CostParams.engine_terms):
+# per step, per scheduled request, per computed token, per MoE layer with a routing sync and the share of it after the
+# sync, and the copies' rate (the copy path is the engine's too: which stream, how the copies are queued)
+ENGINE_TERMS = ("host_step_ms", "host_seq_us", "token_us", "host_layer_sync_ms", "host_layer_post_share", "pcie_eff")
 # the terms that are host time (the engine thread's Python, dispatch and launches): CostParams.with_host_slowdown scales
 # them; device, copy and CPU-expert terms stay (wave 16: one H200 host ran these at two speeds 1.3-1.5x apart)
 HOST_TERMS = ("host_step_ms", "host_seq_us", "token_us", "host_layer_sync_ms", "host_layer_async_ms",
@@ -111,6 +115,12 @@ class CostParams:
     # TERMS) fitted on decode floors measured with another wave's decode kernels (rimuru.kernels.variants: "4" the
     # wave-4 kernels, "5" wave5, "7" fast), for the runs of commits that launched those (with_decode_kernels)
     decode_kernels_base: int | None = None  # the kernels' wave of the base calibration's decode floors (its terms)
+    engine_terms: dict = field(default_factory=dict)  # {wave: {term: value}}: the eager-step host and copy terms
+    # (ENGINE_TERMS) fitted on the serving steps of the engine of that wave (calibration.fit_engine_terms), for the
+    # runs of commits that ran that engine (with_engine_terms); the base terms serve every other commit
+    engine_terms_scope: dict = field(default_factory=dict)  # {wave: {"tp": [sizes], "hybrid": bool}}: what that
+    # wave's fit data served (tensor-parallel sizes, a hybrid model or not). A run outside it keeps the base terms:
+    # the TP and hybrid terms (tp_*, gdn_*) were fitted on top of the base host terms and are not refitted on these
     fitted: dict = field(default_factory=dict, compare=False)  # how and on what the numbers were fitted
 
     def eager_token_us(self, sync: bool) -> float:
@@ -151,6 +161,41 @@ class CostParams:
         if unknown:
             raise ValueError(f"decode_kernels[{wave}] has terms {sorted(unknown)} that are not graph-replay terms "
                              f"({', '.join(DECODE_KERNEL_TERMS)})")
+        return self.replace(**{k: float(v) for k, v in terms.items()})
+
+    def engine_term_source(self, wave: int | None, tp: int = 1, hybrid: bool = False) -> str:
+        """Which eager-step host and copy terms a run of engine wave ``wave`` (at tensor-parallel size ``tp``, of a
+        hybrid model or not) replays with: ``base`` (``wave`` is None or 0: the base calibration's), ``wave N``
+        (fitted on that engine's serving steps), ``base: outside wave N`` (a configuration its fit data did not serve,
+        ``engine_terms_scope``) or ``missing`` (none fitted for it: the base terms stand in, and the replay says so)."""
+        if not wave:
+            return "base"
+        if str(int(wave)) not in self.engine_terms:
+            return "missing"
+        return f"wave {int(wave)}" if self.in_engine_scope(wave, tp, hybrid) else f"base: outside wave {int(wave)}"
+
+    def in_engine_scope(self, wave: int, tp: int, hybrid: bool) -> bool:
+        """Whether wave ``wave``'s fit data served this configuration (no scope recorded: every configuration)."""
+        scope = self.engine_terms_scope.get(str(int(wave)))
+        return scope is None or (int(tp) in scope["tp"] and bool(hybrid) == bool(scope["hybrid"]))
+
+    def with_engine_terms(self, wave: int | None, tp: int = 1, hybrid: bool = False) -> CostParams:
+        """The parameters of the engine of wave ``wave`` at tensor-parallel size ``tp``, of a hybrid model or not: the
+        base calibration's where ``wave`` is None or 0 or the configuration lies outside the wave's fit data
+        (``engine_terms_scope``), else the eager-step host and copy terms fitted on that engine's serving steps
+        (``engine_terms``); an error names the fitted waves otherwise."""
+        if not wave:
+            return self
+        terms = self.engine_terms.get(str(int(wave)))
+        if terms is None:
+            raise ValueError(f"no engine terms fitted for wave {wave} (fitted: "
+                             f"{', '.join(sorted(self.engine_terms)) or 'none'})")
+        unknown = set(terms) - set(ENGINE_TERMS)
+        if unknown:
+            raise ValueError(f"engine_terms[{wave}] has terms {sorted(unknown)} that are not engine terms "
+                             f"({', '.join(ENGINE_TERMS)})")
+        if not self.in_engine_scope(wave, tp, hybrid):
+            return self
         return self.replace(**{k: float(v) for k, v in terms.items()})
 
     def with_host_slowdown(self, factor: float) -> CostParams:

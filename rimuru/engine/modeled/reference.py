@@ -86,7 +86,7 @@ def hotset_prompts(command: str, num_requests: int, default: int = 256) -> int:
 
 
 ENGINE_FEATURES = ("graph_cap", "async_scheduling", "next_step_prefetch", "kv_compaction", "short_lookahead",
-                   "expand_headroom", "prefetch_before_graphs", "running_lookahead", "decode_kernels")
+                   "expand_headroom", "prefetch_before_graphs", "running_lookahead", "decode_kernels", "engine_terms")
 
 
 def engine_features(commit: str, listed: dict[str, dict[str, int]], default: dict[str, int] | None) -> dict[str, int]:
@@ -94,7 +94,8 @@ def engine_features(commit: str, listed: dict[str, dict[str, int]], default: dic
     steps prefetched the next step's first layer, whether elastic packed its KV pages, whether the scheduler's R_b
     looked one step ahead, whether elastic kept a step's KV free before expanding, whether the end-of-step prefetch
     also ran before a graphed step, whether R_b's look-ahead counted the running requests first, the wave of the
-    decode kernels it launched: rimuru.kernels.variants' baseline 4, wave5 5, fast 7):
+    decode kernels it launched: rimuru.kernels.variants' baseline 4, wave5 5, fast 7; the wave of the engine whose
+    eager-step host and copy terms it replays with, CostParams.engine_terms: 0 the base calibration's):
     ``listed[feature][commit]``
     where given, else ``default`` (the
     current engine's, so that a new run needs no per-commit entry); an error names what is missing."""
