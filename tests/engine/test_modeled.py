@@ -1308,6 +1308,8 @@ def test_fit_engine_terms_recovers_one_engines_terms():
     assert terms == pytest.approx(truth, rel=1e-3)
     assert report["at_bound"] == [] and report["steps"] == 144
     assert report["scope"] == {"tp": [1], "hybrid": False}
+    steps, report_steps = fit_engine_terms(passes, base, ENGINE_TERMS, None, async_overlap=False, weigh_kinds=False)
+    assert steps == pytest.approx(truth, rel=1e-3) and report_steps["weights"] == "each step alike"
     assert {g.split(" ", 1)[1] for g in report["groups"]} == {"prefill", "mixed", "decode eager", "decode graph"}
     assert max(abs(g["rel_error"]) for g in report["groups"].values()) < 1e-4
     assert max(abs(g["base_rel_error"]) for g in report["groups"].values()) > 0.05

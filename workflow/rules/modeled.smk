@@ -60,7 +60,8 @@ def engine_terms_option():
     if not fit:
         return ""
     return (f"--engine-terms-fit {fit['wave']}={'+'.join(fit['timelines'])} --engine-terms-free {' '.join(fit['free'])} "
-            f"--engine-terms-kernels {fit['decode_kernels']} --engine-terms-async {int(fit['async_scheduling'])}")
+            f"--engine-terms-kernels {fit['decode_kernels']} --engine-terms-async {int(fit['async_scheduling'])} "
+            f"--engine-terms-weights {fit.get('weights', 'kind')}")
 
 
 FIDELITY = MODELED["fidelity"]

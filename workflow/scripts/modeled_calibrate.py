@@ -208,6 +208,8 @@ def main() -> None:
                     help="the terms --engine-terms-fit fits (of ENGINE_TERMS; every other term as fitted before)")
     ap.add_argument("--engine-terms-kernels", type=int, default=None,
                     help="the decode-kernel wave that engine launched (its graph replays' terms)")
+    ap.add_argument("--engine-terms-weights", choices=("kind", "step"), default="kind",
+                    help="kind: each step kind of each pass weighs alike (default); step: every step alike")
     ap.add_argument("--engine-terms-async", type=int, choices=(0, 1), default=1,
                     help="whether that engine's async scheduling overlapped its graph replays (1)")
     ap.add_argument("--hardware", default="h200")
@@ -548,7 +550,8 @@ def main() -> None:
                 e_timelines.append((name, t.reset_index(drop=True), cost, str(t["policy"].iloc[0])))
         try:
             terms, engine_fit = fit_engine_terms(e_timelines, params, tuple(args.engine_terms_free),
-                                                 args.engine_terms_kernels, bool(args.engine_terms_async))
+                                                 args.engine_terms_kernels, bool(args.engine_terms_async),
+                                                 weigh_kinds=args.engine_terms_weights == "kind")
         except ValueError as exc:
             raise SystemExit(f"--engine-terms-fit: {exc}") from None
         engine_fit |= {"wave": int(wave), "input": folders.split("+")}

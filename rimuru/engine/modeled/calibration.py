@@ -877,16 +877,17 @@ def fit_decode_kernels(frame: pd.DataFrame, cost: CostModel, p: CostParams, wave
 
 # ---------------------------------------------------------------------------------------------- serving loop
 def fit_engine_terms(timelines: list[tuple[str, pd.DataFrame, CostModel, str]], p: CostParams, free: tuple[str, ...],
-                     kernels_wave: int | None, async_overlap: bool) -> tuple[dict, dict]:
+                     kernels_wave: int | None, async_overlap: bool, weigh_kinds: bool = True) -> tuple[dict, dict]:
     """One engine's eager-step host and copy terms (``free``, of ``ENGINE_TERMS``) from its serving steps, every other
     term as ``p`` (the base calibration) has it: ``timelines`` are (name, one pass's steps, its cost model, its
     policy) of runs measured with the engine, which launched decode kernels of wave ``kernels_wave`` and overlapped
     its graph replays when ``async_overlap``. Each step is fed its recorded work (``timeline_features``: a timeline
     with ``experts_carried`` moves the next-step prefetch's copies to the step they serve), and the relative errors
-    go through a soft-L1 loss (``fit_decode_floor``'s). Each step kind of each pass (prefill, mixed, eager decode,
-    graph replay) weighs alike, whatever its count: a 48-layer Poisson pass has a dozen one-prompt prefill steps
-    against a 4-layer pass's thousands of graph replays, and those few steps are the ones the copy rate and the host
-    time after a routing sync show in. Every free term starts at ``FLOOR_BOUNDS``' start and stays in its bounds.
+    go through a soft-L1 loss (``fit_decode_floor``'s). With ``weigh_kinds`` each step kind of each pass (prefill,
+    mixed, eager decode, graph replay) weighs alike, whatever its count: a 48-layer Poisson pass has a dozen
+    one-prompt prefill steps against a 4-layer pass's thousands of graph replays, and those few steps are the ones
+    the copy rate and the host time after a routing sync show in; without it every step weighs alike. Every free
+    term starts at ``FLOOR_BOUNDS``' start and stays in its bounds.
     Returns ({term: value}, a report: the fit's inputs, its ``scope`` (the tensor-parallel sizes and whether a hybrid
     model: ``CostParams.engine_terms_scope``), and per pass and kind the measured and modeled sums before (base terms)
     and after)."""
@@ -909,7 +910,7 @@ def fit_engine_terms(timelines: list[tuple[str, pd.DataFrame, CostModel, str]], 
         w = np.zeros(len(x["measured"]))
         for kind in np.unique(x["kind"]):
             rows = x["kind"] == kind
-            w[rows] = 1.0 / np.sqrt(rows.sum())
+            w[rows] = 1.0 / np.sqrt(rows.sum()) if weigh_kinds else 1.0
         weights.append(w)
 
     def params(theta) -> CostParams:
@@ -941,7 +942,8 @@ def fit_engine_terms(timelines: list[tuple[str, pd.DataFrame, CostModel, str]], 
     report = {"terms": terms, "scope": scope, "free": list(free), "start": dict(zip(free, start)),
               "kernels_wave": kernels_wave,
               "async_overlap": async_overlap, "steps": int(sum(len(x["measured"]) for _, x, _, _ in feats)),
-              "passes": [name for name, _, _, _ in feats], "weights": "each step kind of each pass alike",
+              "passes": [name for name, _, _, _ in feats],
+              "weights": "each step kind of each pass alike" if weigh_kinds else "each step alike",
               "at_bound": [k for k, v, lo, hi in zip(free, result.x, lower, upper) if v <= lo + 1e-9 or v >= hi - 1e-9],
               "groups": groups}
     return terms, report
