@@ -875,7 +875,7 @@ def fit_decode_kernels(frame: pd.DataFrame, cost: CostModel, p: CostParams, wave
     return terms, report
 
 
-# ---------------------------------------------------------------------------------------------- serving loop
+# ---------------------------------------------------------------------------------------------- engine terms
 def fit_engine_terms(timelines: list[tuple[str, pd.DataFrame, CostModel, str]], p: CostParams, free: tuple[str, ...],
                      kernels_wave: int | None, async_overlap: bool, weigh_kinds: bool = True) -> tuple[dict, dict]:
     """One engine's eager-step host and copy terms (``free``, of ``ENGINE_TERMS``) from its serving steps, every other
@@ -949,6 +949,7 @@ def fit_engine_terms(timelines: list[tuple[str, pd.DataFrame, CostModel, str]], 
     return terms, report
 
 
+# ---------------------------------------------------------------------------------------------- serving loop
 def loop_gaps(timeline: pd.DataFrame, max_gap_ms: float = 5.0) -> pd.DataFrame:
     """Per pair of consecutive steps of one measured run (``time_s`` is a step's end, ``step_ms`` its length): the
     time between the end of one step and the start of the next, outside ``LLM.step`` (the serving loop), beside
