@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 from rimuru.engine.kv_manager import KVCacheManager
 from rimuru.engine.request import Request, Status
@@ -46,13 +45,13 @@ class ScheduledChunk:
     request: Request
     start: int  # first token position computed in this step
     num_tokens: int
+    # True when this chunk reaches the end of the request's tokens, so a new token is sampled. Taken when the chunk is
+    # made, before the step advances the request; a field, not a property: it is read per request several times a
+    # step, and a cached property's first read (functools' lock) cost more than the comparison
+    samples: bool = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the request's tokens, so a new token is sampled. Taken once, at
-        the first read (the engine reads it before the step advances the request; cached: read per request
-        several times a step)."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "samples", self.start + self.num_tokens == self.request.num_tokens)
 
     @property
     def prompt_scored(self) -> range:

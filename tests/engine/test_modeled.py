@@ -108,6 +108,20 @@ def test_cost_terms_by_hand(spec):
     assert cost.attention_ms(np.array([1000]), np.array([0])) == pytest.approx(pairs * 4 * 32 * 128 / 100e12 * 1e3)
 
 
+def test_attention_sums_its_pairs_and_bytes_as_whole_numbers(spec):
+    """CostModel.attention_ms counts (query, key) pairs and KV tokens as integers: to the bit the value of the float
+    formula (q * start + q (q + 1) / 2 summed over the requests), for decode steps and prefill mixes."""
+    cost = CostModel(spec, GPU, UNIT)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n = int(rng.integers(1, 300))
+        q = np.where(rng.random(n) < 0.8, 1, rng.integers(2, 2048, n))
+        s = rng.integers(0, 40_000, n)
+        pairs = float(np.sum(q * s + q * (q + 1) / 2))
+        kv_bytes = float((s + q).sum() + q.sum()) * cost.kv_bytes_per_token_layer
+        assert cost.attention_ms(q, s) == cost._roof(kv_bytes, cost.attn_flops_factor * pairs, UNIT.attn_eff)
+
+
 def test_allreduce_and_cpu_experts_by_hand(spec):
     cost = CostModel(spec, GPU, UNIT, tp=2, host=HOST)
     # ring all-reduce of 64 tokens x 2048 x 2 B over 2 ranks: 2 (n-1)/n bytes / bus bw + 2 (n-1) latencies

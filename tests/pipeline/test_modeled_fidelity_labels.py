@@ -177,3 +177,33 @@ def test_step_probe_is_the_runs_median_probe_or_nothing(fidelity, tmp_path):
     assert fidelity.step_probe_ms(tmp_path, "fixed", "poisson") == 0.0
     t.drop(columns="host_probe_ms").to_csv(tmp_path / "timelines.csv.gz", index=False)
     assert fidelity.step_probe_ms(tmp_path, "fixed", "burst") == 0.0
+
+
+def test_a_setup_measured_in_several_folders_is_replayed_once(fidelity, tmp_path):
+    """Replays: hotsets that differ only in the profiling run's name (a temporary folder's: each call's own) replay the
+    same, so the second folder's run takes the first one's result; another engine seed is another replay."""
+    import numpy as np
+
+    from rimuru.engine.modeled.reference import spec_with_layers
+    from rimuru.engine.modeled.replay import TraceRequest
+    from rimuru.experts.hotset import Hotset
+
+    probability = np.random.default_rng(0).dirichlet(np.ones(128), 2) * 8
+    for name in ("a", "b"):
+        Hotset(probability, 1000, f"tmp{name}").save(tmp_path / f"{name}.json")
+    assert fidelity.profile_key(str(tmp_path / "a.json")) == fidelity.profile_key(str(tmp_path / "b.json"))
+    Hotset(probability * 0.5, 1000, "tmpa").save(tmp_path / "c.json")
+    assert fidelity.profile_key(str(tmp_path / "a.json")) != fidelity.profile_key(str(tmp_path / "c.json"))
+    spec = spec_with_layers("qwen3-30b-a3b", 2)
+    trace = [TraceRequest(40 + 23 * i % 90, 3 + 5 * i % 17, 0.0) for i in range(6)]
+    replays = fidelity.Replays()
+
+    def run(hotset: str, seed: int = 0):
+        options = dict(executor="modeled", gpu_memory_budget="80GiB", policy="fixed", hardware="h200",
+                       hotset=str(tmp_path / hotset), modeled_routing_profile=None)
+        return replays.run(("qwen3-30b-a3b", 2), spec, seed, options, [], trace, 0.0)
+
+    first = run("a.json")
+    assert first.metrics["forward_steps"] > 0 and len(first.timeline) == first.metrics["forward_steps"]
+    assert run("b.json") is first
+    assert run("a.json", seed=1) is not first and run("c.json") is not first

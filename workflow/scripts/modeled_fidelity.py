@@ -2,7 +2,8 @@
 modeled mode and compare.
 
 Each (run, policy, workload) of the ``--reference`` folders' e2e.csv (results/reference/e2e/graphs and later
-runs: ABBA repeats) is re-run once — a modeled run is deterministic — with the same model shape (layers as
+runs: ABBA repeats) is re-run once — a modeled run is deterministic, and one that another folder measured with the
+same set-up takes that replay (``Replays``) — with the same model shape (layers as
 run), scaled budget (checked: the same initial cache), policy, KV reserve, hotset (the folder's hotset.json),
 request lengths (checked: the same output tokens), arrivals (``--arrivals``: ``inproc``,
 rimuru.workloads.arrivals as e2e_gpu.py draws them for rimuru.bench.inproc's loop, or ``legacy``, the numpy
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +44,7 @@ from rimuru.engine.modeled.reference import (
     trace_skip,
 )
 from rimuru.engine.modeled.replay import TraceRequest, arrivals, replay, run_batch
+from rimuru.experts.hotset import Hotset
 from rimuru.models.spec import ModelSpec
 from rimuru.units import parse_bytes
 from rimuru.workloads.arrivals import ArrivalSpec, arrival_times
@@ -131,11 +134,15 @@ def buffer_labels(frame: pd.DataFrame) -> pd.DataFrame:
     gc_idle = (frame["gc_idle_collect"].astype(str).str.lower().isin(["true", "1"]) if "gc_idle_collect" in frame
                else pd.Series(True, index=frame.index))
     split = frame["split"].astype(float) if "split" in frame else pd.Series(np.nan, index=frame.index)
-    labels = [run_engine(p, b, bool(g), None if np.isnan(f) else float(f))
-              for p, b, g, f in zip(frame["policy"].astype(str), buffers.astype(str), gc_idle, split)]
+    engines = pd.DataFrame({"policy": frame["policy"].astype(str).to_numpy(), "buffers": buffers.astype(str).to_numpy(),
+                            "gc_idle": gc_idle.to_numpy(), "split": split.to_numpy()})
+    # one label per distinct engine (a timeline has one per step: tens of thousands of rows, a few engines)
+    group = engines.groupby(list(engines.columns), sort=False, dropna=False)
+    labels = np.array([run_engine(p, b, bool(g), None if np.isnan(f) else float(f))
+                       for p, b, g, f in group.size().index], dtype=object)
     for label in set(labels):
         parse_engine(label)  # a clear error for an engine e2e_gpu.py does not name (e.g. loading_buffers 'foo')
-    return frame.assign(policy=labels)
+    return frame.assign(policy=labels[group.ngroup().to_numpy()].tolist())
 
 
 def engine_policy(label: str) -> tuple[str, str]:
@@ -306,6 +313,7 @@ def main() -> None:
                                                                   tuple(b["routing_reference_curve"])))
     default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
     rows, seed_rows = [], []
+    replays = Replays()
     timelines = Path(args.out_timelines)
     timelines.mkdir(parents=True, exist_ok=True)
     for (run, label, workload), group in e2e.groupby(["run", "policy", "workload"], sort=False):
@@ -344,11 +352,6 @@ def main() -> None:
             modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1],
             modeled_prefill_gamma=law_folder.get(str(Path(row["hotset"])), ("", None, 1.0))[2],
             modeled_routing_prior=prior_folder.get(str(Path(row["hotset"])), ("", None))[1])
-        llm = LLM(small, seed=seed, **engine_options)
-        initial = llm.memory_report["initial_cache_experts"]
-        if initial != row["initial_cache_experts"]:
-            raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
-                             f"{row['initial_cache_experts']}: budgets differ")
         n = int(row["num_requests"])
         # the hotset routed the first prompts of the script's whole trace (--num-requests), a Poisson run may serve
         # fewer of them (--poisson-requests): every served prompt is among the profiled ones when cal >= n
@@ -365,11 +368,16 @@ def main() -> None:
         warm = int(command_arg(command, "--warmup-requests", 0))
         before = list(zip(run_lengths["prompt_len"][:warm].astype(int), outputs[:warm].astype(int)))
         probe = step_probe_ms(Path(row["hotset"]).parent, label, workload)  # the run's step probe, if it had one
-        metrics = replay_with_warmup(llm, before, trace, probe)
+        replayed = replays.run((name, layers), small, seed, engine_options, before, trace, probe)
+        initial = replayed.initial_cache_experts
+        if initial != row["initial_cache_experts"]:
+            raise SystemExit(f"{key}: modeled pool holds {initial} initial experts, the measured one "
+                             f"{row['initial_cache_experts']}: budgets differ")
+        metrics = replayed.metrics
         if workload == "poisson" and not row["routing_profile"]:  # the replay's own draw-to-draw spread
             for k in range(args.seed_spread + 1):
-                draw = metrics if k == 0 else replay_with_warmup(LLM(small, seed=seed + k, **engine_options),
-                                                                 before, trace, probe)
+                draw = metrics if k == 0 else replays.run((name, layers), small, seed + k, engine_options, before,
+                                                          trace, probe).metrics
                 for m in SEED_METRICS:
                     med = float(group[m].astype(float).median())
                     seed_rows.append({"run": key, "engine_seed": seed + k, "metric": m, "measured": med,
@@ -393,15 +401,15 @@ def main() -> None:
                          "engine_terms": feat["engine_terms"],
                          "engine_term_source": engine_terms_option(feat["engine_terms"], 1, small.is_hybrid)[1],
                          "async_overlap": feat["async_scheduling"], "commit": commit, "hotset_prompts": cal,
-                         "hotset_tokens": int(llm.hotset.num_tokens), "hotset_in_sample": min(cal, n) / n,
-                         "decode_gamma": llm.config.modeled_decode_gamma,
+                         "hotset_tokens": replayed.hotset_tokens, "hotset_in_sample": min(cal, n) / n,
+                         "decode_gamma": replayed.decode_gamma,
                          "decode_gamma_profile": gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[0],
                          "chunk_law": law_folder.get(str(Path(row["hotset"])), ("", None))[0],
-                         "prefill_gamma": llm.config.modeled_prefill_gamma,
+                         "prefill_gamma": replayed.prefill_gamma,
                          "routing_prior": prior_folder.get(str(Path(row["hotset"])), ("", None))[0],
                          "step_probe_ms": probe})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
-        llm.timeline.frame().to_csv(timelines / f"{safe}.csv", index=False)
+        replayed.timeline.to_csv(timelines / f"{safe}.csv", index=False)
         print(f"{key} (cap {feat['graph_cap']}, {len(group)} measured): " + ", ".join(
             f"{m} {float(group[m].median()):.4g} -> {float(metrics[m]):.4g}" for m in METRICS), flush=True)
     def tp_engine(commit: str) -> dict[str, int]:
@@ -459,6 +467,61 @@ def replay_with_warmup(llm: LLM, before: list[tuple[int, int]], trace: list[Trac
 
 
 SEED_METRICS = ("output_throughput", "mean_ttft_ms", "forward_steps")
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """What fidelity.csv and the timelines take from one replay (``replay_with_warmup``) and its engine."""
+
+    metrics: dict
+    initial_cache_experts: int
+    hotset_tokens: int
+    decode_gamma: float
+    prefill_gamma: float
+    timeline: pd.DataFrame  # the timed pass's steps (the engine's timeline)
+
+
+def profile_key(path: str | None) -> tuple | str | None:
+    """A hotset file as a replay uses it: its routing probabilities and token counts. Not its ``model`` (the name of
+    the profiling run's checkpoint folder, a temporary name that differs from call to call), which no part of the
+    modeled engine reads: folders whose hotsets differ only there replay the same. None and a path with no file (the
+    engine's uniform profile) stay as they are."""
+    if path is None or not Path(path).exists():
+        return path
+    h = Hotset.load(path)
+    decode = None if h.decode_probability is None else h.decode_probability.tobytes()
+    return h.probability.shape, h.probability.tobytes(), int(h.num_tokens), decode, int(h.decode_tokens)
+
+
+class Replays:
+    """Replays by what determines them: the model (name and layers), the engine seed, the engine's options with each
+    hotset file read (``profile_key``), the discarded pass, the timed trace and the step probe. A modeled replay is
+    deterministic, so a run that several folders measured with the same set-up (repeats of one engine in other
+    calls, ``+gcauto`` beside the idle collection, a routing ablation whose profile is a folder's own hotset) and its
+    seed-spread draws are replayed once and their results reused."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple, Replayed] = {}
+        self._profiles: dict[str | None, tuple | str | None] = {}
+
+    def _profile(self, path: str | None) -> tuple | str | None:
+        if path not in self._profiles:
+            self._profiles[path] = profile_key(path)
+        return self._profiles[path]
+
+    def run(self, model: tuple[str, int | None], spec: ModelSpec, seed: int, options: dict,
+            before: list[tuple[int, int]], trace: list[TraceRequest], probe_ms: float) -> Replayed:
+        """``replay_with_warmup`` of ``LLM(spec, seed=seed, **options)`` (``model``: the name and layers ``spec`` was
+        built from), or the result of the same replay done before."""
+        files = {k: self._profile(options[k]) for k in ("hotset", "modeled_routing_profile")}
+        key = (model, seed, tuple(sorted((options | files).items())), tuple(before), tuple(trace), probe_ms)
+        if key not in self._done:
+            llm = LLM(spec, seed=seed, **options)
+            metrics = replay_with_warmup(llm, before, trace, probe_ms)
+            self._done[key] = Replayed(metrics, llm.memory_report["initial_cache_experts"],
+                                       int(llm.hotset.num_tokens), llm.config.modeled_decode_gamma,
+                                       llm.config.modeled_prefill_gamma, llm.timeline.frame())
+        return self._done[key]
 
 
 def step_probe_ms(folder: Path, policy: str, workload: str) -> float:

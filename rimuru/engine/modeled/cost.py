@@ -390,9 +390,11 @@ class CostModel:
 
     def attention_ms(self, q_lens: np.ndarray, starts: np.ndarray) -> float:
         """One full-attention layer: causal FLOPs over the chunk's keys, KV bytes read (and written)."""
-        seq = starts + q_lens
-        pairs = float(np.sum(q_lens * starts + q_lens * (q_lens + 1) / 2))
-        kv_bytes = float(seq.sum() + q_lens.sum()) * self.kv_bytes_per_token_layer
+        q, s = np.asarray(q_lens), np.asarray(starts)
+        # (query, key) pairs: each request's q * start + q (q + 1) / 2, whole numbers summed exactly as integers
+        pairs = float(int(np.dot(q, s)) + int(np.dot(q, q + 1)) // 2)
+        tokens = int(q.sum())
+        kv_bytes = float(int(s.sum()) + 2 * tokens) * self.kv_bytes_per_token_layer  # each sequence, then the writes
         return self._roof(kv_bytes, self.attn_flops_factor * pairs, self.params.attn_eff)
 
     def linear_attention_ms(self, q_lens: np.ndarray) -> float:
@@ -408,8 +410,9 @@ class CostModel:
         """One decoder layer's dense weights (projections, router, shared expert)."""
         return self._roof(self.layer_dense_bytes, self.layer_dense_flops_per_token * tokens, self.params.mma_eff)
 
-    def moe_ms(self, touched: np.ndarray, assignments: np.ndarray) -> np.ndarray:
-        """[M] experts' weights read once each, FLOPs per token->expert assignment."""
+    def moe_ms(self, touched: np.ndarray, assignments: np.ndarray | float) -> np.ndarray:
+        """[M] experts' weights read once each, FLOPs per token->expert assignment (``assignments``: [M], or one
+        count for every layer)."""
         p, g = self.params, self.gpu
         read = touched * self.expert_bytes / (g.hbm_bytes_per_s * p.hbm_eff)
         compute = assignments * self.expert_flops_per_assignment / (g.bf16_flops * p.mma_eff)
@@ -453,8 +456,9 @@ class CostModel:
         fixed = p.graph_layer_ms()
         dense = self.dense_ms(tokens) + 2 * self.allreduce_ms(tokens)  # NCCL all-reduces inside the graph
         in_place = np.zeros(self.num_moe_layers) if w.in_place is None else np.asarray(w.in_place, float)
-        moe = self.moe_ms(np.asarray(w.touched, float) - in_place, tokens * self.top_k * np.ones(self.num_moe_layers))
+        moe = self.moe_ms(np.asarray(w.touched, float) - in_place, float(tokens * self.top_k))  # same in each layer
         reads = self.in_place_ms(in_place)
+        moe_sum, reads_sum = moe.sum(), reads.sum()
         n_layers = len(self.layer_kinds)
         attention = attn_full * self.full_layers + attn_lin * self.linear_layers
         head = self._roof(self.lm_head_bytes, self.lm_head_flops_per_row * w.samples, p.mma_eff)
@@ -464,12 +468,12 @@ class CostModel:
         # reads need: their time, less the host work before the replay, adds to the device's (the measured
         # Poisson runs at d9f9d41: 9-10 ms over the two graphed steps after a large prefill)
         carried = max(0.0, float(self.load_ms(w.carried_experts)) - (0.0 if w.overlapped else host))
-        device = attention + (dense + fixed) * n_layers + float(moe.sum() + reads.sum()) + head + carried
+        device = attention + (dense + fixed) * n_layers + float(moe_sum + reads_sum) + head + carried
         return StepTime(total_ms=max(host, device) if w.overlapped else host + device, host_ms=host,
                         attention_ms=attention,
-                        dense_ms=(dense + fixed) * n_layers + head, moe_ms=float(moe.sum() + reads.sum()),
+                        dense_ms=(dense + fixed) * n_layers + head, moe_ms=float(moe_sum + reads_sum),
                         load_stall_ms=carried, allreduce_ms=0.0, cpu_ms=0.0,
-                        loads_ms=float(reads.sum()) + carried)
+                        loads_ms=float(reads_sum) + carried)
 
     def step(self, w: StepWork) -> StepTime:
         if w.graphed:

@@ -15,6 +15,7 @@ Outputs carry no text: every sampled token is id 0 and lengths follow the reques
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import fields
 
@@ -57,6 +58,14 @@ def step_admissions(out: SchedulerOutput, max_model_len: int = 0) -> tuple[int, 
             finished += (len(request.output_token_ids) + request.num_pending + 1 >= request.params.max_tokens
                          or (max_model_len > 0 and known >= max_model_len))
     return admitted, finished
+
+
+@functools.cache
+def zero_logits(rows: int) -> torch.Tensor:
+    """[rows, 1] zeros: a modeled step's logits, one row per sampled request (every sampled token is id 0). One
+    tensor per row count, shared by every step of every engine (allocating it each step was a measurable share of a
+    replay's time): the engine only reads a step's logits (``LLM._execute_and_postprocess``, ``sample``)."""
+    return torch.zeros(rows, 1)
 
 
 class ModeledExecutor:
@@ -105,6 +114,10 @@ class ModeledExecutor:
         self.last: StepTime | None = None
         self.totals: dict[str, float] = {}
         self._loads_seen = loader.experts_loaded
+        self._table_version: int | None = None  # ExpertCache.version that _resident was taken at
+        self._resident = self._absent = None  # [L, E] bool: experts in the cache's page table, and the others
+        self._no_loads = np.zeros(routing.shape[0], dtype=np.int64)  # [M] a step's demand or prefetched loads
+        self._no_loads.flags.writeable = False  # where it has none: one read-only array shared by those steps
 
     @property
     def last_pipelined(self) -> bool:
@@ -118,10 +131,8 @@ class ModeledExecutor:
         samples = sum(1 for c in chunks if c.samples)
         expansions = self.loader.experts_loaded - self._loads_seen  # started by the adjuster this step
         touched = self.routing.sample_touched(*self.routing.step_tokens(q))  # [M, E]
-        layers = touched.shape[0]
-        zeros = np.zeros(layers, dtype=np.int64)
         cpu_experts = cpu_share = None
-        demand, prefetched, in_place = zeros, zeros, None
+        demand, prefetched, in_place = self._no_loads, self._no_loads, None
         graphed = self.graph_max_batch is not None and replays_graph(out, self.graph_max_batch, self.max_model_len)
         self.graph_steps += graphed
         moved = self.kv_pages_moved()
@@ -134,18 +145,18 @@ class ModeledExecutor:
         if self.mode == "resident":
             on_device = touched.sum(axis=1)
         else:
-            resident = self.cache.page_table[:, :, 0] >= 0
-            miss = touched & ~resident
+            resident, absent = self._page_table_masks()
+            miss = touched & absent
             misses = miss.sum(axis=1)
             if self.mode == "cpu":
                 on_device = (touched & resident).sum(axis=1)
                 cpu_experts = misses
-                cpu_share = self.routing.share(~resident)
+                cpu_share = self.routing.share(absent)
                 self.experts_on_cpu += int(misses.sum())
             elif graphed:  # misses read in place over PCIe, counted as the torch engine counts them
                 on_device = touched.sum(axis=1)
                 in_place = misses
-                self.loader.account_loads(int(misses.sum()))
+                self.loader.account_loads(np.count_nonzero(miss))
             else:
                 on_device = touched.sum(axis=1)
                 if self._carried is not None:  # the previous step copied these into layer 0's buffer: hits
@@ -172,7 +183,17 @@ class ModeledExecutor:
             for k in _FIELDS:
                 self.totals[k] = self.totals.get(k, 0.0) + float(getattr(self.last, k))
         self.clock.advance(step_ms / 1e3)
-        return torch.zeros(samples, 1)
+        return zero_logits(samples)
+
+    def _page_table_masks(self) -> tuple[np.ndarray, np.ndarray]:
+        """([L, E] experts in the cache's page table, the others), taken again only when the table has changed
+        (``ExpertCache.version``): most steps neither publish nor reclaim an expert. Read-only arrays."""
+        if self._table_version != self.cache.version:
+            resident = self.cache.page_table[:, :, 0] >= 0
+            absent = ~resident
+            resident.flags.writeable = absent.flags.writeable = False
+            self._resident, self._absent, self._table_version = resident, absent, self.cache.version
+        return self._resident, self._absent
 
     def _carry_first_layer(self, first: np.ndarray, resident: np.ndarray, next_in_place: bool = False) -> None:
         """``PagedExperts.layer_done``: after a step whose first MoE layer touched ``first`` ([E] bool), its

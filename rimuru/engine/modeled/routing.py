@@ -224,6 +224,8 @@ class RoutingModel:
         tokens, and its one-token chunks (decode tokens; a one-token prompt chunk counts with them)."""
         q = np.asarray(q_lens, dtype=np.float64)
         single = float((q == 1).sum())
+        if single == len(q):  # a decode step (most steps): no chunk of more than one token
+            return 0.0, single
         return self.effective_tokens(q[q != 1]), single
 
     @property
