@@ -39,6 +39,21 @@ HOST_TERMS = ("host_step_ms", "host_seq_us", "token_us", "host_layer_sync_ms", "
               "tp_graph_async_ms", "gdn_eager_layer_ms", "host_admit_us", "host_finish_us")
 
 
+def _wave_terms(table: dict, wave: int, allowed: tuple[str, ...], field_name: str, name: str, kind: str,
+                fitted_note: str = "") -> dict:
+    """The terms ``table`` (``CostParams.decode_kernels`` or ``engine_terms``: {wave: {term: value}}) holds for
+    ``wave``; an error names the fitted waves where there are none, and any term outside ``allowed``."""
+    terms = table.get(str(int(wave)))
+    if terms is None:
+        raise ValueError(f"no {name} terms fitted for wave {wave} (fitted: {', '.join(sorted(table)) or 'none'}"
+                         f"{fitted_note})")
+    unknown = set(terms) - set(allowed)
+    if unknown:
+        raise ValueError(f"{field_name}[{wave}] has terms {sorted(unknown)} that are not {kind} terms "
+                         f"({', '.join(allowed)})")
+    return terms
+
+
 @dataclass(frozen=True)
 class CostParams:
     """Efficiencies (fractions of a profile's peaks) and host times; defaults are uncalibrated guesses."""
@@ -153,14 +168,8 @@ class CostParams:
         (``decode_kernels``); an error names the fitted waves otherwise."""
         if wave is None or wave == self.decode_kernels_base:
             return self
-        terms = self.decode_kernels.get(str(int(wave)))
-        if terms is None:
-            raise ValueError(f"no decode-kernel terms fitted for wave {wave} (fitted: "
-                             f"{', '.join(sorted(self.decode_kernels)) or 'none'}; base: {self.decode_kernels_base})")
-        unknown = set(terms) - set(DECODE_KERNEL_TERMS)
-        if unknown:
-            raise ValueError(f"decode_kernels[{wave}] has terms {sorted(unknown)} that are not graph-replay terms "
-                             f"({', '.join(DECODE_KERNEL_TERMS)})")
+        terms = _wave_terms(self.decode_kernels, wave, DECODE_KERNEL_TERMS, "decode_kernels", "decode-kernel",
+                            "graph-replay", f"; base: {self.decode_kernels_base}")
         return self.replace(**{k: float(v) for k, v in terms.items()})
 
     def engine_term_source(self, wave: int | None, tp: int = 1, hybrid: bool = False) -> str:
@@ -186,14 +195,7 @@ class CostParams:
         (``engine_terms``); an error names the fitted waves otherwise."""
         if not wave:
             return self
-        terms = self.engine_terms.get(str(int(wave)))
-        if terms is None:
-            raise ValueError(f"no engine terms fitted for wave {wave} (fitted: "
-                             f"{', '.join(sorted(self.engine_terms)) or 'none'})")
-        unknown = set(terms) - set(ENGINE_TERMS)
-        if unknown:
-            raise ValueError(f"engine_terms[{wave}] has terms {sorted(unknown)} that are not engine terms "
-                             f"({', '.join(ENGINE_TERMS)})")
+        terms = _wave_terms(self.engine_terms, wave, ENGINE_TERMS, "engine_terms", "engine", "engine")
         if not self.in_engine_scope(wave, tp, hybrid):
             return self
         return self.replace(**{k: float(v) for k, v in terms.items()})
