@@ -1856,3 +1856,18 @@ def test_replay_adds_an_instruments_time_after_every_step():
     assert probed["duration_s"] - plain["duration_s"] == pytest.approx(plain["forward_steps"] * 0.6e-3)
     with pytest.raises(ValueError, match="between_steps_ms"):
         replay(LLM("qwen3-30b-a3b", **kw), trace, between_steps_ms=-1.0)
+
+
+def test_modeled_loader_counts_stay_python_ints():
+    """A modeled run's load counters stay Python ints through graphed decode steps (their in-place reads are counted
+    with numpy), so its stats serialise as run_case.py writes them."""
+    import json
+
+    llm = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="24GiB", policy="fixed")
+    for i in range(2):
+        llm.add_request(f"r{i}", [0] * 40, SamplingParams(max_tokens=6, ignore_eos=True))
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert llm.executor.graph_steps > 0
+    assert type(llm.loader.experts_loaded) is int and type(llm.loader.bytes_loaded) is int
+    json.dumps({"expert_bytes_loaded": llm.stats().expert_bytes_loaded, "memory": llm.memory_report})
