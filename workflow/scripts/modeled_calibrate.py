@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pandas as pd
+from modeled_fidelity import buffer_labels
 
 from rimuru.engine.modeled.calibration import (
     PREFILL_FLOOR_COLUMNS,
@@ -542,11 +543,10 @@ def main() -> None:
             t_all, runs_e = pd.read_csv(t_path), pd.read_csv(runs_path, dtype={"commit": str})
             data += [data_entry(t_path), data_entry(runs_path, runs_e)]
             cost = CostModel(spec_with_layers(*parse_run_model(runs_e["model"].iloc[0])), gpu, params)
+            t_all = t_all.assign(engine=buffer_labels(t_all)["policy"])  # e.g. fixed+split50 (e2e_gpu.py --runs)
             by = [c for c in ("policy", "split", "workload", "repeat") if c in t_all]
             for _, t in t_all[t_all["policy"] != "static"].groupby(by, dropna=False):
-                split = t["split"].iloc[0] if "split" in t else float("nan")
-                label = str(t["policy"].iloc[0]) + ("" if pd.isna(split) else f"+split{round(float(split) * 100):02d}")
-                name = f"{folder}/{label}/{t['workload'].iloc[0]}/{t['repeat'].iloc[0]}"
+                name = f"{folder}/{t['engine'].iloc[0]}/{t['workload'].iloc[0]}/{t['repeat'].iloc[0]}"
                 e_timelines.append((name, t.reset_index(drop=True), cost, str(t["policy"].iloc[0])))
         try:
             terms, engine_fit = fit_engine_terms(e_timelines, params, tuple(args.engine_terms_free),

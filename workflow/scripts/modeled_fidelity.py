@@ -334,6 +334,7 @@ def main() -> None:
         name, layers = parse_run_model(row["model"])
         full, small = ModelSpec.from_pretrained(name), spec_with_layers(name, layers)
         budget = e2e_scaled_budget(full, small, parse_bytes(f"{row['budget_gib']}GiB"), policy)
+        engine_wave, engine_source = engine_terms_option(feat["engine_terms"], 1, small.is_hybrid)
         command = row["command"]
         kv_reserve = run_kv_reserve(label, command)
         seed = int(command_arg(command, "--seed", 0))
@@ -346,7 +347,7 @@ def main() -> None:
             short_lookahead=feat["short_lookahead"], expand_headroom=feat["expand_headroom"],
             prefetch_before_graphs=feat["prefetch_before_graphs"], running_lookahead=feat["running_lookahead"],
             modeled_decode_kernels=kernels_option(feat["decode_kernels"])[0],
-            modeled_engine_terms=engine_terms_option(feat["engine_terms"], 1, small.is_hybrid)[0],
+            modeled_engine_terms=engine_wave,
             modeled_routing_profile=row["routing_profile"] or None,
             modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1],
             modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1],
@@ -399,7 +400,7 @@ def main() -> None:
                          "running_lookahead": feat["running_lookahead"], "decode_kernels": feat["decode_kernels"],
                          "kernel_terms": kernels_option(feat["decode_kernels"])[1],
                          "engine_terms": feat["engine_terms"],
-                         "engine_term_source": engine_terms_option(feat["engine_terms"], 1, small.is_hybrid)[1],
+                         "engine_term_source": engine_source,
                          "async_overlap": feat["async_scheduling"], "commit": commit, "hotset_prompts": cal,
                          "hotset_tokens": replayed.hotset_tokens, "hotset_in_sample": min(cal, n) / n,
                          "decode_gamma": replayed.decode_gamma,

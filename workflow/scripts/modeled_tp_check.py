@@ -121,11 +121,11 @@ def tp_rows(runs_path: str, trace_path: str, hotset: str, cost_params: str, hard
         if set(features) != set(ENGINE_FEATURES):
             raise SystemExit(f"{runs_path}: the engine of {commit} needs {', '.join(ENGINE_FEATURES)}")
         wave, terms = kernels(features["decode_kernels"]) if kernels is not None else (None, "base")
-        hybrid = spec_with_layers(name, layers).is_hybrid
-        engine_wave, engine_source = (engine_terms(features["engine_terms"], tp, hybrid) if engine_terms is not None
-                                      else (None, "base"))
+        spec = spec_with_layers(name, layers)
+        engine_wave, engine_source = (engine_terms(features["engine_terms"], tp, spec.is_hybrid)
+                                      if engine_terms is not None else (None, "base"))
 
-        setup = dict(spec=spec_with_layers(name, layers), policy=policy, group=g, tp=tp, features=features, wave=wave,
+        setup = dict(spec=spec, policy=policy, group=g, tp=tp, features=features, wave=wave,
                      hotset=run_hotset, hardware=hardware, cost_params=cost_params, decode_gamma=gamma,
                      requests=requests, engine_wave=engine_wave)
         result, llm = replay_tp(**setup, h2d_gbps=None)

@@ -156,7 +156,7 @@ class ModeledExecutor:
             elif graphed:  # misses read in place over PCIe, counted as the torch engine counts them
                 on_device = touched.sum(axis=1)
                 in_place = misses
-                self.loader.account_loads(int(np.count_nonzero(miss)))
+                self.loader.account_loads(int(misses.sum()))
             else:
                 on_device = touched.sum(axis=1)
                 if self._carried is not None:  # the previous step copied these into layer 0's buffer: hits
