@@ -32,7 +32,7 @@ def _one_of(*choices: Any) -> Callable[[Any], bool]:
 
 
 def _chunk_law(v: Any) -> bool:
-    return len(v) == 2 and v[0] > 0 and 0 < v[1] <= 1
+    return len(v) in (2, 3) and v[0] > 0 and 0 < v[1] <= 1 and (len(v) == 2 or 0 < v[2] <= 1)
 
 
 def _routing_prior(v: Any) -> bool:
@@ -90,7 +90,8 @@ FIELD_RULES = (
 MODELED_OPTIONS = (
     ModeledOption("modeled_step_ms", _positive_number, "a positive step time in ms"),
     ModeledOption("modeled_routing_profile", lambda v: True, "a routing profile"),
-    ModeledOption("modeled_chunk_law", _chunk_law, "a prefill chunk law (scale > 0, exponent in (0, 1])"),
+    ModeledOption("modeled_chunk_law", _chunk_law,
+                  "a prefill chunk law (scale > 0, exponent in (0, 1][, cross-prompt exponent in (0, 1]])"),
     ModeledOption("modeled_decode_kernels", _int_at_least(0), "the wave (a non-negative integer) of the decode "
                   "kernels modeled"),
     ModeledOption("modeled_engine_terms", _int_at_least(0), "the wave (a non-negative integer) of the engine whose "
@@ -142,8 +143,9 @@ class EngineConfig:
     # chunk law of the model build a run served (fitted.chunk_law[NAME].prefill_gamma, wave 12); 1: the profile
     modeled_host_slowdown: float = 1.0  # modeled: the host is this many times slower than the calibration's fit data
     # (CostParams.with_host_slowdown: every host term scaled); 1: the calibration's host
-    modeled_chunk_law: tuple[float, float] | None = None  # modeled: a prefill chunk law (scale, exponent) instead of
-    # the calibration's routing_chunk_*: one the calibration fitted for the model build a run served (fitted.chunk_law)
+    modeled_chunk_law: tuple[float, ...] | None = None  # modeled: a prefill chunk law (scale, exponent[, cross])
+    # instead of the calibration's routing_chunk_*: one the calibration fitted for the model build a run served
+    # (fitted.chunk_law; cross: RoutingModel.chunk_cross, 1 if not given)
     modeled_decode_kernels: int | None = None  # modeled: the wave of the decode kernels the modeled engine launches
     # (4: wave 4's, 5: wave5, 7: fast): its decode-graph replays take the terms the calibration fitted on decode floors
     # measured with those kernels (CostParams.decode_kernels); None: the calibration's base terms

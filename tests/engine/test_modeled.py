@@ -311,6 +311,21 @@ def test_prefill_chunks_route_as_fewer_independent_tokens():
         RoutingModel(pi, 2, chunk_exponent=1.5)
 
 
+def test_prompts_served_together_share_experts_by_the_cross_exponent_by_hand():
+    """RoutingModel.chunk_cross (wave 21): a step's n > 1 prompt chunks count n ** (cross - 1) times their effective
+    tokens; one prompt and decode tokens are unchanged; 1 is independent prompts; outside (0, 1] is an error."""
+    pi = np.array([[0.9, 0.6, 0.3, 0.2], [0.5, 0.5, 0.5, 0.5]])
+    r = RoutingModel(pi, 2, chunk_scale=2.0, chunk_exponent=0.5, chunk_cross=0.5)
+    # chunks of 100 and 16 count 20 and 8; two prompts: (20 + 8) * 2 ** -0.5; the two decode tokens 1 each
+    assert r.effective_tokens([1, 1, 100, 16]) == pytest.approx(28 / 2**0.5 + 2)
+    assert r.effective_tokens([1, 100]) == pytest.approx(21.0)  # one prompt: as without the term
+    assert r.with_chunk_law(2.0, 0.5).effective_tokens([100, 16]) == pytest.approx(28.0)
+    assert r.with_chunk_law(2.0, 0.5, 0.25).chunk_cross == 0.25
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="chunk_cross"):
+            RoutingModel(pi, 2, chunk_cross=bad)
+
+
 def test_shrink_to_uniform_by_hand():
     from rimuru.engine.modeled.routing import shrink_to_uniform
 
@@ -427,7 +442,10 @@ def test_a_run_can_take_a_named_chunk_law():
               modeled_chunk_law=(6.0, 0.1))
     assert (law.executor.routing.chunk_scale, law.executor.routing.chunk_exponent) == (6.0, 0.1)
     assert law.executor.routing.effective_tokens([256]) < plain.executor.routing.effective_tokens([256])
-    for bad in ((0.0, 0.5), (1.0, 1.5)):
+    cross = LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", policy="fixed",
+                modeled_chunk_law=(6.0, 0.1, 0.5))
+    assert cross.executor.routing.chunk_cross == 0.5 and law.executor.routing.chunk_cross == 1.0
+    for bad in ((0.0, 0.5), (1.0, 1.5), (1.0, 0.5, 0.0), (1.0, 0.5, 1.5), (1.0,)):
         with pytest.raises(ValueError, match="modeled_chunk_law"):
             LLM("qwen3-30b-a3b", executor="modeled", gpu_memory_budget="40GiB", modeled_chunk_law=bad)
     with pytest.raises(ValueError, match="modeled_chunk_law"):
@@ -1597,6 +1615,19 @@ def test_prefill_routing_fit_recovers_the_law_and_tempering_the_steps_were_drawn
     assert fit["routing_chunk_exponent"] == pytest.approx(0.4, rel=5e-2)
     assert fit["loads_max_abs_rel_error"] < 0.01 and fit["touched_max_abs_rel_error"] < 0.01
     assert fit["expected_loads_at_gamma_1"] < fit["recorded_loads"]
+
+    # the same steps drawn with prompts that share experts (cross 0.6): the four-parameter fit recovers all four; the
+    # three-parameter one cannot reach the three-prompt and two-prompt steps
+    truth = truth.with_chunk_law(2.0, 0.4, 0.6)
+    steps = [PrefillStep(s.routing, s.decode, s.chunks, *prefill_expectation(s, truth), s.uncached, s.factor)
+             for s in steps]
+    four = fit_prefill_routing(steps, cross=True)
+    assert four["routing_chunk_cross"] == pytest.approx(0.6, rel=5e-2)
+    assert four["prefill_gamma"] == pytest.approx(0.5, rel=5e-2)
+    assert four["routing_chunk_exponent"] == pytest.approx(0.4, rel=5e-2)
+    assert four["loads_max_abs_rel_error"] < 0.01 and four["touched_max_abs_rel_error"] < 0.01
+    assert "routing_chunk_cross" not in fit
+    assert fit_prefill_routing(steps)["touched_max_abs_rel_error"] > 0.02
 
 
 def test_async_admission_an_arrival_during_a_pipelined_step_joins_after_the_next_by_hand():

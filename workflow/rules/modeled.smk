@@ -112,6 +112,7 @@ rule modeled_calibrate:
         gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
         laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
         prefill=" ".join(MODELED.get("prefill_gamma_fit", [])),
+        cross=" ".join(MODELED.get("prefill_cross_fit", [])),
         priors=" ".join(f"{name}={'+'.join(dirs)}" for name, dirs in MODELED.get("routing_prior_build", {}).items()),
         lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
         kernels=(f"--decode-kernels-fit {' '.join(MODELED['decode_kernels_fit']['floors'])} --decode-kernels-waves "
@@ -125,7 +126,8 @@ rule modeled_calibrate:
         "--routing-fit-runs {params.routing} --routing-prior-fit {params.prior} --fit-timelines {params.timelines} "
         "--async-floor {params.async_floor} "
         "{params.fit_loop} {params.overlap} {params.tie_token} {params.tp} --decode-gamma-fit {params.gamma} "
-        "--chunk-law-fit {params.laws} --prefill-gamma-fit {params.prefill} --routing-prior-build {params.priors} "
+        "--chunk-law-fit {params.laws} --prefill-gamma-fit {params.prefill} --prefill-cross-fit {params.cross} "
+        "--routing-prior-build {params.priors} "
         "--lengths {params.lengths} "
         "{params.kernels} {params.engine_terms} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
@@ -176,6 +178,7 @@ rule modeled_fidelity:
         laws=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("chunk_law", {}).items()),
         priors=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("routing_prior", {}).items()),
         seed_spread=FIDELITY.get("seed_spread", 0),
+        async_admission="--async-admission" if FIDELITY.get("async_admission") else "",
         tp_gamma=(f"--tp-decode-gamma {FIDELITY['tp_decode_gamma']}" if FIDELITY.get("tp_decode_gamma") else ""),
     log: "results/logs/modeled/fidelity.log"
     shell:
@@ -190,7 +193,7 @@ rule modeled_fidelity:
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
         "--decode-gamma {params.gamma} {params.tp_gamma} --chunk-law {params.laws} --routing-prior {params.priors} "
-        "--seed-spread {params.seed_spread} --fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
+        "--seed-spread {params.seed_spread} {params.async_admission} --fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
 

@@ -162,6 +162,9 @@ def main() -> None:
                          "(fit_prefill_routing: touched pairs and recorded loads of the same steps; "
                          "fitted.chunk_law[NAME] prefill_gamma), the profiles shrunk by the routing_prior_build of the "
                          "same NAME where there is one")
+    ap.add_argument("--prefill-cross-fit", nargs="*", default=[],
+                    help="NAME...: of --prefill-gamma-fit, also fit the law's cross-prompt exponent "
+                         "(fitted.chunk_law[NAME] routing_chunk_cross: RoutingModel.chunk_cross, wave 21)")
     ap.add_argument("--routing-prior-build", nargs="*", default=[],
                     help="NAME=DIR+DIR...: a named profile shrinkage (fitted.routing_prior_build[NAME]: prior tokens "
                          "and reference curve, fit_routing_prior) fitted on the hotsets of these fit-run folders of "
@@ -397,8 +400,10 @@ def main() -> None:
                                 t["cached_experts"], t["cuda_graph"]) if sum(c) > 1]
         if not rows:
             raise SystemExit(f"--chunk-law-fit {name}: no prefill steps")
+        if name in args.prefill_cross_fit and not joint:
+            raise SystemExit(f"--prefill-cross-fit {name}: only with --prefill-gamma-fit {name}")
         if joint:
-            chunk_laws[name] = fit_prefill_routing(prefill_steps) | {
+            chunk_laws[name] = fit_prefill_routing(prefill_steps, cross=name in args.prefill_cross_fit) | {
                 "runs": keys.split("+"), "routing_prior_build": name if name in prior_builds else "",
                 "waste": base.prefetch_waste}
         else:
@@ -601,6 +606,7 @@ def main() -> None:
         if "prefill_gamma" in law:
             print(f"chunk law {name} with prefill tempering: scale {law['routing_chunk_scale']:.3f} exponent "
                   f"{law['routing_chunk_exponent']:.3f} prefill_gamma {law['prefill_gamma']:.3f} "
+                  f"cross {law.get('routing_chunk_cross', 1.0):.3f} "
                   f"({law['steps']} steps; touched median error {law['touched_median_abs_rel_error']:.1%}, loads "
                   f"{law['loads_median_abs_rel_error']:.1%} "
                   f"(gamma 1: {law['gamma_1_loads_median_abs_rel_error']:.1%}); "

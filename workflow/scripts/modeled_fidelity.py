@@ -219,6 +219,9 @@ def main() -> None:
                     help="FOLDER=NAME: FOLDER's runs replay with the profile shrinkage NAME the calibration fitted for "
                          "their model build (fitted.routing_prior_build); other folders with the calibration's "
                          "routing_prior_tokens / routing_reference_curve")
+    ap.add_argument("--async-admission", action="store_true",
+                    help="one-GPU replays admit the arrivals during a pipelined (async-scheduled) step after the next "
+                         "step, as the engine measured (replay's async_admission: wave 12's rule 6); default: into it")
     ap.add_argument("--seed-spread", type=int, default=0,
                     help="replay every one-GPU Poisson run this many more times with the next engine seeds (the "
                          "routing draws; arrivals stay the run's) and write fidelity_seeds.csv beside --out-csv: each "
@@ -298,7 +301,9 @@ def main() -> None:
                              f"of {args.cost_params} (fitted: {', '.join(fitted_laws) or 'none'}), got {item!r}")
         law = fitted_laws[name]
         law_folder[str(Path(folder) / "hotset.json")] = (name, (float(law["routing_chunk_scale"]),
-                                                                float(law["routing_chunk_exponent"])),
+                                                                float(law["routing_chunk_exponent"]))
+                                                         + ((float(law["routing_chunk_cross"]),)
+                                                            if "routing_chunk_cross" in law else ()),
                                                          float(law.get("prefill_gamma", 1.0)))
     fitted_priors = calibration.fitted.get("routing_prior_build", {})
     prior_folder = {}
@@ -313,7 +318,7 @@ def main() -> None:
                                                                   tuple(b["routing_reference_curve"])))
     default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
     rows, seed_rows = [], []
-    replays = Replays()
+    replays = Replays(args.async_admission)
     timelines = Path(args.out_timelines)
     timelines.mkdir(parents=True, exist_ok=True)
     for (run, label, workload), group in e2e.groupby(["run", "policy", "workload"], sort=False):
@@ -455,14 +460,15 @@ POOL_POLICIES_WITHIN = 0.02  # tp_band pools a set-up's policies where their rep
 
 
 def replay_with_warmup(llm: LLM, before: list[tuple[int, int]], trace: list[TraceRequest],
-                       probe_ms: float = 0.0) -> dict:
+                       probe_ms: float = 0.0, async_admission: bool = False) -> dict:
     """The run's discarded pass (``before``: prompt and output lengths, all at once, before its clock started), then
-    the timed ``trace`` (with ``probe_ms`` after every step: ``replay``'s ``between_steps_ms``): ``replay``'s metrics
-    plus the timed pass's decode-graph steps."""
+    the timed ``trace`` (with ``probe_ms`` after every step: ``replay``'s ``between_steps_ms``; ``async_admission``:
+    ``replay``'s, arrivals during a pipelined step join after the next one): ``replay``'s metrics plus the timed
+    pass's decode-graph steps."""
     if before:
         run_batch(llm, before, "warmup-")
     graph_before = llm.executor.graph_steps
-    metrics = replay(llm, trace, between_steps_ms=probe_ms)
+    metrics = replay(llm, trace, between_steps_ms=probe_ms, async_admission=async_admission)
     metrics["cuda_graph_steps"] = llm.executor.graph_steps - graph_before
     return metrics
 
@@ -501,7 +507,8 @@ class Replays:
     calls, ``+gcauto`` beside the idle collection, a routing ablation whose profile is a folder's own hotset) and its
     seed-spread draws are replayed once and their results reused."""
 
-    def __init__(self) -> None:
+    def __init__(self, async_admission: bool = False) -> None:
+        self.async_admission = async_admission  # every replay's (replay_with_warmup)
         self._done: dict[tuple, Replayed] = {}
         self._profiles: dict[str | None, tuple | str | None] = {}
 
@@ -518,7 +525,7 @@ class Replays:
         key = (model, seed, tuple(sorted((options | files).items())), tuple(before), tuple(trace), probe_ms)
         if key not in self._done:
             llm = LLM(spec, seed=seed, **options)
-            metrics = replay_with_warmup(llm, before, trace, probe_ms)
+            metrics = replay_with_warmup(llm, before, trace, probe_ms, self.async_admission)
             self._done[key] = Replayed(metrics, llm.memory_report["initial_cache_experts"],
                                        int(llm.hotset.num_tokens), llm.config.modeled_decode_gamma,
                                        llm.config.modeled_prefill_gamma, llm.timeline.frame())

@@ -45,13 +45,14 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
 
     profile = Hotset.load(config.modeled_routing_profile) if config.modeled_routing_profile else llm.hotset
     # the calibration's chunk law, or one fitted for this run's model build (EngineConfig.modeled_chunk_law)
-    scale, exponent = config.modeled_chunk_law or (params.routing_chunk_scale, params.routing_chunk_exponent)
+    scale, exponent, *cross = config.modeled_chunk_law or (params.routing_chunk_scale, params.routing_chunk_exponent)
     # the calibration's profile shrinkage, or one fitted for this run's model build (EngineConfig.modeled_routing_prior)
     prior, curve = config.modeled_routing_prior or (params.routing_prior_tokens, params.routing_reference_curve)
     routing = RoutingModel.from_hotset(profile, llm.spec.top_k, seed=config.seed, chunk_scale=scale,
                                        chunk_exponent=exponent, prior_tokens=prior, reference_curve=curve,
                                        decode_gamma=config.modeled_decode_gamma,
-                                       prefill_gamma=config.modeled_prefill_gamma)
+                                       prefill_gamma=config.modeled_prefill_gamma,
+                                       chunk_cross=cross[0] if cross else 1.0)
     if routing.shape != (llm.spec.num_moe_layers, llm.spec.num_experts):
         raise ValueError(f"hotset has {routing.shape} (layers, experts), the model "
                          f"{(llm.spec.num_moe_layers, llm.spec.num_experts)}")

@@ -283,19 +283,22 @@ def prefill_expectation(step: PrefillStep, routing: RoutingModel) -> tuple[float
 
 
 def fit_prefill_routing(steps: list[PrefillStep], x0: tuple[float, float, float] = (1.0, 0.5, 1.0),
-                        gamma_bounds: tuple[float, float] = (0.2, 5.0)) -> dict:
+                        gamma_bounds: tuple[float, float] = (0.2, 5.0), cross: bool = False) -> dict:
     """A model build's prefill routing, jointly: the chunk law (``scale``, ``exponent``: a chunk of ``q`` tokens routes
     like ``min(q, scale * q ** exponent)`` independent tokens) and the prefill tempering (``prefill_gamma``: those
     tokens route by ``pi ** gamma``, ``RoutingModel.prefill_gamma``), by relative least squares of the expected pairs
     touched against the recorded and of the expected loads against the recorded, every step twice with one weight.
     The law sets how many pairs a chunk touches, the tempering where they fall against the cache (the prefill miss
-    term, wave 12). Also the per-step errors (median, worst) of both, and the loads' at gamma 1 with the same law."""
+    term, wave 12). With ``cross`` also the law's cross-prompt exponent (``RoutingModel.chunk_cross``, wave 21: a
+    step's prompts share experts beyond independence), from 1. Also the per-step errors (median, worst) of both, and
+    the loads' at gamma 1 with the same law."""
     def models(theta):
-        scale, exponent, gamma = theta
+        scale, exponent, gamma = theta[:3]
+        beta = theta[3] if cross else 1.0
         cache: dict[int, RoutingModel] = {}
         for s in steps:
             if id(s.routing) not in cache:
-                cache[id(s.routing)] = s.routing.with_chunk_law(scale, exponent).with_prefill_gamma(gamma)
+                cache[id(s.routing)] = s.routing.with_chunk_law(scale, exponent, beta).with_prefill_gamma(gamma)
         return cache
 
     def expectations(theta) -> np.ndarray:
@@ -307,13 +310,17 @@ def fit_prefill_routing(steps: list[PrefillStep], x0: tuple[float, float, float]
     def residuals(theta):
         return (expectations(theta) / measured - 1).ravel()
 
-    fit = least_squares(residuals, x0=list(x0), bounds=([0.1, 0.01, gamma_bounds[0]], [10.0, 1.0, gamma_bounds[1]]),
-                        diff_step=0.01)
+    lower, upper = [0.1, 0.01, gamma_bounds[0]], [10.0, 1.0, gamma_bounds[1]]
+    start = list(x0) + ([1.0] if cross else [])
+    if cross:
+        lower, upper = lower + [0.05], upper + [1.0]
+    fit = least_squares(residuals, x0=start, bounds=(lower, upper), diff_step=0.01)
     at_fit = expectations(fit.x)
-    at_one = expectations([fit.x[0], fit.x[1], 1.0])
+    at_one = expectations([fit.x[0], fit.x[1], 1.0] + list(fit.x[3:]))
     err, err_one = at_fit / measured - 1, at_one / measured - 1
     return {"routing_chunk_scale": float(fit.x[0]), "routing_chunk_exponent": float(fit.x[1]),
-            "prefill_gamma": float(fit.x[2]), "steps": len(steps),
+            "prefill_gamma": float(fit.x[2])} | ({"routing_chunk_cross": float(fit.x[3])} if cross else {}) | {
+            "steps": len(steps),
             "touched_median_abs_rel_error": float(np.median(np.abs(err[:, 0]))),
             "touched_max_abs_rel_error": float(np.abs(err[:, 0]).max()),
             "loads_median_abs_rel_error": float(np.median(np.abs(err[:, 1]))),

@@ -9,7 +9,9 @@ hotset profiles here carry none). The tokens of one prefill chunk are not indepe
 share experts): a chunk of ``q`` tokens counts as ``min(q, chunk_scale * q ** chunk_exponent)``
 independent tokens (``effective_tokens``; fitted to measured per-step touched experts by
 ``rimuru.engine.modeled.calibration.fit_chunk_routing``; 1 and 1 = independent). Decode tokens of different
-requests count one each. Seeded: the same seed and the same sequence of calls give the same sets.
+requests count one each. Prompts served in one step are not independent of each other either (since wave 21,
+``chunk_cross``: the chunks of a step with ``n`` > 1 prompt chunks count ``n ** (chunk_cross - 1)`` times their
+effective tokens; 1: independent prompts). Seeded: the same seed and the same sequence of calls give the same sets.
 
 A profile measured on few prompts is too concentrated (an expert no calibration prompt chose gets probability 0
 but is touched in serving; a prompt's tokens share experts, so its tokens are worth fewer independent ones).
@@ -131,6 +133,13 @@ def temper(probability: np.ndarray, gamma: float, top_k: int) -> np.ndarray:
     return np.clip(q, 0.0, 1.0)
 
 
+def _check_cross(cross: float) -> float:
+    """``chunk_cross`` (module doc) is in (0, 1]: prompts served together share experts at least as independent ones."""
+    if not 0 < cross <= 1:
+        raise ValueError(f"chunk_cross must be in (0, 1], got {cross}")
+    return float(cross)
+
+
 def _log_miss(pi: np.ndarray) -> np.ndarray:
     """log(1 - pi), finite where pi is 1."""
     return np.log1p(-np.minimum(pi, 1 - 1e-12))
@@ -141,7 +150,7 @@ class RoutingModel:
                  chunk_exponent: float = 1.0, num_tokens: float = 0, prior_tokens: float = 0.0,
                  reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0,
                  prefill_gamma: float = 1.0, decode_probability: np.ndarray | None = None,
-                 decode_tokens: float = 0) -> None:
+                 decode_tokens: float = 0, chunk_cross: float = 1.0) -> None:
         """``decode_probability`` (over ``decode_tokens``): the profile's decode tokens apart (``Hotset``'s, where
         the profiler recorded them): decode tokens route by it, shrunk the same way, instead of by the whole
         profile (module doc); None: by the whole profile."""
@@ -149,6 +158,7 @@ class RoutingModel:
             raise ValueError(f"chunk_scale must be > 0 and chunk_exponent in (0, 1], got {chunk_scale}, "
                              f"{chunk_exponent}")
         self.chunk_scale, self.chunk_exponent = float(chunk_scale), float(chunk_exponent)
+        self.chunk_cross = _check_cross(chunk_cross)
         self.top_k = top_k
         self.pi, n = self._shrunk(probability, num_tokens, prior_tokens, reference_curve)
         self.profile_tokens = np.broadcast_to(np.asarray(n, dtype=np.float64), (np.shape(probability)[0],))
@@ -167,12 +177,13 @@ class RoutingModel:
     def from_hotset(cls, hotset: Hotset, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
                     chunk_exponent: float = 1.0, prior_tokens: float = 0.0,
                     reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0,
-                    prefill_gamma: float = 1.0) -> RoutingModel:
+                    prefill_gamma: float = 1.0, chunk_cross: float = 1.0) -> RoutingModel:
         """The hotset's profile, shrunk toward uniform by ``prior_tokens`` against its ``num_tokens`` (per layer:
         fewer where ``reference_curve`` says its unseen experts are too many for that many tokens); its decode
         tokens' profile the same way, where it has one."""
         return cls(hotset.probability, top_k, seed, chunk_scale, chunk_exponent, hotset.num_tokens, prior_tokens,
-                   reference_curve, decode_gamma, prefill_gamma, hotset.decode_probability, hotset.decode_tokens)
+                   reference_curve, decode_gamma, prefill_gamma, hotset.decode_probability, hotset.decode_tokens,
+                   chunk_cross)
 
     def _shrunk(self, probability: np.ndarray, num_tokens: float, prior_tokens: float,
                 reference_curve: np.ndarray | None) -> tuple[np.ndarray, float | np.ndarray]:
@@ -204,20 +215,27 @@ class RoutingModel:
         out._touch = {}
         return out
 
-    def with_chunk_law(self, scale: float, exponent: float) -> RoutingModel:
+    def with_chunk_law(self, scale: float, exponent: float, cross: float = 1.0) -> RoutingModel:
         """The same profile with another prefill chunk law (a copy; it shares this model's generator)."""
         if scale <= 0 or not 0 < exponent <= 1:
             raise ValueError(f"chunk_scale must be > 0 and chunk_exponent in (0, 1], got {scale}, {exponent}")
         out = copy.copy(self)
-        out.chunk_scale, out.chunk_exponent = float(scale), float(exponent)
+        out.chunk_scale, out.chunk_exponent, out.chunk_cross = float(scale), float(exponent), _check_cross(cross)
         return out
 
     def effective_tokens(self, q_lens) -> float:
         """Independent tokens equivalent to a step's chunks (``q_lens``: tokens per scheduled request)."""
         q = np.asarray(q_lens, dtype=np.float64)
-        if (self.chunk_exponent == 1.0 and self.chunk_scale >= 1.0) or not len(q) or q.max() <= 1:
-            return float(q.sum())  # independent tokens, or decode tokens only
-        return float(np.where(q > 1, np.minimum(q, self.chunk_scale * q ** self.chunk_exponent), q).sum())
+        if not len(q) or q.max() <= 1:
+            return float(q.sum())  # decode tokens only
+        prompts = q > 1
+        if self.chunk_exponent == 1.0 and self.chunk_scale >= 1.0:
+            chunked = q[prompts]  # independent tokens
+        else:
+            chunked = np.minimum(q[prompts], self.chunk_scale * q[prompts] ** self.chunk_exponent)
+        # the step's prompt chunks share experts beyond independence (chunk_cross < 1; module doc)
+        shared = float(prompts.sum()) ** (self.chunk_cross - 1.0) if self.chunk_cross != 1.0 else 1.0
+        return float(chunked.sum()) * shared + float(q[~prompts].sum())
 
     def step_tokens(self, q_lens) -> tuple[float, float]:
         """A step's (prefill, decode) tokens for ``touch_probability``: its chunks of more than one token in effective
