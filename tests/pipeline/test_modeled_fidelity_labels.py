@@ -207,3 +207,23 @@ def test_a_setup_measured_in_several_folders_is_replayed_once(fidelity, tmp_path
     assert first.metrics["forward_steps"] > 0 and len(first.timeline) == first.metrics["forward_steps"]
     assert run("b.json") is first
     assert run("a.json", seed=1) is not first and run("c.json") is not first
+
+
+def test_replays_take_the_async_admission_lag_when_asked(fidelity):
+    """Replays(async_admission=True) (fidelity --async-admission, wave 21) replays with replay's async admission: a
+    request due during a pipelined decode step joins after the next step, so its TTFT is one step longer; without
+    async scheduling nothing is pipelined and the lag does nothing."""
+    from rimuru.engine.modeled.reference import spec_with_layers
+    from rimuru.engine.modeled.replay import TraceRequest
+
+    spec = spec_with_layers("qwen3-30b-a3b", 2)
+    trace = [TraceRequest(16, 40, 0.0), TraceRequest(16, 2, 0.105)]
+
+    def ttft(lag: bool, async_scheduling: bool = True) -> float:
+        options = dict(executor="modeled", gpu_memory_budget="40GiB", policy="fixed", modeled_step_ms=10.0,
+                       async_scheduling=async_scheduling, hotset=None, modeled_routing_profile=None)
+        return fidelity.Replays(lag).run(("qwen3-30b-a3b", 2), spec, 0, options, [], trace, 0.0).metrics[
+            "mean_ttft_ms"]
+
+    assert ttft(True) == pytest.approx(ttft(False) + 10.0 / 2)
+    assert ttft(True, async_scheduling=False) == pytest.approx(ttft(False, async_scheduling=False))
