@@ -301,9 +301,8 @@ def main() -> None:
                              f"of {args.cost_params} (fitted: {', '.join(fitted_laws) or 'none'}), got {item!r}")
         law = fitted_laws[name]
         law_folder[str(Path(folder) / "hotset.json")] = (name, (float(law["routing_chunk_scale"]),
-                                                                float(law["routing_chunk_exponent"]))
-                                                         + ((float(law["routing_chunk_cross"]),)
-                                                            if "routing_chunk_cross" in law else ()),
+                                                                float(law["routing_chunk_exponent"]),
+                                                                float(law.get("routing_chunk_cross", 1.0))),
                                                          float(law.get("prefill_gamma", 1.0)))
     fitted_priors = calibration.fitted.get("routing_prior_build", {})
     prior_folder = {}

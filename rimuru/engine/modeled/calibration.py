@@ -310,10 +310,9 @@ def fit_prefill_routing(steps: list[PrefillStep], x0: tuple[float, float, float]
     def residuals(theta):
         return (expectations(theta) / measured - 1).ravel()
 
-    lower, upper = [0.1, 0.01, gamma_bounds[0]], [10.0, 1.0, gamma_bounds[1]]
-    start = list(x0) + ([1.0] if cross else [])
-    if cross:
-        lower, upper = lower + [0.05], upper + [1.0]
+    lower, upper, start = [0.1, 0.01, gamma_bounds[0]], [10.0, 1.0, gamma_bounds[1]], list(x0)
+    if cross:  # the cross-prompt exponent, in (0.05, 1], from independent prompts
+        lower, upper, start = lower + [0.05], upper + [1.0], start + [1.0]
     fit = least_squares(residuals, x0=start, bounds=(lower, upper), diff_step=0.01)
     at_fit = expectations(fit.x)
     at_one = expectations([fit.x[0], fit.x[1], 1.0] + list(fit.x[3:]))

@@ -134,7 +134,8 @@ def temper(probability: np.ndarray, gamma: float, top_k: int) -> np.ndarray:
 
 
 def _check_cross(cross: float) -> float:
-    """``chunk_cross`` (module doc) is in (0, 1]: prompts served together share experts at least as independent ones."""
+    """``chunk_cross`` (module doc) is in (0, 1]: prompts served together share at least as many experts as
+    independent prompts would (1)."""
     if not 0 < cross <= 1:
         raise ValueError(f"chunk_cross must be in (0, 1], got {cross}")
     return float(cross)
