@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,10 @@ def _one_of(*choices: Any) -> Callable[[Any], bool]:
 
 def _chunk_law(v: Any) -> bool:
     return len(v) in (2, 3) and v[0] > 0 and 0 < v[1] <= 1 and (len(v) == 2 or 0 < v[2] <= 1)
+
+
+def _decode_request(v: Any) -> bool:
+    return len(v) == 4 and all(math.isfinite(x) for x in v) and v[1] > 0 and v[2] >= 0
 
 
 def _routing_prior(v: Any) -> bool:
@@ -98,6 +103,8 @@ MODELED_OPTIONS = (
                   "host and copy terms are modeled"),
     ModeledOption("modeled_routing_prior", _routing_prior, "(prior tokens >= 0, a reference curve summing to 1)"),
     ModeledOption("modeled_h2d_gbps", _positive_number, "a positive host-to-device rate in GB/s"),
+    ModeledOption("modeled_decode_request", _decode_request,
+                  "a per-request decode tempering (exponent, reference prompt tokens > 0, spread >= 0, center)"),
     ModeledOption("modeled_decode_gamma", _positive_number, "a positive exponent of the decode routing", unset=1.0),
     ModeledOption("modeled_prefill_gamma", _positive_number, "a positive exponent of the prefill routing", unset=1.0),
     ModeledOption("modeled_host_slowdown", _positive_number, "a positive factor on the host terms", unset=1.0),
@@ -158,6 +165,10 @@ class EngineConfig:
     modeled_routing_prior: tuple[float, tuple[float, ...]] | None = None  # modeled: (routing_prior_tokens,
     # routing_reference_curve) instead of the calibration's: a profile shrinkage fitted for the model build a run
     # served (fitted.routing_prior_build), e.g. the 48-layer repeated-layer model, whose deep layers are flatter
+    modeled_decode_request: tuple[float, float, float, float] | None = None  # modeled: each request's decode tokens
+    # route by the decode profile tempered by decode_gamma * exp(center + exponent * log(prompt tokens / ref) +
+    # spread * z), z a standard normal drawn from the request's id (routing.DecodeRequestLaw: (exponent, ref, spread,
+    # center)), fitted per model build (fitted.decode_request); None: every request's decode tokens alike
     modeled_next_step_prefetch: bool = True  # modeled: an eager step copies its first layer's misses for the next
     # step when that layer touched >= 3/4 of its experts, as PagedExperts does since a98ef5f (False: an older engine)
     loading_buffers: str = "layer"  # layer: two loading buffers of one MoE layer's experts each, for the engine's

@@ -51,7 +51,9 @@ def calibration_inputs(w):
             + [f"{REF}/{d}/{f}" for dirs in MODELED.get("routing_prior_build", {}).values() for d in dirs
                for f in ("hotset.json", "e2e.csv")]
             + [f"{REF}/{d}/{f}" for d in MODELED.get("engine_terms_fit", {}).get("timelines", [])
-               for f in ("timelines.csv.gz", "e2e.csv")])
+               for f in ("timelines.csv.gz", "e2e.csv")]
+            + [f"{REF}/{key.rpartition(':')[0]}/{f}" for keys in MODELED.get("decode_request_fit", {}).values()
+               for key in keys for f in ("timelines.csv.gz", "e2e.csv", "hotset.json")])
 
 
 def engine_terms_option():
@@ -113,6 +115,8 @@ rule modeled_calibrate:
         laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
         prefill=" ".join(MODELED.get("prefill_gamma_fit", [])),
         cross=" ".join(MODELED.get("prefill_cross_fit", [])),
+        requests=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("decode_request_fit", {}).items()),
+        request_spread=" ".join(MODELED.get("decode_request_spread", [])),
         priors=" ".join(f"{name}={'+'.join(dirs)}" for name, dirs in MODELED.get("routing_prior_build", {}).items()),
         lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
         kernels=(f"--decode-kernels-fit {' '.join(MODELED['decode_kernels_fit']['floors'])} --decode-kernels-waves "
@@ -128,6 +132,7 @@ rule modeled_calibrate:
         "{params.fit_loop} {params.overlap} {params.tie_token} {params.tp} --decode-gamma-fit {params.gamma} "
         "--chunk-law-fit {params.laws} --prefill-gamma-fit {params.prefill} --prefill-cross-fit {params.cross} "
         "--routing-prior-build {params.priors} "
+        "--decode-request-fit {params.requests} --decode-request-spread {params.request_spread} "
         "--lengths {params.lengths} "
         "{params.kernels} {params.engine_terms} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
@@ -177,6 +182,7 @@ rule modeled_fidelity:
         gamma=" ".join(f"{folder}={profile}" for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
         laws=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("chunk_law", {}).items()),
         priors=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("routing_prior", {}).items()),
+        requests=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("decode_request", {}).items()),
         seed_spread=FIDELITY.get("seed_spread", 0),
         async_admission="--async-admission" if FIDELITY.get("async_admission") else "",
         tp_gamma=(f"--tp-decode-gamma {FIDELITY['tp_decode_gamma']}" if FIDELITY.get("tp_decode_gamma") else ""),
@@ -193,7 +199,7 @@ rule modeled_fidelity:
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
         "--decode-gamma {params.gamma} {params.tp_gamma} --chunk-law {params.laws} --routing-prior {params.priors} "
-        "--seed-spread {params.seed_spread} {params.async_admission} --fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
+        "--decode-request {params.requests} --seed-spread {params.seed_spread} {params.async_admission} --fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
 

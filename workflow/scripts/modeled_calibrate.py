@@ -27,6 +27,7 @@ from rimuru.engine.modeled.calibration import (
     fit_decode_floor,
     fit_decode_gamma,
     fit_decode_kernels,
+    fit_decode_request_law,
     fit_engine_terms,
     fit_gdn_eager,
     fit_gdn_prefill,
@@ -169,6 +170,16 @@ def main() -> None:
                     help="NAME=DIR+DIR...: a named profile shrinkage (fitted.routing_prior_build[NAME]: prior tokens "
                          "and reference curve, fit_routing_prior) fitted on the hotsets of these fit-run folders of "
                          "one model build (relative to --reference), for the runs of that build")
+    ap.add_argument("--decode-request-fit", nargs="*", default=[],
+                    help="NAME=DIR:POLICY+...: a --routing-prior-build NAME's per-request decode tempering "
+                         "(fitted.decode_request[NAME]: routing.DecodeRequestLaw, fit_decode_request_law) fitted on "
+                         "the "
+                         "stretches of one request decoding alone in these e2e folders' timelines (every repeat of "
+                         "POLICY, served with DIR/hotset.json shrunk by the build's prior; a profile without a decode "
+                         "split with the build's decode tempering, --decode-gamma-fit NAME, as its replay takes it)")
+    ap.add_argument("--decode-request-spread", nargs="*", default=[],
+                    help="NAME...: of --decode-request-fit, also fit a request's own draw (the law's spread: the "
+                         "stretches' loads variance); without: spread 0, the prompt-length law alone")
     ap.add_argument("--lengths", default="",
                     help="CSV prompt_len,output_len (modeled_trace.py): the trace the --chunk-law-fit runs served")
     ap.add_argument("--decode-kernels-fit", nargs="*", default=[],
@@ -408,6 +419,36 @@ def main() -> None:
                 "waste": base.prefetch_waste}
         else:
             chunk_laws[name] = fit_chunk_law(rows) | {"runs": keys.split("+")}
+    decode_request = {}
+    for item in args.decode_request_fit:
+        name, _, keys = item.partition("=")
+        if not keys or name not in prior_builds:
+            raise SystemExit(f"--decode-request-fit takes NAME=DIR:POLICY+... with NAME a --routing-prior-build, "
+                             f"got {item!r}")
+        build_gamma = float(decode_gamma[name]["decode_gamma"]) if name in decode_gamma else 1.0
+        request_runs = []
+        for key in keys.split("+"):
+            folder, _, policy = key.rpartition(":")
+            paths = [ref / folder / f for f in ("timelines.csv.gz", "e2e.csv", "hotset.json")]
+            if not all(p.exists() for p in paths):
+                raise SystemExit(f"--decode-request-fit {key}: no timelines.csv.gz, e2e.csv or hotset.json in "
+                                 f"{ref / folder}")
+            spec = spec_with_layers(*parse_run_model(pd.read_csv(paths[1])["model"].iloc[0]))
+            hotset = Hotset.load(paths[2])
+            shrink = build_shrink(name)
+            routing = RoutingModel.from_hotset(hotset, spec.top_k, prior_tokens=shrink["prior_tokens"],
+                                               reference_curve=shrink["reference_curve"])
+            gamma = build_gamma if hotset.decode_probability is None else 1.0
+            data.extend(data_entry(p) for p in paths)
+            frame = pd.read_csv(paths[0])
+            for repeat, t in frame[frame["policy"] == policy].groupby("repeat"):
+                request_runs.append((FitRun(f"{key}#{repeat}", t.sort_values("step").reset_index(drop=True), spec,
+                                            policy, routing, hotset.global_order()), gamma))
+        try:
+            decode_request[name] = fit_decode_request_law(request_runs, spread=name in args.decode_request_spread) | {
+                "fit_runs": keys.split("+")}
+        except ValueError as exc:
+            raise SystemExit(f"--decode-request-fit {name}: {exc}") from None
     floor = load_floor([ref / path for path in args.decode_floor])
     for path, rows in floor.groupby("source", sort=False):
         data.append(data_entry(Path(path), rows) | {"layers": sorted(map(int, rows["layers"].unique()))})
@@ -579,6 +620,7 @@ def main() -> None:
         "hardware": args.hardware, "kernel_fit": kernel, "attention_fit": attention, "step_fit": steps,
         "routing_fit": routing_fit, "routing_prior_fit": prior_fit, "decode_gamma": decode_gamma,
         "chunk_law": chunk_laws, "decode_kernels_fit": kernels_fit, "routing_prior_build": prior_builds,
+        "decode_request": decode_request,
         "routing_fit_runs": list(filter(None, args.routing_fit_runs.split(","))),
         "fit_runs": args.fit_runs.split(","), "fit_timelines": list(filter(None, args.fit_timelines.split(","))),
         "data": data,

@@ -219,6 +219,11 @@ def main() -> None:
                     help="FOLDER=NAME: FOLDER's runs replay with the profile shrinkage NAME the calibration fitted for "
                          "their model build (fitted.routing_prior_build); other folders with the calibration's "
                          "routing_prior_tokens / routing_reference_curve")
+    ap.add_argument("--decode-request", nargs="*", default=[],
+                    help="FOLDER=NAME: FOLDER's runs replay each request's decode tokens with the per-request "
+                         "tempering NAME the calibration fitted for their model build (fitted.decode_request: "
+                         "routing.DecodeRequestLaw; its fit runs' rows are `fit`); other folders with every request "
+                         "alike")
     ap.add_argument("--async-admission", action="store_true",
                     help="one-GPU replays admit the arrivals during a pipelined (async-scheduled) step after the next "
                          "step, as the engine measured (replay's async_admission: wave 12's rule 6); default: into it")
@@ -315,6 +320,20 @@ def main() -> None:
         b = fitted_priors[name]
         prior_folder[str(Path(folder) / "hotset.json")] = (name, (float(b["routing_prior_tokens"]),
                                                                   tuple(b["routing_reference_curve"])))
+    fitted_requests = calibration.fitted.get("decode_request", {})
+    request_folder = {}
+    for item in args.decode_request:
+        folder, _, name = item.partition("=")
+        if Path(folder) not in [Path(r) for r in args.reference] or name not in fitted_requests:
+            raise SystemExit(f"--decode-request takes FOLDER=NAME with FOLDER one of --reference and NAME a decode "
+                             f"request law of {args.cost_params} (fitted: {', '.join(fitted_requests) or 'none'}), "
+                             f"got {item!r}")
+        law = fitted_requests[name]
+        request_folder[str(Path(folder) / "hotset.json")] = (name, (float(law["exponent"]), float(law["ref"]),
+                                                                    float(law["spread"]), float(law["center"])))
+        for key in law["fit_runs"]:  # its fit runs (FOLDER:POLICY) are fit rows
+            folder, _, policy = key.rpartition(":")
+            fit.add(f"{folder_run(Path('results/reference') / folder)}/{policy}")
     default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
     rows, seed_rows = [], []
     replays = Replays(args.async_admission)
@@ -356,7 +375,8 @@ def main() -> None:
             modeled_decode_gamma=gamma_folder.get(str(Path(row["hotset"])), ("", 1.0))[1],
             modeled_chunk_law=law_folder.get(str(Path(row["hotset"])), ("", None))[1],
             modeled_prefill_gamma=law_folder.get(str(Path(row["hotset"])), ("", None, 1.0))[2],
-            modeled_routing_prior=prior_folder.get(str(Path(row["hotset"])), ("", None))[1])
+            modeled_routing_prior=prior_folder.get(str(Path(row["hotset"])), ("", None))[1],
+            modeled_decode_request=request_folder.get(str(Path(row["hotset"])), ("", None))[1])
         n = int(row["num_requests"])
         # the hotset routed the first prompts of the script's whole trace (--num-requests), a Poisson run may serve
         # fewer of them (--poisson-requests): every served prompt is among the profiled ones when cal >= n
@@ -414,6 +434,7 @@ def main() -> None:
                          "chunk_law": law_folder.get(str(Path(row["hotset"])), ("", None))[0],
                          "prefill_gamma": replayed.prefill_gamma,
                          "routing_prior": prior_folder.get(str(Path(row["hotset"])), ("", None))[0],
+                         "decode_request": request_folder.get(str(Path(row["hotset"])), ("", None))[0],
                          "step_probe_ms": probe})
         safe = re.sub(r"[^a-z0-9_]+", "_", key)
         replayed.timeline.to_csv(timelines / f"{safe}.csv", index=False)

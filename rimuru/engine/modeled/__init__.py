@@ -15,11 +15,12 @@ import dataclasses
 from rimuru.engine.modeled.cost import CostModel, CostParams, StepTime, StepWork, layer_pipeline, layer_pipeline_overlap
 from rimuru.engine.modeled.executor import ModeledExecutor
 from rimuru.engine.modeled.hardware import GpuProfile, HostProfile, load_gpu, load_host
-from rimuru.engine.modeled.routing import RoutingModel
+from rimuru.engine.modeled.routing import DecodeRequestLaw, RoutingModel
 from rimuru.memory import EXPERT
 
-__all__ = ["CostModel", "CostParams", "GpuProfile", "HostProfile", "ModeledExecutor", "RoutingModel", "StepTime",
-           "StepWork", "build_modeled_executor", "layer_pipeline", "layer_pipeline_overlap", "load_gpu", "load_host"]
+__all__ = ["CostModel", "CostParams", "DecodeRequestLaw", "GpuProfile", "HostProfile", "ModeledExecutor",
+           "RoutingModel", "StepTime", "StepWork", "build_modeled_executor", "layer_pipeline", "layer_pipeline_overlap",
+           "load_gpu", "load_host"]
 
 
 def build_modeled_executor(llm, config) -> ModeledExecutor:
@@ -52,7 +53,9 @@ def build_modeled_executor(llm, config) -> ModeledExecutor:
                                        chunk_exponent=exponent, prior_tokens=prior, reference_curve=curve,
                                        decode_gamma=config.modeled_decode_gamma,
                                        prefill_gamma=config.modeled_prefill_gamma,
-                                       chunk_cross=cross[0] if cross else 1.0)
+                                       chunk_cross=cross[0] if cross else 1.0,
+                                       decode_request=(DecodeRequestLaw(*config.modeled_decode_request)
+                                                       if config.modeled_decode_request else None))
     if routing.shape != (llm.spec.num_moe_layers, llm.spec.num_experts):
         raise ValueError(f"hotset has {routing.shape} (layers, experts), the model "
                          f"{(llm.spec.num_moe_layers, llm.spec.num_experts)}")

@@ -55,7 +55,7 @@ from scipy.optimize import least_squares
 
 from rimuru.engine.modeled.cost import ENGINE_TERMS, CostModel, CostParams
 from rimuru.engine.modeled.hardware import GpuProfile
-from rimuru.engine.modeled.routing import RoutingModel, effective_profile_tokens, shrink_to_uniform
+from rimuru.engine.modeled.routing import RoutingModel, effective_profile_tokens, shrink_to_uniform, temper
 from rimuru.experts.hotset import order_rank
 from rimuru.experts.provider import prefetch_next_step
 from rimuru.models.spec import ModelSpec
@@ -173,6 +173,107 @@ def fit_decode_gamma(runs: list[FitRun], waste: float, bounds: tuple[float, floa
             "decode_steps": int(sum(len(t) for _, t, _, _ in parts)), "recorded_loads": recorded,
             "expected_loads_at_gamma_1": expected(1.0), "expected_loads": expected(gamma), "waste": waste,
             "by_batch": decode_gamma_by_batch([(run, t, factor) for run, t, factor, _ in parts], gamma)}
+
+
+def solo_decode_segments(timeline: pd.DataFrame, min_steps: int = 4) -> list[dict]:
+    """The stretches of one request decoding alone in a recorded pass (``timeline``: one policy and repeat, in step
+    order): the decode steps of one token right after a one-prompt prefill step with nothing else running, up to the
+    step that finishes it, the next prefill or a step of another batch; those of at least ``min_steps`` steps. Each:
+    the prompt's tokens, its steps' loads (in place on a graphed step; expansions off) and cached experts."""
+    t = timeline.reset_index(drop=True)
+    prefill, decode, running = (t[c].to_numpy() for c in ("prefill_tokens", "decode_tokens", "running"))
+    loads = (t["experts_loaded"] - t["adjust"].clip(lower=0)).to_numpy(float)
+    cached = t["cached_experts"].to_numpy()
+    out, i = [], 0
+    while i < len(t):
+        if not (prefill[i] > 0 and decode[i] == 0 and running[i] == 1):
+            i += 1
+            continue
+        j = i + 1
+        while j < len(t) and prefill[j] == 0 and decode[j] == 1:
+            j += 1
+            if running[j - 1] == 0:  # the request finished in this step
+                break
+        if j - i - 1 >= min_steps:
+            out.append({"prompt_tokens": int(prefill[i]), "loads": loads[i + 1:j], "cached": cached[i + 1:j]})
+        i = j
+    return out
+
+
+def fit_decode_request_law(runs: list[tuple[FitRun, float]], spread: bool = True, min_steps: int = 4,
+                           nodes: int = 24, grid: tuple[float, float, int] = (-6.0, 4.0, 501)) -> dict:
+    """The per-request decode tempering (``routing.DecodeRequestLaw``) of a model build, from its fit runs' stretches of
+    one request decoding alone (``solo_decode_segments``; ``runs``: paged, graphed runs, each with the decode tempering
+    its replay applies). A stretch's expected loads per step at a tempering are one decode token's expected misses
+    against its steps' caches (a curve over log gamma on ``grid``); the law's center, prompt-length exponent and spread
+    are those at which the stretches' loads have the measured mean, covariance with the log prompt tokens and variance
+    (a method of moments over the standard normal draw, Gauss-Hermite ``nodes``; matching in loads, not in log gamma,
+    as a tempering moves loads little near their floor and ceiling); ``spread`` False: no draw, the center and
+    exponent from the mean and covariance alone. ``ref`` is the stretches' geometric mean prompt.
+    Also reported: each stretch's own tempering (where its mean loads fall on its curve; clipped at the grid's ends)
+    and the least-squares line of those on the log prompt tokens."""
+    from numpy.polynomial.hermite_e import hermegauss
+
+    log_grid = np.linspace(*grid)
+    curves, rows = [], []
+    for run, gamma in runs:
+        rank = order_rank(run.cache_order, *run.routing.shape).ravel()
+        order = np.argsort(rank)
+        segs = solo_decode_segments(run.timeline, min_steps)
+        if not segs:
+            continue
+        tails = np.empty((len(log_grid), len(rank) + 1))
+        for k, g in enumerate(log_grid):  # loads of one token against a cache of its first c pairs: a tail sum
+            q = temper(run.routing.pi_decode_base, float(np.exp(g)), run.routing.top_k).ravel()[order]
+            tails[k] = q.sum() - np.concatenate([[0.0], np.cumsum(q)])
+        for seg in segs:
+            curve = tails[:, seg["cached"].astype(int)].mean(axis=1)  # [grid]: falls as gamma grows
+            recorded = float(np.mean(seg["loads"]))
+            own = float(np.interp(-recorded, -curve, log_grid)) - np.log(gamma)
+            curves.append((curve, np.log(gamma)))
+            rows.append((run.name, seg["prompt_tokens"], len(seg["loads"]), recorded, own,
+                         float(np.interp(np.log(gamma), log_grid, curve)),
+                         not curve[-1] < recorded < curve[0]))
+    if len(rows) < 3:
+        raise ValueError(f"{len(rows)} stretches of one request decoding alone in the decode-request fit runs: "
+                         "a law needs at least 3")
+    frame = pd.DataFrame(rows, columns=["run", "prompt_tokens", "steps", "loads", "log_factor", "loads_at_gamma",
+                                        "clipped"])
+    log_p = np.log(frame["prompt_tokens"].to_numpy(float))
+    ref = float(np.exp(log_p.mean()))
+    x = log_p - log_p.mean()
+    y = frame["log_factor"].to_numpy()
+    ols_exponent = float((x * y).sum() / (x * x).sum()) if (x * x).sum() > 0 else 0.0
+    loads = frame["loads"].to_numpy()
+    z, w = hermegauss(nodes)
+    w = w / w.sum()
+    curve = np.stack([c for c, _ in curves])  # [stretches, grid]
+    base = np.array([g for _, g in curves])
+
+    def moments(theta: np.ndarray) -> np.ndarray:
+        center, exponent, sd = (*theta, 0.0)[:3]
+        at = base[:, None] + center + exponent * x[:, None] + sd * z[None, :]  # [stretches, nodes]
+        model = np.stack([np.interp(a, log_grid, c) for a, c in zip(at, curve)])
+        mean_i, sq_i = model @ w, (model ** 2) @ w
+        mean = mean_i.mean()
+        return np.array([mean, (mean_i * x).mean(), np.sqrt(max(sq_i.mean() - mean ** 2, 0.0))])
+
+    target = np.array([loads.mean(), (loads * x).mean(), loads.std()])
+    scale = np.array([loads.mean(), loads.std() * max(x.std(), 1e-9), loads.mean()])
+    used = 3 if spread else 2  # moments matched: mean, covariance[, variance]
+    x0 = [float(y.mean()), ols_exponent, float(y.std())][:used]
+    fit = least_squares(lambda t: ((moments(t) - target) / scale)[:used], x0=x0,
+                        bounds=([-8.0, -4.0, 0.0][:used], [8.0, 4.0, 6.0][:used]))
+    center, exponent, sd = (*map(float, fit.x), 0.0)[:3]
+    got = moments(fit.x)
+    return {"exponent": exponent, "ref": ref, "spread": sd, "center": center, "spread_fitted": bool(spread),
+            "stretches": len(frame), "clipped": int(frame["clipped"].sum()), "runs": sorted(set(frame["run"])),
+            "recorded_loads": {"mean": float(target[0]), "cov_log_prompt": float(target[1]), "sd": float(target[2])},
+            "modeled_loads": {"mean": float(got[0]), "cov_log_prompt": float(got[1]), "sd": float(got[2])},
+            "loads_at_run_gamma_mean": float(frame["loads_at_gamma"].mean()),
+            "own_tempering_line": {"exponent": ols_exponent, "center": float(y.mean()),
+                                   "residual_sd": float(np.std(y - y.mean() - ols_exponent * x, ddof=2))},
+            "stretch_table": frame.round(6).to_dict("list")}
 
 
 def decode_gamma_by_batch(parts: list[tuple[FitRun, pd.DataFrame, np.ndarray]], gamma: float,

@@ -130,7 +130,11 @@ class ModeledExecutor:
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
         samples = sum(1 for c in chunks if c.samples)
         expansions = self.loader.experts_loaded - self._loads_seen  # started by the adjuster this step
-        touched = self.routing.sample_touched(*self.routing.step_tokens(q))  # [M, E]
+        prefill, decode = self.routing.step_tokens(q)
+        if decode and self.routing.decode_request is not None:  # each request's decode tokens by its own tempering
+            decode = self.routing.decode_keys((c.request.request_id, len(c.request.prompt_token_ids))
+                                              for c in chunks if c.num_tokens == 1)
+        touched = self.routing.sample_touched(prefill, decode)  # [M, E]
         cpu_experts = cpu_share = None
         demand, prefetched, in_place = self._no_loads, self._no_loads, None
         graphed = self.graph_max_batch is not None and replays_graph(out, self.graph_max_batch, self.max_model_len)

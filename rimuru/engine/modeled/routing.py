@@ -47,11 +47,27 @@ loads about half of the pairs it touches where effective tokens drawn from the p
 experts (docs/modeled.md, wave 12): its own experts are spread flatter than the profile's popularity. Fitted per model
 build jointly with the build's chunk law on its fit runs' prefill steps (touched and loads:
 ``rimuru.engine.modeled.calibration.fit_prefill_routing``); 1 (the default): the profile itself.
+
+Requests' decode tokens apart (``DecodeRequestLaw``, since wave 22): one request's decode tokens keep to experts of
+their own across every layer, so a request whose experts the cache holds decodes cheaply for its whole life and one
+whose experts it lacks reads many in place at every step. On the 48-layer build a request decoding alone loads 0.2-2x
+the mean per step (coefficient of variation 0.35-0.6 over requests; tokens drawn independently from one profile give
+0.02-0.06), shorter prompts more, and a request's life, hence how many requests overlap under Poisson arrivals, follows
+it (docs/modeled.md, wave 22). With a law, the decode tokens of request ``r`` route by the decode profile tempered by
+``decode_gamma * exp(center + exponent * log(P_r / ref) + spread * z_r)`` (``P_r`` its prompt's tokens, ``z_r`` a
+standard normal drawn from the request id and the seed: the same request gets the same draw in every run), one
+tempering for all its layers; a step's decode tokens touch an expert unless each of them misses it
+(``touch_probability``'s ``decode`` as per-request tempering keys, ``decode_keys``). Fitted per model build on the
+fit runs' steps of one request decoding alone (``rimuru.engine.modeled.calibration.fit_decode_request_law``).
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import zlib
+from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -146,15 +162,45 @@ def _log_miss(pi: np.ndarray) -> np.ndarray:
     return np.log1p(-np.minimum(pi, 1 - 1e-12))
 
 
+@dataclass(frozen=True)
+class DecodeRequestLaw:
+    """Per-request decode tempering (module doc): request ``r``'s decode tokens route by the decode profile tempered by
+    ``decode_gamma * exp(center + exponent * log(prompt_tokens / ref) + spread * z_r)``. ``center``, ``exponent`` and
+    ``spread`` 0: every request alike (no law)."""
+
+    exponent: float = 0.0
+    ref: float = 1.0  # prompt tokens the exponent is taken about (the fit segments' geometric mean)
+    spread: float = 0.0  # standard deviation of a request's log tempering about the prompt-length law
+    center: float = 0.0  # log tempering, over the profile's, of a request of ``ref`` prompt tokens (before its draw)
+
+    def __post_init__(self) -> None:
+        if not (self.ref > 0 and self.spread >= 0 and math.isfinite(self.exponent) and math.isfinite(self.center)
+                and math.isfinite(self.spread)):
+            raise ValueError(f"a decode request law needs ref > 0, spread >= 0 and finite terms, got {self}")
+
+    @property
+    def active(self) -> bool:
+        return self.exponent != 0.0 or self.spread != 0.0 or self.center != 0.0
+
+    def log_factor(self, prompt_tokens: int, z: float) -> float:
+        """log of a request's tempering over the profile's (``z``: its standard normal draw)."""
+        return self.center + self.exponent * math.log(max(1, prompt_tokens) / self.ref) + self.spread * z
+
+
+GAMMA_STEP = 0.02  # per-request temperings are kept on a grid of this step in log gamma (2%): a step's key repeats
+
+
 class RoutingModel:
     def __init__(self, probability: np.ndarray, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
                  chunk_exponent: float = 1.0, num_tokens: float = 0, prior_tokens: float = 0.0,
                  reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0,
                  prefill_gamma: float = 1.0, decode_probability: np.ndarray | None = None,
-                 decode_tokens: float = 0, chunk_cross: float = 1.0) -> None:
+                 decode_tokens: float = 0, chunk_cross: float = 1.0,
+                 decode_request: DecodeRequestLaw | None = None) -> None:
         """``decode_probability`` (over ``decode_tokens``): the profile's decode tokens apart (``Hotset``'s, where
         the profiler recorded them): decode tokens route by it, shrunk the same way, instead of by the whole
-        profile (module doc); None: by the whole profile."""
+        profile (module doc); None: by the whole profile. ``decode_request``: requests' decode tokens each by their
+        own tempering (module doc); None: all by ``decode_gamma``."""
         if chunk_scale <= 0 or not 0 < chunk_exponent <= 1:
             raise ValueError(f"chunk_scale must be > 0 and chunk_exponent in (0, 1], got {chunk_scale}, "
                              f"{chunk_exponent}")
@@ -171,20 +217,25 @@ class RoutingModel:
         # tokens' routing (module doc)
         self.prefill_gamma = float(prefill_gamma)
         self.pi_prefill, self._log_miss_prefill = self._tempered(self.prefill_gamma)  # prefill chunks' (module doc)
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
-        self._touch: dict[tuple[float, float], np.ndarray] = {}  # (tokens, decode) -> touch probabilities
+        self._touch: dict[tuple, np.ndarray] = {}  # (tokens, decode) -> touch probabilities
+        self.decode_request = decode_request if decode_request is not None and decode_request.active else None
+        self._request_keys: dict[str, int] = {}  # request id -> its tempering's grid key
+        self._log_miss_keys: dict[int, np.ndarray] = {}  # grid key -> log(1 - pi) of that tempering
 
     @classmethod
     def from_hotset(cls, hotset: Hotset, top_k: int, seed: int = 0, chunk_scale: float = 1.0,
                     chunk_exponent: float = 1.0, prior_tokens: float = 0.0,
                     reference_curve: np.ndarray | None = None, decode_gamma: float = 1.0,
-                    prefill_gamma: float = 1.0, chunk_cross: float = 1.0) -> RoutingModel:
+                    prefill_gamma: float = 1.0, chunk_cross: float = 1.0,
+                    decode_request: DecodeRequestLaw | None = None) -> RoutingModel:
         """The hotset's profile, shrunk toward uniform by ``prior_tokens`` against its ``num_tokens`` (per layer:
         fewer where ``reference_curve`` says its unseen experts are too many for that many tokens); its decode
         tokens' profile the same way, where it has one."""
         return cls(hotset.probability, top_k, seed, chunk_scale, chunk_exponent, hotset.num_tokens, prior_tokens,
                    reference_curve, decode_gamma, prefill_gamma, hotset.decode_probability, hotset.decode_tokens,
-                   chunk_cross)
+                   chunk_cross, decode_request)
 
     def _shrunk(self, probability: np.ndarray, num_tokens: float, prior_tokens: float,
                 reference_curve: np.ndarray | None) -> tuple[np.ndarray, float | np.ndarray]:
@@ -205,7 +256,47 @@ class RoutingModel:
         out = copy.copy(self)
         out.decode_gamma = float(gamma)
         out.pi_decode, out._log_miss_decode = self._tempered(out.decode_gamma, self.pi_decode_base)
-        out._touch = {}
+        out._touch, out._request_keys, out._log_miss_keys = {}, {}, {}
+        return out
+
+    def with_decode_request(self, law: DecodeRequestLaw | None) -> RoutingModel:
+        """The same profile with requests' decode tokens tempered each by ``law`` (None: all alike; a copy that
+        shares this model's generator)."""
+        out = copy.copy(self)
+        out.decode_request = law if law is not None and law.active else None
+        out._touch, out._request_keys, out._log_miss_keys = {}, {}, {}
+        return out
+
+    def request_z(self, request_id: str) -> float:
+        """A request's standard normal draw for its decode tempering: from its id and the model's seed, so the same
+        request draws the same in every run and under every policy (and no draw of ``rng`` is taken)."""
+        u = (zlib.crc32(f"{self.seed}/{request_id}".encode()) + 0.5) / 2.0**32
+        return NormalDist().inv_cdf(u)
+
+    def request_key(self, request_id: str, prompt_tokens: int) -> int:
+        """The grid key (log gamma over ``GAMMA_STEP``) of a request's decode tempering (``decode_request``)."""
+        key = self._request_keys.get(request_id)
+        if key is None:
+            law = self.decode_request
+            log_gamma = math.log(self.decode_gamma) + law.log_factor(prompt_tokens, self.request_z(request_id))
+            key = self._request_keys[request_id] = round(log_gamma / GAMMA_STEP)
+        return key
+
+    def decode_keys(self, requests) -> tuple[tuple[int, int], ...] | float:
+        """A step's decode tokens for ``touch_probability``: ``requests`` (request id, prompt tokens) of its one-token
+        chunks. Without a law their count; with one, (grid key, tokens) per tempering, sorted."""
+        if self.decode_request is None:
+            return float(sum(1 for _ in requests))
+        counts: dict[int, int] = {}
+        for request_id, prompt_tokens in requests:
+            key = self.request_key(request_id, prompt_tokens)
+            counts[key] = counts.get(key, 0) + 1
+        return tuple(sorted(counts.items()))
+
+    def _log_miss_key(self, key: int) -> np.ndarray:
+        out = self._log_miss_keys.get(key)
+        if out is None:
+            out = self._log_miss_keys[key] = self._tempered(math.exp(key * GAMMA_STEP), self.pi_decode_base)[1]
         return out
 
     def with_prefill_gamma(self, gamma: float) -> RoutingModel:
@@ -251,10 +342,22 @@ class RoutingModel:
     def shape(self) -> tuple[int, int]:
         return self.pi.shape
 
-    def touch_probability(self, tokens: float, decode: float = 0.0) -> np.ndarray:
+    def touch_probability(self, tokens: float, decode: float | tuple[tuple[int, int], ...] = 0.0) -> np.ndarray:
         """[L, E] P(expert touched by ``tokens`` independent tokens (fractional: effective tokens) routed by the
         profile's prefill tempering and ``decode`` decode tokens routed by its decode tempering; with the two gammas
-        equal the two are one count; both 1: the profile itself)."""
+        equal the two are one count; both 1: the profile itself). ``decode`` as ``decode_keys`` gives it with a
+        request law: (grid key, tokens) per tempering."""
+        if isinstance(decode, tuple):
+            key = (round(float(tokens), 2), decode)
+            p = self._touch.get(key)
+            if p is None:
+                if len(self._touch) > 4096:
+                    self._touch.clear()
+                log_miss = self._log_miss_prefill * key[0]
+                for k, n in decode:
+                    log_miss = log_miss + self._log_miss_key(k) * n
+                p = self._touch[key] = -np.expm1(log_miss)
+            return p
         if self.decode_gamma == self.prefill_gamma and not self.decode_profile:
             tokens, decode = float(tokens) + float(decode), 0.0
         key = (round(float(tokens), 2), round(float(decode), 2))
@@ -268,15 +371,16 @@ class RoutingModel:
             p = self._touch[key] = -np.expm1(log_miss)
         return p
 
-    def expected_touched(self, tokens: float, mask: np.ndarray | None = None, decode: float = 0.0) -> np.ndarray:
+    def expected_touched(self, tokens: float, mask: np.ndarray | None = None,
+                         decode: float | tuple[tuple[int, int], ...] = 0.0) -> np.ndarray:
         """[L] expected number of touched experts (within ``mask`` [L, E] if given)."""
         p = self.touch_probability(tokens, decode)
         return (p if mask is None else p * mask).sum(axis=1)
 
-    def sample_touched(self, tokens: float, decode: float = 0.0) -> np.ndarray:
-        """[L, E] bool: the experts this step's ``tokens`` (effective) tokens and ``decode`` decode tokens route to
-        (a fresh draw per call)."""
-        if tokens + decode <= 0:
+    def sample_touched(self, tokens: float, decode: float | tuple[tuple[int, int], ...] = 0.0) -> np.ndarray:
+        """[L, E] bool: the experts this step's ``tokens`` (effective) tokens and ``decode`` decode tokens (a count,
+        or ``decode_keys``) route to (a fresh draw per call)."""
+        if tokens <= 0 and (not decode if isinstance(decode, tuple) else decode <= 0):
             return np.zeros(self.pi.shape, dtype=bool)
         return self.rng.random(self.pi.shape) < self.touch_probability(tokens, decode)
 
