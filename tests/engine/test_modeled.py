@@ -1902,3 +1902,134 @@ def test_modeled_loader_counts_stay_python_ints():
     assert llm.executor.graph_steps > 0
     assert type(llm.loader.experts_loaded) is int and type(llm.loader.bytes_loaded) is int
     json.dumps({"expert_bytes_loaded": llm.stats().expert_bytes_loaded, "memory": llm.memory_report})
+
+
+def test_decode_request_law_tempers_each_requests_decode_tokens_by_hand():
+    """DecodeRequestLaw (wave 22): request r's decode tokens route by the decode profile tempered by decode_gamma *
+    exp(center + exponent * log(P_r / ref) + spread * z_r); a step's decode tokens touch an expert unless each misses
+    it; z_r comes from the request's id and the seed, not from the routing draws; no law: every request alike."""
+    import math
+
+    from rimuru.engine.config import EngineConfig
+    from rimuru.engine.modeled.routing import GAMMA_STEP, DecodeRequestLaw, temper
+
+    pi = np.array([[0.9, 0.6, 0.3, 0.2], [0.5, 0.5, 0.5, 0.5]])
+    law = DecodeRequestLaw(exponent=0.5, ref=100.0, spread=0.0, center=0.0)
+    assert law.active and not DecodeRequestLaw().active
+    assert law.log_factor(100, 3.0) == 0.0 and law.log_factor(400, 0.0) == pytest.approx(0.5 * math.log(4))
+    plain = RoutingModel(pi, 2, decode_gamma=1.5)
+    lawful = RoutingModel(pi, 2, decode_gamma=1.5, decode_request=law)
+    assert RoutingModel(pi, 2, decode_request=DecodeRequestLaw()).decode_request is None  # an inactive law: none
+    assert plain.decode_keys([("a", 100), ("b", 400)]) == 2.0  # no law: a count, as before
+    keys = lawful.decode_keys([("a", 100), ("b", 400), ("c", 100)])
+    k100, k400 = round(math.log(1.5) / GAMMA_STEP), round((math.log(1.5) + 0.5 * math.log(4)) / GAMMA_STEP)
+    assert keys == ((k100, 2), (k400, 1))
+    g100, g400 = math.exp(k100 * GAMMA_STEP), math.exp(k400 * GAMMA_STEP)
+    expect = 1 - (1 - temper(pi, g100, 2)) ** 2 * (1 - temper(pi, g400, 2))
+    assert np.allclose(lawful.touch_probability(0.0, keys), expect)
+    mixed = lawful.touch_probability(2.0, keys)  # prefill tokens route by the profile beside them
+    assert np.allclose(mixed, 1 - (1 - expect) * (1 - pi) ** 2)
+    # a longer prompt concentrates its decode tokens on the popular experts: fewer outside each layer's top two
+    top2 = np.zeros_like(pi, dtype=bool)
+    top2[0, :2] = True
+    one = {p: lawful.touch_probability(0.0, lawful.decode_keys([(f"r{p}", p)]))[0][~top2[0]].sum() for p in (10, 1000)}
+    assert one[1000] < one[10]
+    assert not lawful.sample_touched(0.0, ()).any()
+    # a request's draw: from its id and the seed only
+    spread = RoutingModel(pi, 2, seed=3, decode_request=DecodeRequestLaw(spread=1.0))
+    z = spread.request_z("req-7")
+    spread.sample_touched(5.0)  # routing draws do not move it
+    assert spread.request_z("req-7") == z == RoutingModel(pi, 2, seed=3).request_z("req-7")
+    assert RoutingModel(pi, 2, seed=4).request_z("req-7") != z
+    zs = np.array([spread.request_z(f"r{i}") for i in range(4000)])
+    assert abs(zs.mean()) < 0.05 and zs.std() == pytest.approx(1.0, abs=0.05)
+    assert spread.with_decode_request(None).decode_request is None
+    for bad in (dict(ref=0.0), dict(spread=-0.1), dict(exponent=float("nan"))):
+        with pytest.raises(ValueError, match="decode request law"):
+            DecodeRequestLaw(**bad)
+    for bad in ((0.2, 0.0, 0.5, 0.0), (0.2, 50.0, -1.0, 0.0), (0.2, 50.0, 0.5)):
+        with pytest.raises(ValueError, match="modeled_decode_request"):
+            EngineConfig(executor="modeled", modeled_decode_request=bad)
+    with pytest.raises(ValueError, match="modeled_decode_request"):
+        EngineConfig(executor="torch", modeled_decode_request=(0.2, 50.0, 0.5, 0.0))
+
+
+def test_modeled_run_with_a_decode_request_law_is_deterministic_and_loads_by_prompt():
+    """A modeled engine with a per-request decode tempering: the same seed gives the same run; a law that makes
+    short prompts' decode tokens flat (cold) loads more than one that makes them concentrated."""
+    from rimuru.engine.modeled.reference import spec_with_layers
+
+    hotset = str(Path(__file__).resolve().parents[2] / "results/reference/e2e/graphs/hotset.json")
+
+    def run(law):
+        llm = LLM(spec_with_layers("qwen3-30b-a3b", 4), executor="modeled", gpu_memory_budget="8GiB", policy="fixed",
+                  hardware="h200", hotset=hotset, modeled_decode_request=law, seed=5)
+        trace = [TraceRequest(8 if i % 2 else 600, 24, 0.3 * i) for i in range(12)]
+        return llm, replay(llm, trace)
+
+    cold = (1.0, 100.0, 0.0, 0.0)  # 8-token prompts tempered by (8/100) ** 1: flat
+    hot = (-1.0, 100.0, 0.0, 0.0)  # the same prompts concentrated
+    (a_llm, a), (_, b) = run(cold), run(cold)
+    assert a == b and a["completed"] == 12
+    assert a_llm.executor.routing.decode_request is not None
+    _, c = run(hot)
+    assert a["expert_gb_loaded"] > c["expert_gb_loaded"]
+
+
+def test_solo_decode_segments_are_one_request_decoding_alone():
+    """solo_decode_segments: the one-token steps after a one-prompt prefill step with nothing else running, up to the
+    step that finishes the request, the next prefill or a batch of two; shorter than min_steps: left out."""
+    from rimuru.engine.modeled.calibration import solo_decode_segments
+
+    rows = [  # prefill, decode, running, loads, adjust, cached
+        (20, 0, 1, 900, 0, 50), (0, 1, 1, 10, 0, 50), (0, 1, 1, 12, 0, 50), (0, 1, 1, 11, 0, 50),
+        (0, 1, 1, 13, 3, 51), (0, 1, 0, 9, 0, 51),  # finished: a stretch of 5 (expansion taken off)
+        (7, 0, 1, 500, 0, 51), (0, 1, 1, 20, 0, 51), (0, 1, 1, 21, 0, 51), (30, 1, 2, 800, 0, 51),  # too short
+        (0, 2, 2, 30, 0, 51), (40, 2, 3, 700, 0, 51),  # a batch: no stretch
+        (9, 0, 1, 400, 0, 52)] + [(0, 1, 1, 15, 0, 52)] * 4  # the pass ends: a stretch of 4
+    t = pd.DataFrame(rows, columns=["prefill_tokens", "decode_tokens", "running", "experts_loaded", "adjust",
+                                    "cached_experts"])
+    segs = solo_decode_segments(t)
+    assert [s["prompt_tokens"] for s in segs] == [20, 9]
+    assert segs[0]["loads"].tolist() == [10, 12, 11, 10, 9] and segs[0]["cached"].tolist() == [50, 50, 50, 51, 51]
+    assert segs[1]["loads"].tolist() == [15] * 4
+    assert [s["prompt_tokens"] for s in solo_decode_segments(t, min_steps=2)] == [20, 7, 9]
+
+
+@pytest.mark.parametrize("spread", [False, True])
+def test_decode_request_fit_recovers_the_law_the_stretches_were_drawn_with(spread):
+    """fit_decode_request_law on stretches whose loads are a known law's expected misses (a tempering per request,
+    from its prompt length and, with spread, its own draw): it recovers the exponent, the center and the spread."""
+    from rimuru.engine.modeled.calibration import FitRun, fit_decode_request_law
+    from rimuru.engine.modeled.routing import temper
+    from rimuru.experts.hotset import order_rank
+
+    rng = np.random.default_rng(7)
+    pi = rng.dirichlet(np.full(32, 0.3), size=4) * 4
+    rank = np.argsort(-pi, axis=1)
+    order = np.array([(layer, rank[layer, i]) for i in range(32) for layer in range(4)])
+    cache = order_rank(order, 4, 32) >= 48  # the cache holds the first 48 pairs of the order
+    truth = dict(exponent=0.3, center=-0.2, spread=0.6 if spread else 0.0)
+    prompts = np.exp(rng.uniform(np.log(5), np.log(800), 160)).astype(int)
+    ref, base_gamma = float(np.exp(np.log(prompts).mean())), 0.9
+    # each request's own draw: the normal's quantiles in a random order (a sample with the law's moments)
+    from statistics import NormalDist
+
+    draws = rng.permutation([NormalDist().inv_cdf((i + 0.5) / 160) for i in range(160)])
+    rows = []
+    for p, z in zip(prompts, draws if spread else np.zeros(160)):
+        g = base_gamma * np.exp(truth["center"] + truth["exponent"] * np.log(p / ref) + truth["spread"] * z)
+        loads = temper(pi, g, 4)[cache].sum()
+        rows += [(int(p), 0, 1, 999.0)] + [(0, 1, 1, loads)] * 5 + [(0, 1, 0, loads)]
+    t = pd.DataFrame(rows, columns=["prefill_tokens", "decode_tokens", "running", "experts_loaded"]).assign(
+        adjust=0, cached_experts=48)
+    fit = fit_decode_request_law([(FitRun("drawn", t, None, "fixed", RoutingModel(pi, 4), order), base_gamma)],
+                                 spread=spread)
+    assert fit["stretches"] == 160 and fit["ref"] == pytest.approx(ref, rel=0.02)
+    tol = 0.05 if spread else 0.02
+    assert fit["exponent"] == pytest.approx(truth["exponent"], abs=tol)
+    assert fit["center"] == pytest.approx(truth["center"] + truth["exponent"] * np.log(ref / fit["ref"]), abs=tol)
+    assert fit["spread"] == pytest.approx(truth["spread"], abs=tol)
+    assert fit["modeled_loads"]["mean"] == pytest.approx(fit["recorded_loads"]["mean"], rel=1e-3)
+    with pytest.raises(ValueError, match="stretches"):
+        fit_decode_request_law([(FitRun("none", t.iloc[:3], None, "fixed", RoutingModel(pi, 4), order), 1.0)])
