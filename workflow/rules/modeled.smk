@@ -111,13 +111,19 @@ rule modeled_calibrate:
            + (f" --gdn-timelines {MODELED['gdn_fit']['timelines']}" if "gdn_fit" in MODELED else "")
            + (f" --gdn-floor {' '.join(MODELED['gdn_fit']['floors'])} --gdn-floor-steps "
               f"{MODELED['gdn_fit']['floor_steps']}" if "floors" in MODELED.get("gdn_fit", {}) else ""),
-        gamma=" ".join(f"{profile}={'+'.join(runs)}" for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
-        laws=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("chunk_law_fit", {}).items()),
-        prefill=" ".join(MODELED.get("prefill_gamma_fit", [])),
-        cross=" ".join(MODELED.get("prefill_cross_fit", [])),
-        requests=" ".join(f"{name}={'+'.join(runs)}" for name, runs in MODELED.get("decode_request_fit", {}).items()),
-        request_spread=" ".join(MODELED.get("decode_request_spread", [])),
-        priors=" ".join(f"{name}={'+'.join(dirs)}" for name, dirs in MODELED.get("routing_prior_build", {}).items()),
+        # each value carries its option: snakemake compares a rule's params as a set of values, so two options with
+        # the same value (a build name) would hide a change of one of them from its params trigger
+        gamma="--decode-gamma-fit " + " ".join(f"{profile}={'+'.join(runs)}"
+                                               for profile, runs in MODELED.get("decode_gamma_fit", {}).items()),
+        laws="--chunk-law-fit " + " ".join(f"{name}={'+'.join(runs)}"
+                                           for name, runs in MODELED.get("chunk_law_fit", {}).items()),
+        prefill="--prefill-gamma-fit " + " ".join(MODELED.get("prefill_gamma_fit", [])),
+        cross="--prefill-cross-fit " + " ".join(MODELED.get("prefill_cross_fit", [])),
+        requests="--decode-request-fit " + " ".join(f"{name}={'+'.join(runs)}"
+                                                    for name, runs in MODELED.get("decode_request_fit", {}).items()),
+        request_spread="--decode-request-spread " + " ".join(MODELED.get("decode_request_spread", [])),
+        priors="--routing-prior-build " + " ".join(f"{name}={'+'.join(dirs)}"
+                                                   for name, dirs in MODELED.get("routing_prior_build", {}).items()),
         lengths=f"results/modeled/lengths_{MODELED['workload']}_{MODELED['num_requests']}.csv",
         kernels=(f"--decode-kernels-fit {' '.join(MODELED['decode_kernels_fit']['floors'])} --decode-kernels-waves "
                  + " ".join(f"{v}={w}" for v, w in MODELED["decode_kernels_fit"]["waves"].items())
@@ -129,10 +135,10 @@ rule modeled_calibrate:
         "{PY} {SCRIPTS}/modeled_calibrate.py --reference {REF} --decode-floor {params.floor} --fit-runs {params.fit} "
         "--routing-fit-runs {params.routing} --routing-prior-fit {params.prior} --fit-timelines {params.timelines} "
         "--async-floor {params.async_floor} "
-        "{params.fit_loop} {params.overlap} {params.tie_token} {params.tp} --decode-gamma-fit {params.gamma} "
-        "--chunk-law-fit {params.laws} --prefill-gamma-fit {params.prefill} --prefill-cross-fit {params.cross} "
-        "--routing-prior-build {params.priors} "
-        "--decode-request-fit {params.requests} --decode-request-spread {params.request_spread} "
+        "{params.fit_loop} {params.overlap} {params.tie_token} {params.tp} {params.gamma} "
+        "{params.laws} {params.prefill} {params.cross} "
+        "{params.priors} "
+        "{params.requests} {params.request_spread} "
         "--lengths {params.lengths} "
         "{params.kernels} {params.engine_terms} "
         "--hardware {MODELED[calibration_hardware]} --out {output} > {log} 2>&1"
@@ -179,10 +185,14 @@ rule modeled_fidelity:
         engine_terms=" ".join(f"{c}={int(n)}" for c, n in FIDELITY.get("engine_terms", {}).items()),
         engine_default=" ".join(f"{k}={int(n)}" for k, n in FIDELITY.get("engine_default", {}).items()),
         tp_runs=" ".join(FIDELITY.get("tp_runs", [])),
-        gamma=" ".join(f"{folder}={profile}" for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
-        laws=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("chunk_law", {}).items()),
-        priors=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("routing_prior", {}).items()),
-        requests=" ".join(f"{folder}={name}" for folder, name in FIDELITY.get("decode_request", {}).items()),
+        # each value carries its option (a rule's params are compared as a set of values: calibrate above)
+        gamma="--decode-gamma " + " ".join(f"{folder}={profile}"
+                                           for folder, profile in FIDELITY.get("decode_gamma", {}).items()),
+        laws="--chunk-law " + " ".join(f"{folder}={name}" for folder, name in FIDELITY.get("chunk_law", {}).items()),
+        priors="--routing-prior " + " ".join(f"{folder}={name}"
+                                             for folder, name in FIDELITY.get("routing_prior", {}).items()),
+        requests="--decode-request " + " ".join(f"{folder}={name}"
+                                                for folder, name in FIDELITY.get("decode_request", {}).items()),
         seed_spread=FIDELITY.get("seed_spread", 0),
         async_admission="--async-admission" if FIDELITY.get("async_admission") else "",
         tp_gamma=(f"--tp-decode-gamma {FIDELITY['tp_decode_gamma']}" if FIDELITY.get("tp_decode_gamma") else ""),
@@ -198,8 +208,8 @@ rule modeled_fidelity:
         "--decode-kernels {params.kernels} --engine-terms {params.engine_terms} "
         "--routing-ablation {params.ablation} "
         "--engine-default {params.engine_default} "
-        "--decode-gamma {params.gamma} {params.tp_gamma} --chunk-law {params.laws} --routing-prior {params.priors} "
-        "--decode-request {params.requests} --seed-spread {params.seed_spread} {params.async_admission} --fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
+        "{params.gamma} {params.tp_gamma} {params.laws} {params.priors} "
+        "{params.requests} --seed-spread {params.seed_spread} {params.async_admission} --fit {params.fit} --tp-runs {params.tp_runs} --decode-floor {input.floor} --out-csv {output.csv} "
         "--out-timelines {output.timelines} "
         "--figure {output.figure} > {log} 2>&1"
 

@@ -298,39 +298,32 @@ def main() -> None:
     for folder in calibration.fitted.get("engine_terms_fit", {}).get("input", []):  # an engine's own terms' fit runs
         ref = Path("results/reference") / folder
         fit |= {f"{folder_run(ref)}/{label}" for label in buffer_labels(read_runs(ref / "e2e.csv"))["policy"]}
-    law_folder = {}
-    for item in args.chunk_law:
-        folder, _, name = item.partition("=")
-        if Path(folder) not in [Path(r) for r in args.reference] or name not in fitted_laws:
-            raise SystemExit(f"--chunk-law takes FOLDER=NAME with FOLDER one of --reference and NAME a chunk law "
-                             f"of {args.cost_params} (fitted: {', '.join(fitted_laws) or 'none'}), got {item!r}")
-        law = fitted_laws[name]
-        law_folder[str(Path(folder) / "hotset.json")] = (name, (float(law["routing_chunk_scale"]),
-                                                                float(law["routing_chunk_exponent"]),
-                                                                float(law.get("routing_chunk_cross", 1.0))),
-                                                         float(law.get("prefill_gamma", 1.0)))
-    fitted_priors = calibration.fitted.get("routing_prior_build", {})
-    prior_folder = {}
-    for item in args.routing_prior:
-        folder, _, name = item.partition("=")
-        if Path(folder) not in [Path(r) for r in args.reference] or name not in fitted_priors:
-            raise SystemExit(f"--routing-prior takes FOLDER=NAME with FOLDER one of --reference and NAME a routing "
-                             f"prior of {args.cost_params} (fitted: {', '.join(fitted_priors) or 'none'}), "
-                             f"got {item!r}")
-        b = fitted_priors[name]
-        prior_folder[str(Path(folder) / "hotset.json")] = (name, (float(b["routing_prior_tokens"]),
-                                                                  tuple(b["routing_reference_curve"])))
-    fitted_requests = calibration.fitted.get("decode_request", {})
+    def per_folder(items: list[str], option: str, fitted: dict, what: str) -> dict[str, tuple[str, dict]]:
+        """FOLDER=NAME items of ``option``: each folder's hotset path -> (NAME, the calibration's entry NAME of
+        ``fitted``), FOLDER one of --reference."""
+        references, out = [Path(r) for r in args.reference], {}
+        for item in items:
+            folder, _, name = item.partition("=")
+            if Path(folder) not in references or name not in fitted:
+                raise SystemExit(f"{option} takes FOLDER=NAME with FOLDER one of --reference and NAME {what} of "
+                                 f"{args.cost_params} (fitted: {', '.join(fitted) or 'none'}), got {item!r}")
+            out[str(Path(folder) / "hotset.json")] = (name, fitted[name])
+        return out
+
+    law_folder = {hotset: (name, (float(law["routing_chunk_scale"]), float(law["routing_chunk_exponent"]),
+                                  float(law.get("routing_chunk_cross", 1.0))), float(law.get("prefill_gamma", 1.0)))
+                  for hotset, (name, law) in per_folder(args.chunk_law, "--chunk-law", fitted_laws,
+                                                        "a chunk law").items()}
+    prior_folder = {hotset: (name, (float(b["routing_prior_tokens"]), tuple(b["routing_reference_curve"])))
+                    for hotset, (name, b) in per_folder(args.routing_prior, "--routing-prior",
+                                                        calibration.fitted.get("routing_prior_build", {}),
+                                                        "a routing prior").items()}
     request_folder = {}
-    for item in args.decode_request:
-        folder, _, name = item.partition("=")
-        if Path(folder) not in [Path(r) for r in args.reference] or name not in fitted_requests:
-            raise SystemExit(f"--decode-request takes FOLDER=NAME with FOLDER one of --reference and NAME a decode "
-                             f"request law of {args.cost_params} (fitted: {', '.join(fitted_requests) or 'none'}), "
-                             f"got {item!r}")
-        law = fitted_requests[name]
-        request_folder[str(Path(folder) / "hotset.json")] = (name, (float(law["exponent"]), float(law["ref"]),
-                                                                    float(law["spread"]), float(law["center"])))
+    for hotset, (name, law) in per_folder(args.decode_request, "--decode-request",
+                                          calibration.fitted.get("decode_request", {}),
+                                          "a decode request law").items():
+        request_folder[hotset] = (name, (float(law["exponent"]), float(law["ref"]), float(law["spread"]),
+                                         float(law["center"])))
         for key in law["fit_runs"]:  # its fit runs (FOLDER:POLICY) are fit rows
             folder, _, policy = key.rpartition(":")
             fit.add(f"{folder_run(Path('results/reference') / folder)}/{policy}")
