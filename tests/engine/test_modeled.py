@@ -1935,6 +1935,7 @@ def test_decode_request_law_tempers_each_requests_decode_tokens_by_hand():
     one = {p: lawful.touch_probability(0.0, lawful.decode_keys([(f"r{p}", p)]))[0][~top2[0]].sum() for p in (10, 1000)}
     assert one[1000] < one[10]
     assert not lawful.sample_touched(0.0, ()).any()
+    assert lawful.decode_keys([("a", 400)]) == ((k400, 1),)  # an id used again for another prompt: its own key
     # a request's draw: from its id and the seed only
     spread = RoutingModel(pi, 2, seed=3, decode_request=DecodeRequestLaw(spread=1.0))
     z = spread.request_z("req-7")

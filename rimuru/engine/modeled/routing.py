@@ -221,7 +221,7 @@ class RoutingModel:
         self.rng = np.random.default_rng(seed)
         self._touch: dict[tuple, np.ndarray] = {}  # (tokens, decode) -> touch probabilities
         self.decode_request = decode_request if decode_request is not None and decode_request.active else None
-        self._request_keys: dict[str, int] = {}  # request id -> its tempering's grid key
+        self._request_keys: dict[tuple[str, int], int] = {}  # (request id, prompt tokens) -> its tempering's grid key
         self._log_miss_keys: dict[int, np.ndarray] = {}  # grid key -> log(1 - pi) of that tempering
 
     @classmethod
@@ -275,11 +275,11 @@ class RoutingModel:
 
     def request_key(self, request_id: str, prompt_tokens: int) -> int:
         """The grid key (log gamma over ``GAMMA_STEP``) of a request's decode tempering (``decode_request``)."""
-        key = self._request_keys.get(request_id)
+        key = self._request_keys.get((request_id, prompt_tokens))  # an id used again for another prompt: its own
         if key is None:
             law = self.decode_request
             log_gamma = math.log(self.decode_gamma) + law.log_factor(prompt_tokens, self.request_z(request_id))
-            key = self._request_keys[request_id] = round(log_gamma / GAMMA_STEP)
+            key = self._request_keys[request_id, prompt_tokens] = round(log_gamma / GAMMA_STEP)
         return key
 
     def decode_keys(self, requests) -> tuple[tuple[int, int], ...] | float:
