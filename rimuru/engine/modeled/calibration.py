@@ -179,7 +179,9 @@ def solo_decode_segments(timeline: pd.DataFrame, min_steps: int = 4) -> list[dic
     """The stretches of one request decoding alone in a recorded pass (``timeline``: one policy and repeat, in step
     order): the decode steps of one token right after a one-prompt prefill step with nothing else running, up to the
     step that finishes it, the next prefill or a step of another batch; those of at least ``min_steps`` steps. Each:
-    the prompt's tokens, its steps' loads (in place on a graphed step; expansions off) and cached experts."""
+    the prompt's tokens (a prompt chunked over several steps: its last chunk's; the 48-layer Poisson runs' prompts fit
+    one step), its steps' loads (in place on a graphed step, with the predictor's waste on an eager one; expansions
+    off) and cached experts."""
     t = timeline.reset_index(drop=True)
     prefill, decode, running = (t[c].to_numpy() for c in ("prefill_tokens", "decode_tokens", "running"))
     loads = (t["experts_loaded"] - t["adjust"].clip(lower=0)).to_numpy(float)
