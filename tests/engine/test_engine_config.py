@@ -14,13 +14,14 @@ MODELED_BAD = {
     "modeled_step_ms": 0, "modeled_chunk_law": (1.0, 2.0), "modeled_decode_kernels": -1,
     "modeled_engine_terms": 2.5,
     "modeled_routing_prior": (1.0, (0.5, 0.4)), "modeled_h2d_gbps": True, "modeled_decode_gamma": -0.5,
-    "modeled_prefill_gamma": 0, "modeled_host_slowdown": -1.4,
+    "modeled_prefill_gamma": 0, "modeled_host_slowdown": -1.4, "modeled_decode_request": (0.27, 0.0, 0.7, -0.07),
 }
 MODELED_GOOD = {
     "modeled_step_ms": 1.5, "modeled_routing_profile": "hotset.json", "modeled_chunk_law": (1.0, 0.5),
     "modeled_decode_kernels": 7, "modeled_engine_terms": 20, "modeled_routing_prior": (21.5, (0.5, 0.5)),
     "modeled_h2d_gbps": 52.0,
     "modeled_decode_gamma": 0.9, "modeled_prefill_gamma": 0.4, "modeled_host_slowdown": 1.4,
+    "modeled_decode_request": (0.27, 68.8, 0.7, -0.07),
 }
 
 
