@@ -173,8 +173,7 @@ def main() -> None:
     ap.add_argument("--decode-request-fit", nargs="*", default=[],
                     help="NAME=DIR:POLICY+...: a --routing-prior-build NAME's per-request decode tempering "
                          "(fitted.decode_request[NAME]: routing.DecodeRequestLaw, fit_decode_request_law) fitted on "
-                         "the "
-                         "stretches of one request decoding alone in these e2e folders' timelines (every repeat of "
+                         "the stretches of one request decoding alone in these e2e folders' timelines (every repeat of "
                          "POLICY, served with DIR/hotset.json shrunk by the build's prior; a profile without a decode "
                          "split with the build's decode tempering, --decode-gamma-fit NAME, as its replay takes it)")
     ap.add_argument("--decode-request-spread", nargs="*", default=[],
@@ -426,7 +425,7 @@ def main() -> None:
             raise SystemExit(f"--decode-request-fit takes NAME=DIR:POLICY+... with NAME a --routing-prior-build, "
                              f"got {item!r}")
         build_gamma = float(decode_gamma[name]["decode_gamma"]) if name in decode_gamma else 1.0
-        request_runs = []
+        shrink, request_runs = build_shrink(name), []
         for key in keys.split("+"):
             folder, _, policy = key.rpartition(":")
             paths = [ref / folder / f for f in ("timelines.csv.gz", "e2e.csv", "hotset.json")]
@@ -435,7 +434,6 @@ def main() -> None:
                                  f"{ref / folder}")
             spec = spec_with_layers(*parse_run_model(pd.read_csv(paths[1])["model"].iloc[0]))
             hotset = Hotset.load(paths[2])
-            shrink = build_shrink(name)
             routing = RoutingModel.from_hotset(hotset, spec.top_k, prior_tokens=shrink["prior_tokens"],
                                                reference_curve=shrink["reference_curve"])
             gamma = build_gamma if hotset.decode_probability is None else 1.0

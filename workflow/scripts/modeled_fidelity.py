@@ -114,6 +114,13 @@ def folder_run(ref: Path) -> str:
     return ref.name if ref.parent.name == "e2e" else f"{ref.parent.name}_{ref.name}"
 
 
+def fit_run_key(key: str) -> str:
+    """The fidelity row name (RUN/POLICY) of a calibration's fit run ``FOLDER:POLICY`` (a folder under
+    results/reference holding one run; a ``#...`` suffix, a run's workload and repeat, left off)."""
+    folder, _, policy = key.partition("#")[0].rpartition(":")
+    return f"{folder_run(Path('results/reference') / folder)}/{policy}"
+
+
 def read_runs(path: Path) -> pd.DataFrame:
     """An e2e.csv, its ``commit`` column as text (a short hash such as ``99659e4`` would otherwise read as a number)."""
     return pd.read_csv(path, dtype={"commit": str})
@@ -287,14 +294,11 @@ def main() -> None:
         gamma_folder[str(Path(folder) / "hotset.json")] = (profile, gamma_of(profile))
     for profile, _ in set(gamma_folder.values()):  # the runs an applied decode tempering was fitted on (one-GPU
         for name in fitted_gamma[profile]["runs"]:  # e2e folders: DIR:POLICY#WORKLOAD/REPEAT) are fit runs (wave 12)
-            folder, _, policy = name.partition("#")[0].rpartition(":")
-            if (Path("results/reference") / folder / "e2e.csv").exists():
-                fit.add(f"{folder_run(Path('results/reference') / folder)}/{policy}")
-    fitted_laws = CostParams.load(args.cost_params).fitted.get("chunk_law", {})
+            if (Path("results/reference") / name.partition("#")[0].rpartition(":")[0] / "e2e.csv").exists():
+                fit.add(fit_run_key(name))
+    fitted_laws = calibration.fitted.get("chunk_law", {})
     for law in fitted_laws.values():  # the runs a named chunk law was fitted on (calibration --chunk-law-fit)
-        for key in law["runs"]:
-            folder, _, policy = key.rpartition(":")
-            fit.add(f"{folder_run(Path('results/reference') / folder)}/{policy}")
+        fit |= {fit_run_key(key) for key in law["runs"]}
     for folder in calibration.fitted.get("engine_terms_fit", {}).get("input", []):  # an engine's own terms' fit runs
         ref = Path("results/reference") / folder
         fit |= {f"{folder_run(ref)}/{label}" for label in buffer_labels(read_runs(ref / "e2e.csv"))["policy"]}
@@ -324,9 +328,7 @@ def main() -> None:
                                           "a decode request law").items():
         request_folder[hotset] = (name, (float(law["exponent"]), float(law["ref"]), float(law["spread"]),
                                          float(law["center"])))
-        for key in law["fit_runs"]:  # its fit runs (FOLDER:POLICY) are fit rows
-            folder, _, policy = key.rpartition(":")
-            fit.add(f"{folder_run(Path('results/reference') / folder)}/{policy}")
+        fit |= {fit_run_key(key) for key in law["fit_runs"]}  # its fit runs are fit rows
     default = graph_caps(args.engine_default, "--engine-default") if args.engine_default else None
     rows, seed_rows = [], []
     replays = Replays(args.async_admission)

@@ -347,26 +347,19 @@ class RoutingModel:
         profile's prefill tempering and ``decode`` decode tokens routed by its decode tempering; with the two gammas
         equal the two are one count; both 1: the profile itself). ``decode`` as ``decode_keys`` gives it with a
         request law: (grid key, tokens) per tempering."""
-        if isinstance(decode, tuple):
-            key = (round(float(tokens), 2), decode)
-            p = self._touch.get(key)
-            if p is None:
-                if len(self._touch) > 4096:
-                    self._touch.clear()
-                log_miss = self._log_miss_prefill * key[0]
-                for k, n in decode:
-                    log_miss = log_miss + self._log_miss_key(k) * n
-                p = self._touch[key] = -np.expm1(log_miss)
-            return p
-        if self.decode_gamma == self.prefill_gamma and not self.decode_profile:
+        per_request = isinstance(decode, tuple)
+        if not per_request and self.decode_gamma == self.prefill_gamma and not self.decode_profile:
             tokens, decode = float(tokens) + float(decode), 0.0
-        key = (round(float(tokens), 2), round(float(decode), 2))
+        key = (round(float(tokens), 2), decode if per_request else round(float(decode), 2))
         p = self._touch.get(key)
         if p is None:
             if len(self._touch) > 4096:
                 self._touch.clear()
             log_miss = self._log_miss_prefill * key[0]
-            if key[1]:
+            if per_request:
+                for k, n in decode:
+                    log_miss = log_miss + self._log_miss_key(k) * n
+            elif key[1]:
                 log_miss = log_miss + self._log_miss_decode * key[1]
             p = self._touch[key] = -np.expm1(log_miss)
         return p
